@@ -1,0 +1,142 @@
+"""Per-step inputs of one flattened varlen batch, built with vectorized numpy.
+
+The model runner sets the step's `AttentionMetadata` in a global context; attention layers read
+it, so model code never threads metadata through every call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+class RequestSlice(Protocol):
+    """What the batch builder needs of one scheduled request (the scheduler's output has it)."""
+
+    token_ids: Sequence[int]  # every known token of the request: prompt + generated
+    num_computed_tokens: int  # tokens whose K/V are already in the cache
+    num_new_tokens: int  # tokens to compute this step
+    block_ids: Sequence[int]  # the request's block table
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token; -1 = do not store
+    query_start_loc: torch.Tensor  # [B+1] offsets of each request's tokens in the batch
+    seq_lens: torch.Tensor  # [B] context length after this step (cached + new)
+    block_table: torch.Tensor  # [B, max_blocks] block ids, padded with 0
+    # Host copies: the torch backend slices per request with them, without device syncs.
+    query_start_loc_cpu: np.ndarray
+    seq_lens_cpu: np.ndarray
+    num_computed_tokens_cpu: np.ndarray
+    # Requests with exactly one query token: attended to in one batched call.
+    decode_indices_cpu: np.ndarray
+    prefill_indices_cpu: np.ndarray
+    block_size: int
+    # Index tensors a backend derives once per step and every layer reuses.
+    backend_plan: object | None = None
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+@dataclass
+class BatchInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] rows of the hidden states to turn into logits
+
+
+def build_batch(
+    requests: Sequence[RequestSlice],
+    block_size: int,
+    device: torch.device,
+    sample_mask: Sequence[bool] | None = None,
+) -> BatchInputs:
+    """Flatten the scheduled requests into one batch. `sample_mask` picks the requests whose
+    last new token gets logits (default: all)."""
+    num_reqs = len(requests)
+    num_new = np.fromiter((r.num_new_tokens for r in requests), np.int64, num_reqs)
+    num_computed = np.fromiter((r.num_computed_tokens for r in requests), np.int64, num_reqs)
+    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(num_new, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+
+    req_of_token = np.repeat(np.arange(num_reqs), num_new)
+    offset_in_req = np.arange(num_tokens) - query_start_loc[req_of_token]
+    positions = num_computed[req_of_token] + offset_in_req
+    seq_lens = num_computed + num_new
+
+    input_ids = np.concatenate(
+        [
+            np.asarray(r.token_ids[c : c + n], dtype=np.int64)
+            for r, c, n in zip(requests, num_computed, num_new, strict=True)
+        ]
+    )
+    if len(input_ids) != num_tokens:
+        raise ValueError("a request has fewer known token ids than it asks to compute")
+
+    max_blocks = max((len(r.block_ids) for r in requests), default=0)
+    block_table = np.zeros((num_reqs, max(max_blocks, 1)), dtype=np.int64)
+    for row, r in enumerate(requests):
+        block_table[row, : len(r.block_ids)] = r.block_ids
+    needed_blocks = -(-seq_lens // block_size)
+    held_blocks = np.fromiter((len(r.block_ids) for r in requests), np.int64, num_reqs)
+    if np.any(needed_blocks > held_blocks):
+        raise ValueError("a request's block table is too short for its context")
+    slot_mapping = (
+        block_table[req_of_token, positions // block_size] * block_size + positions % block_size
+    )
+
+    ends = query_start_loc[1:] - 1
+    if sample_mask is not None:
+        ends = ends[np.asarray(sample_mask, dtype=bool)]
+    is_decode = num_new == 1
+
+    def to_device(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(device, non_blocking=True)
+
+    metadata = AttentionMetadata(
+        slot_mapping=to_device(slot_mapping),
+        query_start_loc=to_device(query_start_loc),
+        seq_lens=to_device(seq_lens),
+        block_table=to_device(block_table),
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens,
+        num_computed_tokens_cpu=num_computed,
+        decode_indices_cpu=np.flatnonzero(is_decode),
+        prefill_indices_cpu=np.flatnonzero(~is_decode),
+        block_size=block_size,
+    )
+    return BatchInputs(
+        input_ids=to_device(input_ids),
+        positions=to_device(positions),
+        attn_metadata=metadata,
+        logits_indices=to_device(ends),
+    )
+
+
+_current: AttentionMetadata | None = None
+
+
+@contextmanager
+def forward_context(metadata: AttentionMetadata) -> Iterator[None]:
+    global _current
+    previous, _current = _current, metadata
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def get_attn_metadata() -> AttentionMetadata:
+    if _current is None:
+        raise RuntimeError("attention called outside a forward_context (no batch metadata set)")
+    return _current

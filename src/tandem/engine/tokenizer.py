@@ -1,0 +1,23 @@
+"""Tokenizers for HF folders and GGUF files, both built by transformers from local files only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from tandem.models.loader import resolve_model_path
+
+
+def load_tokenizer(model: str | Path) -> PreTrainedTokenizerBase:
+    """The model's tokenizer and chat template; for GGUF, from the file's metadata."""
+    path = resolve_model_path(model)
+    if path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except (OSError, ValueError) as error:
+        raise FileNotFoundError(
+            f"no usable tokenizer in {str(path)!r} ({error}); add the tokenizer files or pass "
+            "skip_tokenizer_init=True and give token ids"
+        ) from error

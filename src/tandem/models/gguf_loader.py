@@ -1,0 +1,153 @@
+"""GGUF files: config from the metadata, tensors renamed to HF names and dequantized.
+
+llama.cpp stores Llama Q/K projections with rows permuted for its interleaved RoPE; they are
+permuted back here so the rotate-half model code is the same for both formats.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tandem.config import ModelConfig, UnsupportedModelError, model_config_from_hf
+
+# GGUF general.architecture -> HF architecture name, and whether Q/K rows are permuted.
+GGUF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", True),
+    "qwen2": ("Qwen2ForCausalLM", False),
+    "qwen3": ("Qwen3ForCausalLM", False),
+}
+SUPPORTED_QUANT_TYPES = (
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)  # fmt: skip
+
+_TOP_LEVEL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+@functools.lru_cache(maxsize=2)
+def _reader(path: Path) -> Any:
+    """Parsing the metadata (the vocabulary above all) takes seconds: do it once per file."""
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _hf_architecture(reader: Any) -> tuple[str, str, bool]:
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} is not supported; supported: "
+            + ", ".join(GGUF_ARCHITECTURES)
+        )
+    return (arch, *GGUF_ARCHITECTURES[arch])
+
+
+def gguf_model_config(path: Path) -> ModelConfig:
+    reader = _reader(path)
+    arch, hf_arch, _ = _hf_architecture(reader)
+    tensor_names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in tensor_names:
+        raise UnsupportedModelError(
+            "this GGUF stores llama3 RoPE scaling as per-frequency factors (rope_freqs), which "
+            "tandem does not read yet: load the model's HF folder instead"
+        )
+    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    hf: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "vocab_size": int(
+            _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+        ),
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+    scaling_type = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling_type not in (None, "none"):
+        hf["rope_scaling"] = {
+            "rope_type": scaling_type,
+            "factor": float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)),
+        }
+    return model_config_from_hf(hf)
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    if gguf_name in _TOP_LEVEL_NAMES:
+        return _TOP_LEVEL_NAMES[gguf_name]
+    match = _LAYER_PATTERN.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no counterpart in tandem")
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+
+
+def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head interleave of Q/K rows (weights or biases)."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def iter_gguf_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    reader = _reader(path)
+    _, _, permuted_qk = _hf_architecture(reader)
+    for tensor in reader.tensors:
+        qtype = tensor.tensor_type.name
+        if qtype not in SUPPORTED_QUANT_TYPES:
+            raise UnsupportedModelError(
+                f"GGUF tensor {tensor.name!r} is stored as {qtype}, which tandem cannot "
+                f"dequantize; supported: {', '.join(SUPPORTED_QUANT_TYPES)}"
+            )
+        name = hf_tensor_name(tensor.name)
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        if permuted_qk and ".q_proj." in name:
+            array = unpermute_rope_rows(array, config.num_attention_heads)
+        elif permuted_qk and ".k_proj." in name:
+            array = unpermute_rope_rows(array, config.num_key_value_heads)
+        yield name, torch.from_numpy(np.array(array))  # a copy: the memmap is read-only

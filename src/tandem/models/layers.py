@@ -1,0 +1,113 @@
+"""Building blocks shared by the decoder families: norms, rotary embedding, fused linears."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.config import RopeConfig
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint tensor is missing, unexpected, or has the wrong shape."""
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+    if loaded.shape != param.shape:
+        raise CheckpointMismatchError(
+            f"tensor {name!r} has shape {tuple(loaded.shape)}, the model expects "
+            f"{tuple(param.shape)}; the checkpoint does not match its config.json"
+        )
+    param.data.copy_(loaded)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+class MergedLinear(nn.Module):
+    """One matmul for several projections of the same input (QKV, gate/up), fused at load:
+    each checkpoint tensor is copied into its row range by `load_shard`."""
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool) -> None:
+        super().__init__()
+        self.shard_offsets: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for shard_id, size in shard_sizes.items():
+            self.shard_offsets[shard_id] = (offset, size)
+            offset += size
+        self.weight = nn.Parameter(torch.empty(offset, in_features))
+        self.bias = nn.Parameter(torch.empty(offset)) if bias else None
+
+    def load_shard(
+        self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str, name: str
+    ) -> None:
+        offset, size = self.shard_offsets[shard_id]
+        default_weight_loader(param.data[offset : offset + size], loaded, name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """Inverse frequencies, with linear or llama3 (wavelength-banded) scaling applied."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        low_freq_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+        high_freq_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE over flattened tokens, with a cos/sin table indexed by position."""
+
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.rope = rope
+        self.register_buffer("cos_sin", torch.empty(max_positions, head_dim), persistent=False)
+
+    def build_table(self) -> None:
+        """Fill the table (called after the model is materialised on its device)."""
+        inv_freq = rope_inv_freq(self.head_dim, self.rope)
+        positions = torch.arange(self.max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        self.cos_sin = table.to(self.cos_sin.device)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,92 @@
+"""The tensor side of a step: owns the model and the paged KV cache, turns scheduled requests
+into one flattened batch, runs the forward and returns logits at the sampling positions."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tandem.attention.metadata import RequestSlice, build_batch, forward_context
+from tandem.config import ModelConfig
+from tandem.models.loader import load_model
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers (keys and values)."""
+    element_size = torch.empty(0, dtype=dtype).element_size()
+    per_layer = 2 * block_size * config.num_key_value_heads * config.head_dim * element_size
+    return per_layer * config.num_hidden_layers
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    model: str | Path = "default"
+    dtype: str | torch.dtype = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # overrides the size computed from kv_cache_memory
+    kv_cache_memory: int = 2 << 30  # bytes for the cache on CPU
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory < 1:
+            raise ValueError(
+                f"kv_cache_memory must be a positive byte count, got {self.kv_cache_memory}"
+            )
+
+
+class ModelRunner:
+    def __init__(self, config: RunnerConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = parse_dtype(config.dtype)
+        self.block_size = config.block_size
+        self.model = load_model(config.model, self.dtype, self.device)
+        self.model_config: ModelConfig = self.model.config
+        bytes_per_block = kv_cache_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        budget_blocks = max(1, config.kv_cache_memory // bytes_per_block)
+        self.num_kv_blocks = config.num_kv_blocks or budget_blocks
+        self.kv_caches = self._allocate_kv_cache()
+
+    def _allocate_kv_cache(self) -> list[torch.Tensor]:
+        cfg = self.model_config
+        shape = (2, self.num_kv_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        caches = []
+        for layer in self.model.attention_layers():
+            layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            caches.append(layer.kv_cache)
+        return caches
+
+    @torch.inference_mode()
+    def execute(
+        self, requests: Sequence[RequestSlice], sample_mask: Sequence[bool] | None = None
+    ) -> torch.Tensor:
+        """Run one step; returns float32 logits `[num_sampled, vocab]`, one row per request
+        whose `sample_mask` entry is true (all by default), in request order."""
+        batch = build_batch(requests, self.block_size, self.device, sample_mask)
+        with forward_context(batch.attn_metadata):
+            hidden = self.model(batch.input_ids, batch.positions)
+        return self.model.compute_logits(hidden[batch.logits_indices])

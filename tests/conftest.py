@@ -1,0 +1,114 @@
+"""Shared fixtures: tiny random-weight checkpoints of every family, written by transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+# (name, HF config class, kwargs): odd shapes on purpose (GQA 1/3/6, head_dim 32/64/128,
+# biases, q/k norm, tied embeddings, llama3 RoPE scaling, a non-default theta).
+FAMILY_CONFIGS: list[tuple[str, str, dict]] = [
+    (
+        "llama-mha-hd32-tied-bias",
+        "LlamaConfig",
+        dict(
+            hidden_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            head_dim=32,
+            tie_word_embeddings=True,
+            attention_bias=True,
+            mlp_bias=True,
+            rope_theta=10000.0,
+        ),
+    ),
+    (
+        "llama3-gqa3-hd64-ropescaling",
+        "LlamaConfig",
+        dict(
+            hidden_size=192,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=64,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
+    (
+        "mistral-gqa6-hd32",
+        "MistralConfig",
+        dict(
+            hidden_size=192,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            head_dim=32,
+            rope_theta=1000000.0,
+            sliding_window=4096,
+        ),
+    ),
+    (
+        "qwen2-qkvbias-gqa3-hd64",
+        "Qwen2Config",
+        dict(
+            hidden_size=192,
+            num_attention_heads=3,
+            num_key_value_heads=1,
+            head_dim=64,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+    (
+        "qwen3-qknorm-gqa2-hd128",
+        "Qwen3Config",
+        dict(
+            hidden_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=128,
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
+        ),
+    ),
+]
+COMMON = dict(
+    vocab_size=320,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+
+
+def make_hf_model(config_class: str, kwargs: dict, seed: int = 0) -> torch.nn.Module:
+    """A random HF model whose weights are large enough that logits are far from uniform."""
+    import transformers
+
+    config = getattr(transformers, config_class)(**COMMON, **kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            else:
+                param.copy_(0.08 * torch.randn_like(param))
+    return model.eval()
+
+
+@pytest.fixture(scope="session", params=FAMILY_CONFIGS, ids=[c[0] for c in FAMILY_CONFIGS])
+def family_checkpoint(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    """(folder written by save_pretrained, the HF model) for each family."""
+    name, config_class, kwargs = request.param
+    model = make_hf_model(config_class, kwargs)
+    folder = tmp_path_factory.mktemp(name)
+    model.save_pretrained(folder)
+    return folder, model
