@@ -33,3 +33,83 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def llama_cpp_permute(weight, num_heads: int):
+    """llama.cpp's conversion-time interleave of Q/K rows (the inverse of what tandem undoes)."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+}
+
+
+def write_gguf(path, hf_model, arch: str, qtypes: dict[str, str], default_qtype: str = "F32"):
+    """Write `hf_model` as a GGUF file the way llama.cpp's converter lays it out. `qtypes` maps
+    a GGUF tensor-name fragment (e.g. "attn_q") to a quant type for matrices that contain it."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter, quant_shape_to_byte_shape, quants
+
+    config = hf_model.config
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    for name, tensor in hf_model.state_dict().items():
+        array = tensor.float().numpy()
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{GGUF_LAYER_NAMES[module]}.{kind}"
+        else:
+            gguf_name = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight",
+            }[name]
+        if arch == "llama" and ".attn_q." in gguf_name:
+            array = llama_cpp_permute(array, config.num_attention_heads)
+        if arch == "llama" and ".attn_k." in gguf_name:
+            array = llama_cpp_permute(array, config.num_key_value_heads)
+        qtype = "F32"
+        if array.ndim == 2:
+            qtype = next((q for frag, q in qtypes.items() if frag in gguf_name), default_qtype)
+        if qtype == "F32":
+            writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+        else:
+            kind = GGMLQuantizationType[qtype]
+            try:
+                data = quants.quantize(array, kind)
+            except (NotImplementedError, quants.QuantError):  # not writable by gguf: zero bytes
+                data = np.zeros(quant_shape_to_byte_shape(array.shape, kind), dtype=np.uint8)
+            writer.add_tensor(gguf_name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -8,8 +8,9 @@ import random
 import pytest
 import torch
 
-from helpers import Slice, all_token_logits, hf_logits, relative_error
 from tandem.worker.model_runner import ModelRunner, RunnerConfig
+
+from helpers import Slice, all_token_logits, hf_logits, relative_error
 
 TOLERANCE = 1e-4
 

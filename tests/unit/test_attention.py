@@ -1,0 +1,98 @@
+"""The torch paged-attention backend and the batch builder against dense reference attention."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from tandem.attention.metadata import build_batch
+from tandem.attention.torch_backend import paged_attention
+
+from helpers import Slice
+
+
+def dense_causal_attention(q, k, v, num_computed: int, scale: float) -> torch.Tensor:
+    """q [L, H, D] at positions num_computed.., k/v [S, KVH, D] for positions 0..S-1."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+    query_pos = torch.arange(num_computed, num_computed + q.shape[0])
+    allowed = torch.arange(k.shape[0])[None, :] <= query_pos[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).float()
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(4, 4, 4), (6, 2, 16), (12, 2, 8)])
+def test_mixed_batch_matches_dense(num_heads, num_kv_heads, block_size):
+    """Decodes, first chunks and later chunks in one call; blocks scattered through the pool."""
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    head_dim, num_blocks = 32, 64
+    # (num_computed_tokens, num_new_tokens) per request
+    shapes = [(20, 1), (0, 13), (37, 9), (5, 1), (0, 1), (16, 16), (63, 1)]
+    pool = list(range(num_blocks))
+    rng.shuffle(pool)
+    kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim)
+    full_k, full_v, slices = [], [], []
+    for computed, new in shapes:
+        total = computed + new
+        blocks = [pool.pop() for _ in range(-(-total // block_size))]
+        k = torch.randn(total, num_kv_heads, head_dim)
+        v = torch.randn(total, num_kv_heads, head_dim)
+        for pos in range(computed):  # what earlier steps stored
+            kv_cache[0, blocks[pos // block_size], pos % block_size] = k[pos]
+            kv_cache[1, blocks[pos // block_size], pos % block_size] = v[pos]
+        full_k.append(k)
+        full_v.append(v)
+        slices.append(Slice(list(range(total)), computed, new, blocks))
+    batch = build_batch(slices, block_size, torch.device("cpu"))
+    num_tokens = sum(new for _, new in shapes)
+    q = torch.randn(num_tokens, num_heads, head_dim)
+    new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, shapes, strict=True)])
+    new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, shapes, strict=True)])
+    scale = head_dim**-0.5
+    out = paged_attention(q, new_k, new_v, kv_cache, batch.attn_metadata, scale)
+
+    offset = 0
+    for (computed, new), k, v, s in zip(shapes, full_k, full_v, slices, strict=True):
+        expected = dense_causal_attention(q[offset : offset + new], k, v, computed, scale)
+        torch.testing.assert_close(out[offset : offset + new], expected, rtol=1e-5, atol=1e-5)
+        # The new tokens' k/v landed in their slots.
+        for pos in range(computed, computed + new):
+            block, slot = s.block_ids[pos // block_size], pos % block_size
+            assert torch.equal(kv_cache[0, block, slot], k[pos])
+            assert torch.equal(kv_cache[1, block, slot], v[pos])
+        offset += new
+
+
+def test_build_batch_positions_and_slots():
+    slices = [Slice(list(range(100, 130)), 27, 3, [7, 2]), Slice([5, 6, 7, 8, 9], 0, 5, [4])]
+    batch = build_batch(slices, 16, torch.device("cpu"), sample_mask=[False, True])
+    assert batch.input_ids.tolist() == [127, 128, 129, 5, 6, 7, 8, 9]
+    assert batch.positions.tolist() == [27, 28, 29, 0, 1, 2, 3, 4]
+    assert batch.attn_metadata.slot_mapping.tolist() == [
+        2 * 16 + 11, 2 * 16 + 12, 2 * 16 + 13, 64, 65, 66, 67, 68,
+    ]  # fmt: skip
+    assert batch.attn_metadata.seq_lens_cpu.tolist() == [30, 5]
+    assert batch.logits_indices.tolist() == [7]
+    assert np.array_equal(batch.attn_metadata.decode_indices_cpu, [])
+
+
+def test_build_batch_rejects_short_block_table():
+    with pytest.raises(ValueError, match="block table is too short"):
+        build_batch([Slice(list(range(20)), 0, 20, [0])], 16, torch.device("cpu"))
+
+
+def test_negative_slots_are_not_stored():
+    """slot -1 (padding) leaves the cache untouched."""
+    kv_cache = torch.zeros(2, 2, 4, 1, 8)
+    batch = build_batch([Slice([1, 2], 0, 2, [1])], 4, torch.device("cpu"))
+    batch.attn_metadata.slot_mapping[1] = -1
+    k = torch.ones(2, 1, 8)
+    paged_attention(torch.ones(2, 1, 8), k, k, kv_cache, batch.attn_metadata, 1.0)
+    assert kv_cache[0, 1, 0].sum() == 8 and kv_cache[0, 1, 1].sum() == 0
+    assert kv_cache[:, 0].abs().sum() == 0
