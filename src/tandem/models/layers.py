@@ -96,14 +96,14 @@ class RotaryEmbedding(nn.Module):
         table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
         self.cos_sin = table.to(self.cos_sin.device)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[T, 1, head_dim / 2]` for the step's positions (looked up once per step,
+        shared by every layer)."""
+        return self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of `x` [T, heads, head_dim], computed in float32."""
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 

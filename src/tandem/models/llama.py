@@ -13,40 +13,53 @@ from torch import nn
 from tandem.attention.metadata import get_attn_metadata
 from tandem.attention.torch_backend import paged_attention
 from tandem.config import ModelConfig
-from tandem.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, silu_and_mul
+from tandem.models.layers import (
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    silu_and_mul,
+)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.split_sizes = [config.q_size, config.kv_size, config.kv_size]
+        self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = config.head_dim**-0.5
         self.qkv_proj = MergedLinear(
-            config.hidden_size, dict(zip("qkv", self.split_sizes, strict=True)), config.qkv_bias
+            config.hidden_size,
+            {"q": config.q_size, "k": config.kv_size, "v": config.kv_size},
+            config.qkv_bias,
         )
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
         self.qk_norm = config.qk_norm
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        self.rotary = rotary
         # [2, num_blocks, block_size, num_kv_heads, head_dim], bound by the model runner.
         self.kv_cache = torch.empty(0)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor
+    ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)
+        qk_size = self.q_size + self.kv_size
+        # Q and K heads side by side, so RoPE runs once over both.
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            q = self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, -1))
+            k = self.k_norm(qkv[:, self.q_size : qk_size].view(num_tokens, self.num_kv_heads, -1))
+            qk = torch.cat([q, k], dim=1)
+        else:
+            qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1)
+        q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, self.kv_cache, get_attn_metadata(), self.scale)
-        return self.o_proj(out.view(num_tokens, -1))
+        return self.o_proj(out.reshape(num_tokens, -1))
 
 
 class MLP(nn.Module):
@@ -63,15 +76,17 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, rotary)
+        self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
+    def forward(
+        self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden))
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -80,15 +95,14 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary(positions)
         for layer in self.layers:
-            hidden = layer(positions, hidden)
+            hidden = layer(rope, hidden)
         return self.norm(hidden)
 
 
