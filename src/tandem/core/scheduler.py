@@ -1,0 +1,414 @@
+"""Decides, each step, how many tokens every request computes.
+
+There are no prefill and decode modes: a request has `num_computed_tokens` (KV in the cache) and
+`num_tokens` (prompt + generated), and a step gives it new tokens so the first catches up with
+the second. A prompt chunk and a decode token differ only in how many tokens that is. A request
+samples a token in the step that catches it up.
+
+Two policies over this one model:
+- decode-first (stall-free, as Sarathi-Serve): running decodes get their token first, then
+  in-flight prompt chunks, then new requests, in one mixed batch;
+- prefill-first (the classic one): a step runs whole prompts only, or decodes only, never both.
+
+Out of KV blocks, the newest running request is preempted and later recomputes its tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tandem.core.block_pool import KVCacheBlock
+from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.request import Request, RequestStatus
+
+SchedulingPolicy = Literal["decode-first", "prefill-first"]
+SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = ("decode-first", "prefill-first")
+_POSITIVE_FIELDS = (
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "max_model_len",
+    "max_num_partial_prefills",
+)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_seqs: int = 256  # requests running at once (seats)
+    max_model_len: int = 2048  # prompt + output tokens of one request
+    max_num_partial_prefills: int = 1  # prompts left mid-prefill at once (decode-first)
+    # Most tokens one request may compute in a step (decode-first). 0 = auto: half the token
+    # budget, so a long prompt never takes a whole step and short prompts arriving behind it
+    # still start at once. (vLLM's auto value, 4% of max_model_len, would cut a lone 2k-token
+    # prompt into 26 steps.)
+    long_prefill_token_threshold: int = 0
+    policy: SchedulingPolicy = "decode-first"
+
+    def __post_init__(self) -> None:
+        for name in _POSITIVE_FIELDS:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                "long_prefill_token_threshold must be >= 0 (0 = auto), "
+                f"got {self.long_prefill_token_threshold}"
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}), or running requests could not all decode in one step"
+            )
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}"
+            )
+
+    @property
+    def long_prefill_token_limit(self) -> int:
+        """long_prefill_token_threshold resolved: the most tokens one request computes in a
+        decode-first step."""
+        if self.long_prefill_token_threshold > 0:
+            return self.long_prefill_token_threshold
+        return max(1, self.max_num_batched_tokens // 2)
+
+
+@dataclass
+class ScheduledRequest:
+    """What the model runner needs for one request this step."""
+
+    request_id: str
+    token_ids: list[int]  # the request's all_token_ids (the live list, not a copy)
+    num_computed_tokens: int  # before this step
+    num_new_tokens: int
+    block_ids: list[int]  # the request's whole block table (the live list, not a copy)
+    sample: bool  # this step reaches the last known token, so a new token is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]  # decodes first, then prompt chunks
+    total_num_scheduled_tokens: int
+    # Telemetry. Decode: a request already running with its prompt computed; everything else
+    # (prompt chunks, recompute after preemption) counts as prefill.
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    preempted_request_ids: list[str]
+    finished_request_ids: list[str]  # finished or aborted since the previous schedule()
+
+
+@dataclass
+class _StepPlan:
+    """The step being built: request id -> (request, new tokens), in scheduling order."""
+
+    token_budget: int
+    entries: dict[str, tuple[Request, int]] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
+    admitted: set[str] = field(default_factory=set)
+
+    def add(self, request: Request, num_new_tokens: int) -> None:
+        self.entries[request.request_id] = (request, num_new_tokens)
+        self.token_budget -= num_new_tokens
+
+    def num_new_tokens(self, request: Request) -> int:
+        entry = self.entries.get(request.request_id)
+        return 0 if entry is None else entry[1]
+
+    def drop(self, request: Request) -> None:
+        entry = self.entries.pop(request.request_id, None)
+        if entry is not None:
+            self.token_budget += entry[1]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.clock = clock
+        # A request may not outgrow the whole cache either: alone, it always fits.
+        self.max_model_len = min(config.max_model_len, kv_cache_manager.max_num_tokens)
+        self.requests: dict[str, Request] = {}  # unfinished requests
+        self.waiting: deque[Request] = deque()  # FCFS; preempted requests go to the front
+        self.running: list[Request] = []  # in admission order: the newest is preempted first
+        self._finished_request_ids: list[str] = []
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raise ValueError for one that could never run."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id!r} has already been scheduled")
+        num_prompt_tokens = request.num_prompt_tokens
+        if num_prompt_tokens == 0:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if num_prompt_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"prompt of {num_prompt_tokens} tokens is longer than max_model_len="
+                f"{self.config.max_model_len}"
+            )
+        kv = self.kv_cache_manager
+        if num_prompt_tokens > kv.max_num_tokens:
+            raise ValueError(
+                f"prompt of {num_prompt_tokens} tokens does not fit in the KV cache "
+                f"({kv.num_blocks} blocks of {kv.block_size} tokens = {kv.max_num_tokens})"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step. Call update_from_output with its results before scheduling again."""
+        plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
+        if self.config.policy == "decode-first":
+            self._schedule_decode_first(plan)
+        else:
+            self._schedule_prefill_first(plan)
+        return self._build_output(plan)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
+    ) -> list[Request]:
+        """Record a step's results: progress, sampled tokens, stops. Returns the requests that
+        got tokens (those that finished have their status set and blocks freed)."""
+        now = self.clock()
+        updated: list[Request] = []
+        any_finished = False
+        for scheduled in scheduler_output.scheduled:
+            request = self.requests.get(scheduled.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted after it was scheduled
+            request.num_computed_tokens += scheduled.num_new_tokens
+            self.kv_cache_manager.cache_blocks(request)
+            if not scheduled.sample:
+                continue
+            token_ids = sampled_token_ids.get(scheduled.request_id)
+            if not token_ids:
+                raise ValueError(f"no sampled token for request {scheduled.request_id!r}")
+            if request.first_token_time is None:
+                request.first_token_time = now
+            finished_status = self._append_until_stop(request, token_ids, now)
+            updated.append(request)
+            if finished_status is not None:
+                self._finish(request, finished_status, now)
+                any_finished = True
+        if any_finished:
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        return updated
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside (aborts, stop strings); unknown or finished ids are ignored."""
+        if not status.is_finished:
+            raise ValueError(f"status must be a finished status, got {status.name}")
+        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+        to_finish = [self.requests[i] for i in ids if i in self.requests]
+        if not to_finish:
+            return
+        now = self.clock()
+        for request in to_finish:
+            self._finish(request, status, now)
+        self.running = [r for r in self.running if not r.is_finished]
+        self.waiting = deque(r for r in self.waiting if not r.is_finished)
+
+    # -- policies ------------------------------------------------------------------------------
+
+    def _schedule_decode_first(self, plan: _StepPlan) -> None:
+        # 1. every decoding request its token, 2. in-flight prompts their chunks;
+        limit = self.config.long_prefill_token_limit
+        self._schedule_running_requests(plan, lambda r: r.is_prefill_done, limit)
+        self._schedule_running_requests(plan, lambda r: not r.is_prefill_done, limit)
+        if plan.preempted:
+            return  # blocks are short: admitting more would only preempt again
+        # 3. new (and preempted) requests, oldest first.
+        num_partial = sum(
+            1
+            for r in self.running
+            if r.num_computed_tokens + plan.num_new_tokens(r) < r.num_prompt_tokens
+        )
+        skipped: list[Request] = []
+        while self.waiting and plan.token_budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            computed_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = min(
+                request.num_tokens - num_cached_tokens,
+                plan.token_budget,
+                self.config.long_prefill_token_limit,
+            )
+            stays_partial = num_cached_tokens + num_new_tokens < request.num_prompt_tokens
+            if stays_partial and num_partial >= self.config.max_num_partial_prefills:
+                # Too many prompts mid-prefill; a shorter one behind may still finish in a step.
+                skipped.append(self.waiting.popleft())
+                continue
+            if not self._admit(request, computed_blocks, num_cached_tokens, num_new_tokens, plan):
+                break
+            num_partial += stays_partial
+        self.waiting.extendleft(reversed(skipped))
+
+    def _schedule_prefill_first(self, plan: _StepPlan) -> None:
+        # Prompts longer than the budget are chunked; continue those first.
+        limit = self.config.max_num_batched_tokens
+        self._schedule_running_requests(plan, lambda r: not r.is_prefill_done, limit)
+        if not plan.preempted:
+            self._admit_whole_prompts(plan)
+        if not plan.entries:  # otherwise a prefill step: never mixed with decodes
+            self._schedule_running_requests(plan, lambda r: True, limit)
+
+    def _admit_whole_prompts(self, plan: _StepPlan) -> None:
+        while self.waiting and plan.token_budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            computed_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_cached_tokens
+            if num_new_tokens > plan.token_budget:
+                if num_new_tokens <= self.config.max_num_batched_tokens:
+                    break  # fits whole in the next step
+                num_new_tokens = plan.token_budget  # could never fit whole: chunk it
+            if not self._admit(request, computed_blocks, num_cached_tokens, num_new_tokens, plan):
+                break
+
+    # -- mechanics ------------------------------------------------------------------------------
+
+    def _schedule_running_requests(
+        self, plan: _StepPlan, wanted: Callable[[Request], bool], max_tokens_each: int
+    ) -> None:
+        """Schedule the `wanted` running requests, oldest first, while the budget lasts."""
+        for request in list(self.running):
+            if plan.token_budget == 0:
+                return
+            if request.status is RequestStatus.RUNNING and wanted(request):
+                num_new_tokens = min(
+                    request.num_uncomputed_tokens, plan.token_budget, max_tokens_each
+                )
+                self._schedule_running(request, num_new_tokens, plan)
+
+    def _schedule_running(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> None:
+        """Give a running request blocks for its tokens, preempting the newest running requests
+        (the request itself, last) until they fit."""
+        while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
+            victim = self.running[-1]
+            self._preempt(victim, plan)
+            if victim is request:
+                return
+        plan.add(request, num_new_tokens)
+
+    def _admit(
+        self,
+        request: Request,
+        computed_blocks: list[KVCacheBlock],
+        num_cached_tokens: int,
+        num_new_tokens: int,
+        plan: _StepPlan,
+    ) -> bool:
+        """Start (or resume) a waiting request at the head of the queue. Refused unless all its
+        remaining tokens fit in the free blocks now, so a resumed request is not preempted
+        again at once (preempt/resume thrash)."""
+        kv = self.kv_cache_manager
+        if not kv.can_allocate(request, request.num_tokens, computed_blocks):
+            return False
+        new_block_ids = kv.allocate_slots(request, num_new_tokens, computed_blocks)
+        assert new_block_ids is not None, "can_allocate has checked these blocks"
+        self.waiting.popleft()
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_cached_tokens
+        request.num_computed_tokens = num_cached_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        plan.add(request, num_new_tokens)
+        plan.admitted.add(request.request_id)
+        return True
+
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        """Free the request's KV and send it to the front of the queue to recompute later. Its
+        output tokens are kept; it samples again once it has caught up with them."""
+        self.running.remove(request)
+        plan.drop(request)
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        plan.preempted.append(request)
+
+    def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
+        """Mark finished and free its blocks; the caller removes it from running/waiting."""
+        request.status = status
+        request.finished_time = now
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_request_ids.append(request.request_id)
+
+    def _append_until_stop(
+        self, request: Request, token_ids: list[int], now: float
+    ) -> RequestStatus | None:
+        """Append sampled tokens one by one (several only with speculative decoding) and stop
+        at the first one that ends the request; the rest are dropped."""
+        params = request.sampling_params
+        max_tokens = params.max_tokens
+        for token_id in token_ids:
+            request.append_output_token_ids([token_id])
+            request.token_times.append(now)
+            if request.num_output_tokens >= params.min_tokens:
+                if token_id == request.eos_token_id and not params.ignore_eos:
+                    return RequestStatus.FINISHED_STOPPED
+                if token_id in params.stop_token_ids:
+                    request.stop_reason = token_id
+                    return RequestStatus.FINISHED_STOPPED
+            if request.num_tokens >= self.max_model_len or (
+                max_tokens is not None and request.num_output_tokens >= max_tokens
+            ):
+                return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
+        now = self.clock()
+        decodes: list[ScheduledRequest] = []
+        prefills: list[ScheduledRequest] = []
+        num_decode_tokens = 0
+        for request, num_new_tokens in plan.entries.values():
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            num_computed = request.num_computed_tokens
+            scheduled = ScheduledRequest(
+                request_id=request.request_id,
+                token_ids=request.all_token_ids,
+                num_computed_tokens=num_computed,
+                num_new_tokens=num_new_tokens,
+                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                sample=num_computed + num_new_tokens == request.num_tokens,
+            )
+            # A request (re)admitted this step is catching up even if its prompt was a cache hit.
+            if request.is_prefill_done and request.request_id not in plan.admitted:
+                decodes.append(scheduled)
+                num_decode_tokens += num_new_tokens
+            else:
+                prefills.append(scheduled)
+        total = self.config.max_num_batched_tokens - plan.token_budget
+        finished_ids, self._finished_request_ids = self._finished_request_ids, []
+        return SchedulerOutput(
+            scheduled=decodes + prefills,
+            total_num_scheduled_tokens=total,
+            num_prefill_tokens=total - num_decode_tokens,
+            num_decode_tokens=num_decode_tokens,
+            preempted_request_ids=[r.request_id for r in plan.preempted],
+            finished_request_ids=finished_ids,
+        )

@@ -1,0 +1,106 @@
+"""One generation request as the scheduler sees it: its tokens, its progress, its timeline."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tandem.sampling_params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    """The OpenAI `finish_reason` strings."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()  # waiting again, its KV freed; it will recompute its tokens
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+@dataclass(eq=False)  # identity equality: requests sit in queues that search by `is`/`==`
+class Request:
+    """Prompt and output tokens live in one list, `all_token_ids`, which only grows; the scheduler
+    moves `num_computed_tokens` towards `num_tokens` (KV computed vs tokens known). Timestamps
+    come from the scheduler's clock (time.monotonic by default), the same clock as arrival_time."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    output_token_ids: list[int] = field(init=False, default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = field(init=False, default=0)
+    status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
+    num_preemptions: int = field(init=False, default=0)
+    # Prompt tokens found in the prefix cache at first admission (recompute after a preemption
+    # is not a cache hit, so it is never counted).
+    num_cached_tokens: int = field(init=False, default=0)
+    # The stop token id or stop string that ended the request; None for EOS, length and abort.
+    stop_reason: int | str | None = field(init=False, default=None)
+    first_scheduled_time: float | None = field(init=False, default=None)
+    first_token_time: float | None = field(init=False, default=None)
+    token_times: list[float] = field(init=False, default_factory=list)  # one per output token
+    finished_time: float | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Known tokens whose KV is not in the cache yet: what the scheduler has left to give."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def is_prefill_done(self) -> bool:
+        """The whole prompt is in the KV cache; from here on the request is decoding."""
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)

@@ -1,0 +1,275 @@
+"""The scheduler driven by a fake model over random workloads, checking the invariants of
+DESIGN.md after every step: caps, decode-first order, block ownership, KV contents, progress."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tandem.request import Request, RequestStatus
+from tandem.sampling_params import SamplingParams
+
+EOS = 2
+SHARED_PREFIXES = ([7] * 24, list(range(3, 27)))  # so prefix caching gets hits
+
+
+def model_token(context: list[int]) -> int:
+    """Deterministic next token of a context: EOS now and then, otherwise a small id that
+    stop_token_ids can name."""
+    digest = 0
+    for token_id in context:
+        digest = (digest * 1_000_003 + token_id) % 2_147_483_647
+    return EOS if digest % 13 == 0 else 3 + digest % 24
+
+
+class FakeModelRunner:
+    """Writes every computed token into its KV slot and, before computing a request's new
+    tokens, reads its whole context back from the cache: a wrong block table, a block reused
+    while still held, or a bad prefix-cache hit shows up as a mismatch."""
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
+        self.slots: dict[int, int] = {}
+
+    def execute(self, output: SchedulerOutput) -> dict[str, list[int]]:
+        block_size = self.kv.block_size
+        written: set[int] = set()
+        sampled: dict[str, list[int]] = {}
+        for scheduled in output.scheduled:
+            start = scheduled.num_computed_tokens
+            end = start + scheduled.num_new_tokens
+            block_ids = scheduled.block_ids
+            assert len(block_ids) >= self.kv.blocks_needed(end)
+            assert end <= len(scheduled.token_ids)
+            for position in range(start):
+                slot = block_ids[position // block_size] * block_size + position % block_size
+                assert self.slots.get(slot) == scheduled.token_ids[position], "stale KV"
+            for position in range(start, end):
+                block_id = block_ids[position // block_size]
+                assert self.kv.block_pool.blocks[block_id].ref_cnt == 1, "wrote a shared block"
+                slot = block_id * block_size + position % block_size
+                assert slot not in written, "two requests wrote one slot"
+                written.add(slot)
+                self.slots[slot] = scheduled.token_ids[position]
+            if scheduled.sample:
+                sampled[scheduled.request_id] = [model_token(scheduled.token_ids[:end])]
+        return sampled
+
+
+@dataclass
+class RequestSpec:
+    arrival_step: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    abort_step: int | None
+    abort_after_schedule: bool
+
+
+@dataclass
+class Workload:
+    config: SchedulerConfig
+    num_blocks: int
+    block_size: int
+    enable_caching: bool
+    requests: list[RequestSpec]
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> Workload:
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    num_blocks = draw(st.integers(2, 40 // block_size + 2))
+    max_num_seqs = draw(st.integers(1, 6))
+    config = SchedulerConfig(
+        max_num_batched_tokens=draw(st.integers(max_num_seqs, 40)),
+        max_num_seqs=max_num_seqs,
+        max_model_len=draw(st.integers(4, 48)),
+        max_num_partial_prefills=draw(st.integers(1, 3)),
+        long_prefill_token_threshold=draw(st.integers(0, 12)),
+        policy=draw(st.sampled_from(["decode-first", "prefill-first"])),
+    )
+    max_prompt_len = min(config.max_model_len, num_blocks * block_size)
+    specs = []
+    for _ in range(draw(st.integers(1, 10))):
+        prompt_len = draw(st.integers(1, max_prompt_len))
+        shared = draw(st.sampled_from(SHARED_PREFIXES))[: draw(st.integers(0, prompt_len))]
+        tail = draw(
+            st.lists(
+                st.integers(3, 40),
+                min_size=prompt_len - len(shared),
+                max_size=prompt_len - len(shared),
+            )
+        )
+        max_tokens = draw(st.one_of(st.none(), st.integers(1, 12)))
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            min_tokens=draw(st.integers(0, max_tokens if max_tokens is not None else 4)),
+            ignore_eos=draw(st.booleans()),
+            stop_token_ids=draw(st.lists(st.integers(3, 26), max_size=2)),
+        )
+        aborted = draw(st.integers(0, 4)) == 0
+        specs.append(
+            RequestSpec(
+                arrival_step=draw(st.integers(0, 12)),
+                prompt_token_ids=shared + tail,
+                params=params,
+                abort_step=draw(st.integers(0, 30)) if aborted else None,
+                abort_after_schedule=draw(st.booleans()),
+            )
+        )
+    return Workload(config, num_blocks, block_size, draw(st.booleans()), specs)
+
+
+def check_step(
+    scheduler: Scheduler,
+    output: SchedulerOutput,
+    waiting_before: set[str],
+    decoding_before: set[str],
+    prompt_lens: dict[str, int],
+) -> None:
+    config = scheduler.config
+    assert len(output.scheduled) <= config.max_num_seqs
+    assert scheduler.num_running <= config.max_num_seqs
+    total = sum(s.num_new_tokens for s in output.scheduled)
+    assert total == output.total_num_scheduled_tokens <= config.max_num_batched_tokens
+    assert output.num_prefill_tokens + output.num_decode_tokens == total
+    assert all(s.num_new_tokens >= 1 for s in output.scheduled)
+    assert len({s.request_id for s in output.scheduled}) == len(output.scheduled)
+    is_decode = [
+        s.num_computed_tokens >= prompt_lens[s.request_id] and s.request_id not in waiting_before
+        for s in output.scheduled
+    ]
+    assert is_decode == sorted(is_decode, reverse=True), "a prompt chunk came before a decode"
+    assert sum(s.num_new_tokens for s, d in zip(output.scheduled, is_decode, strict=True) if d) == (
+        output.num_decode_tokens
+    )
+    admitted = {s.request_id for s in output.scheduled} & waiting_before
+    if output.preempted_request_ids:
+        assert not admitted, "admitted a request in a step that preempted"
+    if config.policy == "prefill-first":
+        assert len(set(is_decode)) <= 1, "prefill-first mixed prefill and decode"
+        return
+    assert all(s.num_new_tokens <= config.long_prefill_token_limit for s in output.scheduled)
+    scheduled = {s.request_id for s in output.scheduled}
+    left_out = decoding_before - scheduled - set(output.preempted_request_ids)
+    if left_out:
+        assert output.num_prefill_tokens == 0, "a prompt chunk ran while a decode was left out"
+    if admitted and total < config.max_num_batched_tokens:
+        assert decoding_before <= scheduled, "admitted while a decode was left out"
+
+
+def check_blocks(scheduler: Scheduler, all_requests: list[Request]) -> None:
+    kv = scheduler.kv_cache_manager
+    holders: dict[int, int] = {}
+    for request in all_requests:
+        block_ids = kv.get_block_ids(request.request_id)
+        if request.status is not RequestStatus.RUNNING:
+            assert block_ids == [], f"{request.status.name} request holds blocks"
+        for block_id in block_ids:
+            holders[block_id] = holders.get(block_id, 0) + 1
+    for block in kv.block_pool.blocks:
+        assert block.ref_cnt == holders.get(block.block_id, 0) >= 0
+        assert (block in kv.block_pool.free_block_queue) == (block.ref_cnt == 0)
+        if holders.get(block.block_id, 0) > 1:
+            assert block.block_hash is not None, "an unhashed block is shared"
+    assert kv.num_free_blocks == kv.num_blocks - len(holders)
+    if scheduler.config.policy == "decode-first":
+        num_partial = sum(1 for r in scheduler.running if not r.is_prefill_done)
+        assert num_partial <= scheduler.config.max_num_partial_prefills
+
+
+def make_request(index: int, spec: RequestSpec) -> Request:
+    return Request(f"r{index}", spec.prompt_token_ids, spec.params, eos_token_id=EOS)
+
+
+def run(workload: Workload) -> tuple[Scheduler, list[Request], int]:
+    kv = KVCacheManager(workload.num_blocks, workload.block_size, workload.enable_caching)
+    scheduler = Scheduler(workload.config, kv)
+    runner = FakeModelRunner(kv)
+    specs = workload.requests
+    requests = [make_request(index, spec) for index, spec in enumerate(specs)]
+    prompt_lens = {r.request_id: r.num_prompt_tokens for r in requests}
+    last_arrival = max(spec.arrival_step for spec in specs)
+    max_steps = last_arrival + 4 * sum(
+        len(spec.prompt_token_ids) + (spec.params.max_tokens or scheduler.max_model_len)
+        for spec in specs
+    )
+    step = 0
+    while step <= last_arrival or scheduler.has_unfinished_requests():
+        for spec, request in zip(specs, requests, strict=True):
+            if spec.arrival_step == step:
+                scheduler.add_request(request)
+        aborts = [
+            r.request_id
+            for s, r in zip(specs, requests, strict=True)
+            if s.abort_step == step and not s.abort_after_schedule
+        ]
+        scheduler.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)
+        had_work = scheduler.has_unfinished_requests()
+        waiting_before = {r.request_id for r in scheduler.waiting}
+        decoding_before = {r.request_id for r in scheduler.running if r.is_prefill_done}
+        output = scheduler.schedule()
+        assert output.scheduled or not had_work, "no progress with requests pending"
+        check_step(scheduler, output, waiting_before, decoding_before, prompt_lens)
+        sampled = runner.execute(output)
+        aborts = [
+            r.request_id
+            for s, r in zip(specs, requests, strict=True)
+            if s.abort_step == step and s.abort_after_schedule
+        ]
+        scheduler.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)
+        scheduler.update_from_output(output, sampled)
+        check_blocks(scheduler, requests)
+        step += 1
+        assert step <= max_steps, "no end in sight: preempt/resume loop?"
+    return scheduler, requests, step
+
+
+@settings(max_examples=600, deadline=None)
+@given(workloads())
+def test_random_workloads_keep_every_invariant(workload: Workload) -> None:
+    scheduler, requests, _ = run(workload)
+    # Coverage of the interesting paths (pytest --hypothesis-show-statistics).
+    event(f"preempted: {any(r.num_preemptions for r in requests)}")
+    event(f"prefix-cache hit: {any(r.num_cached_tokens for r in requests)}")
+    event(f"aborted: {any(r.status is RequestStatus.FINISHED_ABORTED for r in requests)}")
+    assert all(r.is_finished for r in requests)
+    assert scheduler.num_waiting == scheduler.num_running == 0
+    kv = scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
+    assert all(block.ref_cnt == 0 for block in kv.block_pool.blocks)
+    for request in requests:
+        params = request.sampling_params
+        if params.max_tokens is not None:
+            assert request.num_output_tokens <= params.max_tokens
+        assert request.num_tokens <= max(scheduler.max_model_len, request.num_prompt_tokens + 1)
+        assert len(request.token_times) == request.num_output_tokens
+        if request.status is not RequestStatus.FINISHED_ABORTED:
+            assert request.num_output_tokens >= 1
+
+    # Output does not depend on batching, cache size or preemption: rerun every request that
+    # was not aborted alone, with room to spare, and compare.
+    for index, (spec, request) in enumerate(zip(workload.requests, requests, strict=True)):
+        if request.status is RequestStatus.FINISHED_ABORTED:
+            continue
+        alone = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=64, max_num_seqs=1, max_model_len=scheduler.max_model_len
+            ),
+            KVCacheManager(num_blocks=64, block_size=4),
+        )
+        reference = make_request(index, spec)
+        alone.add_request(reference)
+        run_alone(alone)
+        assert request.output_token_ids == reference.output_token_ids
+        assert request.status is reference.status
+
+
+def run_alone(scheduler: Scheduler) -> None:
+    runner = FakeModelRunner(scheduler.kv_cache_manager)
+    while scheduler.has_unfinished_requests():
+        output = scheduler.schedule()
+        scheduler.update_from_output(output, runner.execute(output))
