@@ -1,0 +1,198 @@
+"""`tandem generate` and `tandem chat`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+import time
+from collections.abc import Iterator
+
+from tandem.sampling_params import SamplingParams
+
+_SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """Byte counts such as 2GiB, 512MiB or 1000000."""
+    match = _SIZE.match(text)
+    if match is None or (match.group(2) or "").lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 2GiB, 512MiB, 1e9)")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default="default",
+        help="HF folder, .gguf file, or 'default' (embedded SmolLM2-135M)",
+    )
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--scheduling-policy", default="decode-first", choices=["decode-first", "prefill-first"]
+    )
+    parser.add_argument(
+        "--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false"
+    )
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--kv-cache-memory", type=parse_size, default=2 << 30,
+                        help="KV cache size on CPU, e.g. 2GiB")  # fmt: skip
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+
+
+def build_llm(args: argparse.Namespace):
+    from tandem.engine.llm import LLM
+
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        scheduling_policy=args.scheduling_policy,
+        enable_prefix_caching=args.enable_prefix_caching,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+    )
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    llm = build_llm(args)
+    params = sampling_params(args)
+    start = time.perf_counter()
+    if args.chat:
+        conversations = [[{"role": "user", "content": p}] for p in args.prompt]
+        outputs = llm.chat(conversations, params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    num_generated = 0
+    for output in outputs:
+        completion = output.outputs[0]
+        num_generated += len(completion.token_ids)
+        print(f"### prompt: {output.prompt!r}\n{completion.text}\n")
+        metrics = completion.metrics
+        print(
+            f"[{len(output.prompt_token_ids)} prompt tokens, {len(completion.token_ids)} "
+            f"generated, finish_reason={completion.finish_reason}, "
+            f"TTFT {metrics.ttft * 1e3:.0f} ms, TPOT {(metrics.tpot or 0) * 1e3:.1f} ms]\n"
+        )
+    print(f"{num_generated} tokens in {elapsed:.2f} s ({num_generated / elapsed:.1f} tok/s)")
+
+
+def stream_answer(llm, conversation: list[dict[str, str]], params: SamplingParams) -> Iterator:
+    """Yield the answer's text deltas, then the final RequestOutput."""
+    from tandem.engine.llm_engine import OutputKind
+
+    text = llm.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                             add_generation_prompt=True)  # fmt: skip
+    token_ids = list(llm.tokenizer(text, add_special_tokens=False).input_ids)
+    request_id = f"chat-{time.monotonic_ns()}"
+    llm.engine.add_request(request_id, token_ids, params, prompt=text,
+                           output_kind=OutputKind.DELTA)  # fmt: skip
+    try:
+        while llm.engine.has_unfinished_requests():
+            for output in llm.engine.step():
+                if output.request_id != request_id:
+                    continue
+                yield output.outputs[0].text
+                if output.finished:
+                    yield output
+                    return
+    finally:
+        llm.engine.abort_request(request_id)
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    llm = build_llm(args)
+    params = sampling_params(args)
+    conversation: list[dict[str, str]] = []
+    if args.system:
+        conversation.append({"role": "system", "content": args.system})
+    print("tandem chat: type a message; /reset clears the history, /exit or Ctrl-D quits.")
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            print()
+            return
+        if line in ("/exit", "/quit"):
+            return
+        if line == "/reset":
+            del conversation[int(bool(args.system)) :]
+            continue
+        if not line:
+            continue
+        conversation.append({"role": "user", "content": line})
+        answer = []
+        final = None
+        for item in stream_answer(llm, conversation, params):
+            if isinstance(item, str):
+                answer.append(item)
+                print(item, end="", flush=True)
+            else:
+                final = item
+        conversation.append({"role": "assistant", "content": "".join(answer)})
+        metrics = final.outputs[0].metrics
+        num_tokens = len(metrics.token_times)
+        rate = (num_tokens - 1) / metrics.decode_time if metrics.decode_time else 0.0
+        print(f"\n[TTFT {metrics.ttft * 1e3:.0f} ms, {num_tokens} tokens, {rate:.1f} tok/s]")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="tandem", description="LLM inference engine")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="generate completions for prompts")
+    add_engine_args(generate)
+    add_sampling_args(generate)
+    generate.add_argument("--prompt", action="append", required=True,
+                          help="a prompt (repeat for a batch)")  # fmt: skip
+    generate.add_argument("--chat", action="store_true",
+                          help="wrap each prompt in the model's chat template")  # fmt: skip
+    generate.set_defaults(func=cmd_generate)
+
+    chat = commands.add_parser("chat", help="interactive chat in the terminal, streamed")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.add_argument("--system", default=None, help="a system prompt")
+    chat.set_defaults(func=cmd_chat)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,326 @@
+"""The sampler against straightforward references: exact logits for the penalties, chi-square
+goodness of fit for every random filter, and reproducibility of seeded rows across batches."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from tandem.sampling_params import SamplingParams
+from tandem.worker.sampler import SamplingInputs, apply_penalties, sample
+
+# Distinct logits over a small vocab; sorted order 2, 7, 0, 4, 1, 6, 3, 5. Every truncation
+# boundary used below is at least 0.03 away from its threshold, far above float32 error.
+LOGITS = torch.tensor([1.2, 0.3, 2.0, -0.5, 0.9, -1.4, 0.1, 1.6])
+NUM_DRAWS = 20_000
+
+
+def make_inputs(
+    params: list[SamplingParams],
+    prompts: Sequence[Sequence[int]] | None = None,
+    outputs: Sequence[Sequence[int]] | None = None,
+    generators: Sequence[torch.Generator | None] | None = None,
+    block: Sequence[Sequence[int]] | None = None,
+) -> SamplingInputs:
+    n = len(params)
+    return SamplingInputs(
+        params=params,
+        prompt_token_ids=list(prompts or [[]] * n),
+        output_token_ids=list(outputs or [[]] * n),
+        generators=list(generators or [None] * n),
+        stop_token_ids_to_block=list(block or [[]] * n),
+    )
+
+
+def reference_probs(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+) -> torch.Tensor:
+    """The intended distribution, filter by filter, in float64 and plain Python."""
+    probs = (logits.double() / temperature).softmax(-1)
+    order = probs.argsort(descending=True).tolist()
+    keep = set(order)
+    if 0 < top_k < len(order):
+        keep = set(order[:top_k])
+    probs = torch.tensor([p if i in keep else 0.0 for i, p in enumerate(probs.tolist())])
+    probs /= probs.sum()
+    if top_p < 1.0:
+        mass, keep = 0.0, set()
+        for i in order:
+            if mass >= top_p:
+                break
+            keep.add(i)
+            mass += float(probs[i])
+        probs = torch.tensor([p if i in keep else 0.0 for i, p in enumerate(probs.tolist())])
+        probs /= probs.sum()
+    if min_p > 0.0:
+        probs = torch.where(probs >= min_p * probs.max(), probs, 0.0)
+        probs /= probs.sum()
+    return probs
+
+
+def chi_square_p_value(tokens: torch.Tensor, expected: torch.Tensor) -> float:
+    """Pearson goodness of fit over the tokens with nonzero expected probability. The chi-square
+    survival function with d degrees of freedom is the regularised upper incomplete gamma
+    Q(d/2, x/2), which torch ships (so no scipy)."""
+    counts = torch.bincount(tokens, minlength=len(expected)).double()
+    support = expected > 0
+    expected_counts = expected[support] * counts.sum()
+    statistic = ((counts[support] - expected_counts) ** 2 / expected_counts).sum()
+    dof = torch.tensor(float(support.sum() - 1), dtype=torch.float64)
+    return float(torch.special.gammaincc(dof / 2, statistic / 2))
+
+
+@pytest.mark.parametrize(
+    ("dof", "critical"),
+    # Upper-tail 0.001 critical values, NIST/SEMATECH e-Handbook of Statistical Methods,
+    # section 1.3.6.7.4 "Critical Values of the Chi-Square Distribution".
+    [(1, 10.828), (2, 13.816), (3, 16.266), (5, 20.515), (7, 24.322)],
+)
+def test_chi_square_p_value_matches_the_published_table(dof: int, critical: float) -> None:
+    half_dof, half_x = torch.tensor([dof / 2, critical / 2], dtype=torch.float64)
+    assert float(torch.special.gammaincc(half_dof, half_x)) == pytest.approx(0.001, rel=1e-3)
+
+
+def test_greedy_is_argmax() -> None:
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0.0)] * 3 + [SamplingParams(temperature=0.8, top_k=1)] * 3
+    out = sample(logits, make_inputs(params))
+    assert out.token_ids.dtype == torch.int64
+    assert out.token_ids.tolist() == logits.argmax(-1).tolist()
+    assert out.logprobs is None
+
+
+def test_input_logits_are_not_modified() -> None:
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(1))
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.7, top_p=0.5, min_p=0.1, repetition_penalty=1.5)] * 3
+    sample(logits, make_inputs(params, outputs=[[1, 2]] * 3, block=[[0]] * 3))
+    assert torch.equal(logits, before)
+
+
+def reference_penalties(
+    logits: list[float], prompt: list[int], output: list[int], params: SamplingParams
+) -> list[float]:
+    out = list(logits)
+    for token in set(prompt) | set(output):
+        rep = params.repetition_penalty
+        out[token] = out[token] / rep if out[token] > 0 else out[token] * rep
+    for token in set(output):
+        out[token] -= params.frequency_penalty * output.count(token) + params.presence_penalty
+    return out
+
+
+def test_penalties_by_hand() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    inputs = make_inputs([params], prompts=[[0, 1]], outputs=[[2, 2]])
+    # 2/2; -1*2; 0.5/2 - 0.5*2 - 0.25; untouched
+    assert apply_penalties(logits, inputs).tolist() == [[1.0, -2.0, -1.0, 3.0]]
+
+
+def test_penalties_and_greedy_match_reference() -> None:
+    gen = torch.Generator().manual_seed(2)
+    vocab, changed = 12, 0
+    for _ in range(25):
+        logits = torch.randn(4, vocab, generator=gen) * 2
+        params = [
+            SamplingParams(temperature=0.0, repetition_penalty=1.8),
+            SamplingParams(temperature=0.0, frequency_penalty=1.5, presence_penalty=-0.5),
+            SamplingParams(temperature=0.0),  # no penalty: must stay untouched
+            SamplingParams(
+                temperature=0.0,
+                repetition_penalty=0.7,
+                frequency_penalty=-0.3,
+                presence_penalty=2.0,
+            ),
+        ]
+        prompts = [torch.randint(vocab, (5,), generator=gen).tolist() for _ in params]
+        outputs = [torch.randint(vocab, (7,), generator=gen).tolist() for _ in params]
+        expected = torch.tensor(
+            [
+                reference_penalties(row, prompt, output, p)
+                for row, prompt, output, p in zip(
+                    logits.tolist(), prompts, outputs, params, strict=True
+                )
+            ]
+        )
+        inputs = make_inputs(params, prompts=prompts, outputs=outputs)
+        torch.testing.assert_close(apply_penalties(logits.clone(), inputs), expected)
+        tokens = sample(logits, inputs).token_ids
+        assert tokens.tolist() == expected.argmax(-1).tolist()
+        changed += int((tokens != logits.argmax(-1)).sum())
+    assert changed > 10  # the penalties did move the argmax, so the check has teeth
+
+
+CASES = {
+    "temperature": (dict(temperature=0.6), False),
+    "top_k beyond vocab is off": (dict(temperature=1.7, top_k=100), False),
+    "top_k": (dict(top_k=3), False),
+    "top_k on the sort path": (dict(top_k=3), True),
+    "no top_p beside a top_p row": (dict(temperature=1.7), True),
+    "top_p": (dict(top_p=0.7), False),
+    "min_p": (dict(min_p=0.3), False),
+    "all filters": (dict(temperature=0.8, top_k=6, top_p=0.75, min_p=0.4), False),
+}
+
+
+@pytest.mark.parametrize(("knobs", "top_p_mate"), CASES.values(), ids=CASES.keys())
+def test_random_rows_follow_the_intended_distribution(knobs: dict, top_p_mate: bool) -> None:
+    """20k rows of the same logits in one call; a mate row with top_p forces the sort path."""
+    torch.manual_seed(0)
+    params = [SamplingParams(**knobs)] * NUM_DRAWS
+    if top_p_mate:
+        params = [*params, SamplingParams(top_p=0.5)]
+    logits = LOGITS.expand(len(params), -1)
+    tokens = sample(logits, make_inputs(params)).token_ids[:NUM_DRAWS]
+    expected = reference_probs(LOGITS, **knobs)
+    assert set(tokens.tolist()) == set(expected.nonzero().flatten().tolist())
+    assert chi_square_p_value(tokens, expected) > 1e-3
+
+
+def test_chi_square_rejects_the_untempered_distribution() -> None:
+    """The goodness-of-fit check above has power: temperature 0.6 is not temperature 1."""
+    torch.manual_seed(0)
+    params = [SamplingParams(temperature=0.6)] * NUM_DRAWS
+    tokens = sample(LOGITS.expand(NUM_DRAWS, -1), make_inputs(params)).token_ids
+    assert chi_square_p_value(tokens, reference_probs(LOGITS)) < 1e-9
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        SamplingParams(seed=123, temperature=0.9, top_p=0.95),
+        SamplingParams(seed=123, top_k=10),
+        SamplingParams(seed=123, min_p=0.05, repetition_penalty=1.3),
+    ],
+    ids=["top_p", "top_k", "min_p+penalty"],
+)
+def test_seeded_row_is_reproducible_across_batches(target: SamplingParams) -> None:
+    vocab, steps = 64, 8
+    gen = torch.Generator().manual_seed(7)
+    step_logits = [torch.randn(vocab, generator=gen) * 0.5 for _ in range(steps)]
+    mates = [
+        SamplingParams(top_k=5),
+        SamplingParams(temperature=0.0, presence_penalty=1.0),
+        SamplingParams(seed=999, top_p=0.5),
+        SamplingParams(temperature=1.5, min_p=0.1),
+    ]
+
+    def run(batched: bool) -> list[int]:
+        generator = torch.Generator().manual_seed(123)
+        mate_generator = torch.Generator().manual_seed(999)
+        output: list[int] = []
+        for step, row_logits in enumerate(step_logits):
+            torch.manual_seed(1000 * batched + step)  # the default generator must not matter
+            rows: list[tuple[SamplingParams, torch.Generator | None]] = [(target, generator)]
+            position = 0
+            if batched:
+                others = [
+                    (p, mate_generator if p.seed is not None else None)
+                    for p in mates[: 1 + step % len(mates)]
+                ]
+                position = step % (len(others) + 1)
+                rows = [*others[:position], *rows, *others[position:]]
+            params = [p for p, _ in rows]
+            generators = [g for _, g in rows]
+            logits = torch.randn(len(params), vocab, generator=gen)
+            logits[position] = row_logits
+            outputs = [list(output)] * len(params)
+            inputs = make_inputs(params, outputs=outputs, generators=generators)
+            output.append(int(sample(logits, inputs).token_ids[position]))
+        return output
+
+    alone = run(batched=False)
+    assert run(batched=True) == alone
+    assert len(set(alone)) > 1  # really random, not stuck on the argmax
+
+
+def test_min_tokens_blocking_is_never_sampled() -> None:
+    torch.manual_seed(0)
+    vocab, rows = 10, 2000
+    logits = torch.zeros(rows + 2, vocab)
+    logits[:, 2], logits[:, 5] = 9.0, 8.0  # blocked ids are by far the most likely
+    params = [SamplingParams(temperature=1.0)] * rows + [SamplingParams(temperature=0.0)] * 2
+    block = [[2, 5, 99]] * (rows + 1) + [[]]  # 99 is past the vocab: ignored, not an error
+    tokens = sample(logits, make_inputs(params, block=block)).token_ids
+    assert not set(tokens[: rows + 1].tolist()) & {2, 5}
+    assert len(set(tokens[:rows].tolist())) == vocab - 2  # the rest stays reachable
+    assert tokens[-1] == 2  # the unblocked row is unaffected
+
+
+def test_logprobs_come_from_the_raw_logits() -> None:
+    torch.manual_seed(0)
+    vocab = 30
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(3)) * 3
+    raw = torch.log_softmax(logits, -1)
+    raw_order = raw.argsort(-1, descending=True)
+    params = [
+        SamplingParams(temperature=0.5, logprobs=4),
+        SamplingParams(logprobs=None),
+        SamplingParams(temperature=0.0, logprobs=0),
+        # Greedy with the 4 likeliest tokens blocked: the chosen one is rank 5, outside top-3.
+        SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=1.2),
+        SamplingParams(top_k=8, logprobs=vocab + 5),  # more than the vocab: all of it
+    ]
+    block: list[list[int]] = [[], [], [], raw_order[3, :4].tolist(), []]
+    out = sample(logits, make_inputs(params, outputs=[[1, 2]] * 5, block=block))
+    assert out.logprobs is not None and len(out.logprobs) == 5
+    assert out.logprobs[1] is None
+    tokens = out.token_ids.tolist()
+    assert tokens[3] == int(raw_order[3, 4])
+    for row, entry in enumerate(out.logprobs):
+        if entry is None:
+            continue
+        chosen = tokens[row]
+        n = min(params[row].logprobs or 0, vocab)
+        top = raw_order[row, :n].tolist()
+        assert next(iter(entry)) == chosen  # vLLM's order: the sampled token first
+        assert set(entry) == {chosen, *top}
+        assert entry[chosen].rank == 1 + int((raw[row] > raw[row, chosen]).sum())
+        for token, logprob in entry.items():
+            assert logprob.logprob == pytest.approx(float(raw[row, token]), abs=1e-5)
+            assert logprob.decoded_token is None
+        top_entries = [entry[t] for t in top]
+        assert [lp.rank for lp in top_entries] == list(range(1, n + 1))
+        assert [lp.logprob for lp in top_entries] == sorted(
+            (lp.logprob for lp in top_entries), reverse=True
+        )
+    assert list(out.logprobs[2]) == [tokens[2]] and out.logprobs[2][tokens[2]].rank == 1
+    assert len(out.logprobs[3]) == 4 and out.logprobs[3][tokens[3]].rank == 5
+    assert len(out.logprobs[4]) == vocab
+
+
+def test_mixed_batch_keeps_each_rows_semantics() -> None:
+    torch.manual_seed(0)
+    pattern = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_k=2),
+        SamplingParams(temperature=1.0, top_k=1),  # greedy by top_k
+        SamplingParams(temperature=0.0, presence_penalty=2.0),  # output [0]: argmax moves to 1
+        SamplingParams(temperature=2.0, min_p=0.5),
+    ]
+    repeats = 3000
+    params = pattern * repeats
+    logits = torch.tensor([3.0, 2.8, 2.0, 0.0, -1.0, -2.0]).expand(len(params), -1)
+    outputs = [[0] if p.presence_penalty else [] for p in params]
+    tokens = sample(logits, make_inputs(params, outputs=outputs)).token_ids.view(repeats, -1)
+    assert tokens[:, 0].eq(0).all() and tokens[:, 2].eq(0).all()
+    assert tokens[:, 3].eq(1).all()
+    top_k = reference_probs(logits[0], top_k=2)
+    assert chi_square_p_value(tokens[:, 1], top_k) > 1e-3
+    min_p = reference_probs(logits[0], temperature=2.0, min_p=0.5)
+    assert set(tokens[:, 4].tolist()) == {0, 1, 2}
+    assert chi_square_p_value(tokens[:, 4], min_p) > 1e-3
+
+
+def test_mismatched_inputs_are_rejected() -> None:
+    with pytest.raises(ValueError, match="one entry per row"):
+        SamplingInputs([SamplingParams()], [[]], [[]], [], [[]])
+    with pytest.raises(ValueError, match="num_rows=1"):
+        sample(torch.zeros(2, 5), make_inputs([SamplingParams()]))
