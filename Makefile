@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 run: setup
-	$(VENV)/bin/tandem generate --prompt "$(PROMPT)" --max-tokens 64
+	$(VENV)/bin/tandem generate --chat --prompt "$(PROMPT)" --max-tokens 96
 
 test: setup
 	$(PY) -m pytest -q tests

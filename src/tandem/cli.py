@@ -84,8 +84,8 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    params = sampling_params(args)  # a bad value fails before the model loads
     llm = build_llm(args)
-    params = sampling_params(args)
     start = time.perf_counter()
     if args.chat:
         conversations = [[{"role": "user", "content": p}] for p in args.prompt]
@@ -94,10 +94,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
         outputs = llm.generate(args.prompt, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     num_generated = 0
-    for output in outputs:
+    for prompt, output in zip(args.prompt, outputs, strict=True):
         completion = output.outputs[0]
         num_generated += len(completion.token_ids)
-        print(f"### prompt: {output.prompt!r}\n{completion.text}\n")
+        print(f"### {prompt}\n{completion.text}\n")
         metrics = completion.metrics
         print(
             f"[{len(output.prompt_token_ids)} prompt tokens, {len(completion.token_ids)} "
@@ -131,8 +131,8 @@ def stream_answer(llm, conversation: list[dict[str, str]], params: SamplingParam
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
+    params = sampling_params(args)  # a bad value fails before the model loads
     llm = build_llm(args)
-    params = sampling_params(args)
     conversation: list[dict[str, str]] = []
     if args.system:
         conversation.append({"role": "system", "content": args.system})
