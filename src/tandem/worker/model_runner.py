@@ -11,6 +11,7 @@ import torch
 
 from tandem.attention.metadata import RequestSlice, build_batch, forward_context
 from tandem.config import ModelConfig
+from tandem.models.llama import CausalLM
 from tandem.models.loader import load_model
 
 DTYPES = {
@@ -59,12 +60,13 @@ class RunnerConfig:
 
 
 class ModelRunner:
-    def __init__(self, config: RunnerConfig) -> None:
+    def __init__(self, config: RunnerConfig, model: CausalLM | None = None) -> None:
+        """`model`: an already built model to serve (config.model is then not loaded)."""
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
         self.block_size = config.block_size
-        self.model = load_model(config.model, self.dtype, self.device)
+        self.model = model or load_model(config.model, self.dtype, self.device)
         self.model_config: ModelConfig = self.model.config
         bytes_per_block = kv_cache_bytes_per_block(self.model_config, self.block_size, self.dtype)
         budget_blocks = max(1, config.kv_cache_memory // bytes_per_block)
