@@ -42,6 +42,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false"
     )
+    parser.add_argument("--prefix-caching-hash-algo", default="xxhash",
+                        choices=["xxhash", "sha256"])  # fmt: skip
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-memory", type=parse_size, default=2 << 30,
                         help="KV cache size on CPU, e.g. 2GiB")  # fmt: skip
@@ -68,6 +70,7 @@ def build_llm(args: argparse.Namespace):
         block_size=args.block_size,
         scheduling_policy=args.scheduling_policy,
         enable_prefix_caching=args.enable_prefix_caching,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=args.kv_cache_memory,
     )

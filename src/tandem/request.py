@@ -55,6 +55,9 @@ class Request:
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     eos_token_id: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    # Extra key of the prefix-cache hash of the first block, so the whole chain: requests with
+    # different salts (tenants that must not share) never share cached blocks.
+    cache_salt: str | None = None
 
     output_token_ids: list[int] = field(init=False, default_factory=list)
     all_token_ids: list[int] = field(init=False)
@@ -72,6 +75,10 @@ class Request:
     finished_time: float | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str) or not self.cache_salt
+        ):
+            raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.all_token_ids = list(self.prompt_token_ids)
 

@@ -1,6 +1,15 @@
 import pytest
 
-from tandem.core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from tandem.core.block_pool import (
+    BlockPool,
+    FreeBlockQueue,
+    KVCacheBlock,
+    chain_key,
+    is_stale,
+    root_key,
+)
+
+ROOT = root_key(None)
 
 
 def ids(blocks) -> list[int]:
@@ -122,44 +131,118 @@ def test_touch_takes_a_free_block_out_of_the_middle_of_the_queue() -> None:
 def test_cached_block_is_found_by_hash_while_free() -> None:
     pool = BlockPool(3)
     (block,) = pool.get_new_blocks(1)
-    pool.cache_block(block, block_hash=1234)
+    assert pool.cache_block(block, 1234, (1, 2), ROOT) is block
+    assert (block.block_hash, block.token_ids, block.parent_key) == (1234, (1, 2), ROOT)
     pool.free_blocks([block])
-    assert pool.get_cached_block(1234) is block
+    assert pool.get_cached_block(1234, [1, 2], ROOT) is block
     assert pool.num_free_blocks == 3  # cached but unused: still counts as free
-    pool.touch([pool.get_cached_block(1234)])
+    pool.touch([pool.get_cached_block(1234, [1, 2], ROOT)])
     assert block.ref_cnt == 1
     assert pool.num_free_blocks == 2
 
 
-def test_reusing_a_cached_block_drops_its_hash() -> None:
+def test_a_hash_hit_is_verified_against_tokens_and_parent() -> None:
+    pool = BlockPool(3)
+    parent, block = pool.get_new_blocks(2)
+    pool.cache_block(parent, 1, (1, 2), ROOT)
+    pool.cache_block(block, 2, (3, 4), chain_key(parent))
+    assert pool.get_cached_block(2, [3, 4], chain_key(parent)) is block
+    assert pool.get_cached_block(2, [3, 5], chain_key(parent)) is None  # other tokens
+    assert pool.get_cached_block(2, [3, 4], ROOT) is None  # same tokens, first block
+    assert pool.get_cached_block(2, [3, 4], chain_key(block)) is None  # other parent
+    assert pool.get_cached_block(1, [1, 2], root_key("tenant")) is None  # other salt
+    assert pool.get_cached_block(3, [3, 4], chain_key(parent)) is None  # unknown hash
+
+
+def test_reusing_a_cached_block_drops_its_content() -> None:
     pool = BlockPool(1)
     (block,) = pool.get_new_blocks(1)
-    pool.cache_block(block, block_hash=7)
+    pool.cache_block(block, 7, (1,), ROOT)
+    child_key = chain_key(block)
     pool.free_blocks([block])
     (reused,) = pool.get_new_blocks(1)
     assert reused is block
-    assert block.block_hash is None
-    assert pool.get_cached_block(7) is None
+    assert (block.block_hash, block.token_ids, block.parent_key) == (None, None, None)
+    assert pool.get_cached_block(7, [1], ROOT) is None
     assert pool.num_cached_blocks == 0
+    # the block's old content is gone: a child keyed on it can never be reached again, even
+    # once the block caches the very same content anew
+    assert is_stale(child_key)
+    pool.cache_block(block, 7, (1,), ROOT)
+    assert chain_key(block) != child_key
+    assert not is_stale(ROOT)
 
 
-def test_first_block_with_a_hash_stays_the_cached_copy() -> None:
+def test_first_block_with_the_same_content_stays_the_cached_copy() -> None:
     pool = BlockPool(2)
     first, second = pool.get_new_blocks(2)
-    pool.cache_block(first, block_hash=5)
-    pool.cache_block(second, block_hash=5)
-    assert pool.get_cached_block(5) is first
+    assert pool.cache_block(first, 5, (1,), ROOT) is first
+    assert pool.cache_block(second, 5, (1,), ROOT) is first
+    assert pool.get_cached_block(5, [1], ROOT) is first
     assert second.block_hash is None
-    pool.cache_block(first, block_hash=6)  # already cached: keeps its hash
-    assert first.block_hash == 5
-    assert pool.get_cached_block(6) is None
+    with pytest.raises(ValueError, match="block 0 is already cached"):
+        pool.cache_block(first, 6, (1,), ROOT)
+
+
+def test_a_colliding_block_stays_anonymous() -> None:
+    pool = BlockPool(2)
+    first, second = pool.get_new_blocks(2)
+    pool.cache_block(first, 5, (1,), ROOT)
+    assert pool.cache_block(second, 5, (2,), ROOT) is None
+    assert second.block_hash is None and second.token_ids is None
+    assert pool.get_cached_block(5, [1], ROOT) is first
+    assert pool.get_cached_block(5, [2], ROOT) is None
+
+
+def test_an_entry_whose_parent_was_evicted_gives_way() -> None:
+    pool = BlockPool(3)
+    parent, child, newcomer = pool.get_new_blocks(3)
+    pool.cache_block(parent, 1, (1,), ROOT)
+    pool.cache_block(child, 2, (2,), chain_key(parent))
+    pool.evict_cached_block(parent)  # child is unreachable now
+    pool.cache_block(parent, 1, (1,), ROOT)
+    assert pool.cache_block(newcomer, 2, (2,), chain_key(parent)) is newcomer
+    assert child.block_hash is None
+    assert pool.get_cached_block(2, [2], chain_key(parent)) is newcomer
 
 
 def test_evict_cached_block() -> None:
     pool = BlockPool(2)
     (block,) = pool.get_new_blocks(1)
-    pool.cache_block(block, block_hash=9)
+    pool.cache_block(block, 9, (1,), ROOT)
     pool.evict_cached_block(block)
-    assert pool.get_cached_block(9) is None
+    assert pool.get_cached_block(9, [1], ROOT) is None
     assert block.block_hash is None
+    assert block.generation == 1
     pool.evict_cached_block(block)  # anonymous: no-op
+    assert block.generation == 1
+
+
+def test_free_cached_blocks_are_evicted_least_recently_freed_first() -> None:
+    pool = BlockPool(4)
+    blocks = pool.get_new_blocks(4)
+    for index, block in enumerate(blocks):
+        pool.cache_block(block, index, (index,), ROOT)
+    pool.free_blocks([blocks[1], blocks[3], blocks[0], blocks[2]])
+    pool.touch([blocks[3]])  # a hit takes it out of the queue...
+    pool.free_blocks([blocks[3]])  # ...and back at the tail: most recently used
+    assert ids(pool.get_new_blocks(2)) == [1, 0]
+    still_cached = [pool.get_cached_block(i, [i], ROOT) is not None for i in range(4)]
+    assert still_cached == [False, False, True, True]
+    assert pool.num_cached_blocks == 2
+
+
+def test_reset_prefix_cache_is_refused_while_a_block_is_held() -> None:
+    pool = BlockPool(3)
+    held, free = pool.get_new_blocks(2)
+    pool.cache_block(held, 1, (1,), ROOT)
+    pool.cache_block(free, 2, (2,), ROOT)
+    pool.free_blocks([free])
+    assert not pool.reset_prefix_cache()
+    assert pool.num_cached_blocks == 2
+    pool.free_blocks([held])
+    assert pool.reset_prefix_cache()
+    assert pool.num_cached_blocks == 0
+    assert all(block.block_hash is None and block.token_ids is None for block in pool.blocks)
+    assert pool.num_free_blocks == 3
+    assert pool.reset_prefix_cache()  # nothing cached: still a success

@@ -3,12 +3,38 @@
 A block's contents live on the device; here it is an id plus bookkeeping. A block with
 ref_cnt == 0 sits in the free queue. If it also has a hash it still holds valid KV for that
 prefix, so a later request can take it back out of the queue (a cache hit) until it is reused.
+
+The hash only finds a candidate. A cached block also keeps what its KV depends on, its token ids
+and its parent (the cached block before it, or the request's cache salt for a first block), and a
+candidate is a hit only if both match: a hash collision, by chance or crafted, costs a miss and
+never serves another prefix's KV.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+
+# What a block's KV depends on besides its own tokens: (None, cache salt) for a request's first
+# block, (parent block, parent.generation) for any other. Compared with ==: blocks by identity.
+ParentKey = tuple["KVCacheBlock | None", "int | str | None"]
+
+
+def root_key(cache_salt: str | None) -> ParentKey:
+    """Parent key of a request's first block."""
+    return (None, cache_salt)
+
+
+def chain_key(block: KVCacheBlock) -> ParentKey:
+    """Parent key of the block after `block`: it names the block's current cached content, so it
+    stops matching once that content is evicted, even if the block is cached again later."""
+    return (block, block.generation)
+
+
+def is_stale(parent_key: ParentKey) -> bool:
+    """Whether the parent's content has been evicted since: a block keyed on it is unreachable."""
+    parent, generation = parent_key
+    return parent is not None and parent.generation != generation
 
 
 @dataclass(eq=False)  # identity equality: blocks are nodes, two blocks are never "equal"
@@ -17,6 +43,11 @@ class KVCacheBlock:
     ref_cnt: int = 0
     # Hash of the block's tokens chained with its prefix; set once the block is full and computed.
     block_hash: int | None = None
+    # What the cached KV was computed from, checked on every hit (None while not cached).
+    token_ids: tuple[int, ...] | None = None
+    parent_key: ParentKey | None = field(default=None, repr=False)
+    # Bumped each time the block's cached content is dropped: a child's parent key goes stale.
+    generation: int = 0
     # Free-queue links; both are None while the block is not in the queue.
     prev_free: KVCacheBlock | None = field(default=None, repr=False)
     next_free: KVCacheBlock | None = field(default=None, repr=False)
@@ -140,19 +171,57 @@ class BlockPool:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
-    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
-        """Index a full, computed block under its hash. If another block already holds the same
-        content, that one stays the cached copy and this block remains anonymous."""
-        if block.block_hash is not None or block_hash in self._cached_blocks:
-            return
+    def cache_block(
+        self,
+        block: KVCacheBlock,
+        block_hash: int,
+        token_ids: tuple[int, ...],
+        parent_key: ParentKey,
+    ) -> KVCacheBlock | None:
+        """Index a full, computed block under its hash. Returns the block that holds this content
+        in the cache from now on: `block`, or an earlier copy of the same content (then `block`
+        stays anonymous), or None when the hash is taken by other content (a collision: `block`
+        stays anonymous, and so must every block after it, having no cached parent)."""
+        if block.block_hash is not None:
+            raise ValueError(f"block {block.block_id} is already cached")
+        existing = self._cached_blocks.get(block_hash)
+        if existing is not None:
+            if existing.token_ids == token_ids and existing.parent_key == parent_key:
+                return existing
+            assert existing.parent_key is not None
+            if not is_stale(existing.parent_key):
+                return None
+            self.evict_cached_block(existing)  # unreachable since its parent went: make room
         block.block_hash = block_hash
+        block.token_ids = token_ids
+        block.parent_key = parent_key
         self._cached_blocks[block_hash] = block
+        return block
 
-    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
-        return self._cached_blocks.get(block_hash)
+    def get_cached_block(
+        self, block_hash: int, token_ids: Sequence[int], parent_key: ParentKey
+    ) -> KVCacheBlock | None:
+        """The cached block for this content, or None. A block found by hash whose tokens or
+        parent differ (a collision) is not a hit."""
+        block = self._cached_blocks.get(block_hash)
+        if block is None or block.parent_key != parent_key or block.token_ids != tuple(token_ids):
+            return None
+        return block
 
     def evict_cached_block(self, block: KVCacheBlock) -> None:
         """Forget the block's content (no-op for an anonymous block)."""
         if block.block_hash is not None:
             del self._cached_blocks[block.block_hash]
             block.block_hash = None
+            block.token_ids = None
+            block.parent_key = None
+            block.generation += 1
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block. Refused (False, nothing changed) while any block is held:
+        requests still running would keep serving and caching the old prefixes."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in list(self._cached_blocks.values()):
+            self.evict_cached_block(block)
+        return True

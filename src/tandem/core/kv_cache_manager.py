@@ -4,44 +4,95 @@ Blocks are allocated as tokens need them, never reserved up to the maximum lengt
 at most one partly filled block per request. With prefix caching on, every full block that has
 been computed is indexed by a hash chained over all tokens before it; a new request whose
 leading blocks hash the same reuses them instead of recomputing them.
+
+The hash only indexes: a hit is also checked against the tokens and parent the block was
+computed from (see block_pool), so the default hash is a fast one (xxh3, 128 bits) rather than a
+cryptographic one; sha256 stays as an option.
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from tandem.core.block_pool import BlockPool, KVCacheBlock
+try:  # a declared dependency, but the engine core must import where only torch is installed
+    import xxhash
+except ImportError:  # pragma: no cover - exercised on bare GPU machines
+    xxhash = None
+
+from tandem.core.block_pool import (
+    BlockPool,
+    KVCacheBlock,
+    ParentKey,
+    chain_key,
+    is_stale,
+    root_key,
+)
 from tandem.request import Request
 
 _ROOT_HASH = 0  # parent hash of a request's first block
 
+# (parent hash, the block's token ids, extra keys) -> the block's hash
+BlockHashFunction = Callable[[int, Sequence[int], bytes], int]
 
-def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
-    """Hash of one full block, chained over its parent so equal hashes mean equal prefixes.
 
-    SHA-256 rather than Python's 64-bit hash(): a collision would silently serve another
-    prompt's KV, and a user could craft one on purpose against the built-in hash.
-    """
-    payload = parent_hash.to_bytes(32, "little") + array("q", token_ids).tobytes()
+def sha256_block_hash(parent_hash: int, token_ids: Sequence[int], extra_keys: bytes = b"") -> int:
+    payload = parent_hash.to_bytes(32, "little") + array("q", token_ids).tobytes() + extra_keys
     return int.from_bytes(hashlib.sha256(payload).digest(), "little")
 
 
+def xxhash_block_hash(parent_hash: int, token_ids: Sequence[int], extra_keys: bytes = b"") -> int:
+    payload = parent_hash.to_bytes(16, "little") + array("q", token_ids).tobytes() + extra_keys
+    return xxhash.xxh3_128_intdigest(payload)
+
+
+# Each chains the parent's hash, so equal hashes mean (up to collisions) equal prefixes. Token
+# bytes have a fixed length per block size, so the extra keys at the end cannot blur with them.
+BLOCK_HASH_FUNCTIONS: dict[str, BlockHashFunction] = {
+    "xxhash": xxhash_block_hash,
+    "sha256": sha256_block_hash,
+}
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = False,
+        hash_algo: str = "xxhash",
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if hash_algo not in BLOCK_HASH_FUNCTIONS:
+            raise ValueError(
+                f"hash_algo must be one of {', '.join(BLOCK_HASH_FUNCTIONS)}, got {hash_algo!r}"
+            )
+        if enable_caching and hash_algo == "xxhash" and xxhash is None:
+            raise ValueError(
+                "prefix caching hashes with xxhash, which is not installed: pip install xxhash, "
+                "or choose hash_algo='sha256'"
+            )
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.hash_algo = hash_algo
+        self._hash_block = BLOCK_HASH_FUNCTIONS[hash_algo]
         self.block_pool = BlockPool(num_blocks)
         self._req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Same tables as ids, grown in step with _req_to_blocks, so a step never rebuilds them.
         self._req_to_block_ids: dict[str, list[int]] = {}
-        # Prefix caching: hashes of each request's full blocks, and how many of its blocks are
-        # already indexed in the pool.
+        # Prefix caching: hashes of each request's full blocks (computed once each), how many
+        # of its blocks have been offered to the cache, and the parent key of the next one
+        # (None once a collision or an evicted parent broke its chain: no block after it can
+        # be cached, it could never be reached).
         self._req_to_block_hashes: dict[str, list[int]] = {}
         self._req_num_cached_blocks: dict[str, int] = {}
+        self._req_next_parent: dict[str, ParentKey | None] = {}
+        # Prometheus-style counters (vLLM's meaning), first admissions only: prompt tokens
+        # looked up, and those found in the cache. Recompute after a preemption is not a hit.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     @property
     def num_blocks(self) -> int:
@@ -77,13 +128,20 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         max_num_blocks = (request.num_tokens - 1) // self.block_size
+        token_ids = request.all_token_ids
+        size = self.block_size
+        parent_key = root_key(request.cache_salt)
         hit_blocks: list[KVCacheBlock] = []
-        for block_hash in self._block_hashes(request, max_num_blocks)[:max_num_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
+        # Hashes are computed one block ahead of need, so a miss at block 0 hashes one block.
+        for index in range(max_num_blocks):
+            block_hash = self._block_hashes(request, index + 1)[index]
+            block_tokens = token_ids[index * size : (index + 1) * size]
+            block = self.block_pool.get_cached_block(block_hash, block_tokens, parent_key)
             if block is None:
                 break
             hit_blocks.append(block)
-        return hit_blocks, len(hit_blocks) * self.block_size
+            parent_key = chain_key(block)
+        return hit_blocks, len(hit_blocks) * size
 
     def can_allocate(
         self, request: Request, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock] = ()
@@ -114,6 +172,8 @@ class KVCacheManager:
         num_missing = self._num_missing_blocks(request_id, num_tokens, new_computed_blocks)
         if not self._has_room(num_missing, new_computed_blocks):
             return None
+        if request_id not in self._req_to_blocks:
+            self._on_admission(request, len(new_computed_blocks) * self.block_size)
         blocks = self._req_to_blocks.setdefault(request_id, [])
         block_ids = self._req_to_block_ids.setdefault(request_id, [])
         if new_computed_blocks:
@@ -122,6 +182,7 @@ class KVCacheManager:
             blocks.extend(new_computed_blocks)
             block_ids.extend(block.block_id for block in new_computed_blocks)
             self._req_num_cached_blocks[request_id] = len(new_computed_blocks)
+            self._req_next_parent[request_id] = chain_key(new_computed_blocks[-1])
         new_blocks = self.block_pool.get_new_blocks(num_missing)
         blocks.extend(new_blocks)
         new_block_ids = [block.block_id for block in new_blocks]
@@ -138,11 +199,32 @@ class KVCacheManager:
         num_cached = self._req_num_cached_blocks.get(request_id, 0)
         if num_full_blocks <= num_cached:
             return
+        self._req_num_cached_blocks[request_id] = num_full_blocks
+        parent_key = self._req_next_parent.get(request_id, root_key(request.cache_salt))
+        if parent_key is None or is_stale(parent_key):
+            # A collision broke the chain, or the cached copy of the last block (another
+            # request's, not held by this one) was evicted: later blocks would be unreachable.
+            self._req_next_parent[request_id] = None
+            return
         block_hashes = self._block_hashes(request, num_full_blocks)
         blocks = self._req_to_blocks[request_id]
+        token_ids = request.all_token_ids
+        size = self.block_size
         for index in range(num_cached, num_full_blocks):
-            self.block_pool.cache_block(blocks[index], block_hashes[index])
-        self._req_num_cached_blocks[request_id] = num_full_blocks
+            block_tokens = tuple(token_ids[index * size : (index + 1) * size])
+            cached = self.block_pool.cache_block(
+                blocks[index], block_hashes[index], block_tokens, parent_key
+            )
+            if cached is None:
+                self._req_next_parent[request_id] = None
+                return
+            parent_key = chain_key(cached)
+        self._req_next_parent[request_id] = parent_key
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache. Refused (False, nothing changed) while any block is held by
+        a request; True once every cached block is forgotten."""
+        return self.block_pool.reset_prefix_cache()
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so its last blocks are evicted first (a
@@ -153,6 +235,17 @@ class KVCacheManager:
         self._req_to_block_ids.pop(request_id, None)
         self._req_to_block_hashes.pop(request_id, None)
         self._req_num_cached_blocks.pop(request_id, None)
+        self._req_next_parent.pop(request_id, None)
+
+    def _on_admission(self, request: Request, num_cached_tokens: int) -> None:
+        """A request gets its first blocks: count its lookup if this is its first admission
+        (a resume after preemption recomputes tokens it had; that is no cache hit)."""
+        if request.num_preemptions > 0:
+            return
+        request.num_cached_tokens = num_cached_tokens
+        if self.enable_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_cached_tokens
 
     def _num_missing_blocks(
         self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
@@ -171,7 +264,11 @@ class KVCacheManager:
         token_ids = request.all_token_ids
         size = self.block_size
         for index in range(len(block_hashes), num_blocks):
-            parent_hash = block_hashes[-1] if block_hashes else _ROOT_HASH
             block_tokens = token_ids[index * size : (index + 1) * size]
-            block_hashes.append(hash_block_tokens(parent_hash, block_tokens))
+            if index == 0:
+                salt = request.cache_salt
+                extra_keys = b"" if salt is None else salt.encode()
+                block_hashes.append(self._hash_block(_ROOT_HASH, block_tokens, extra_keys))
+            else:
+                block_hashes.append(self._hash_block(block_hashes[-1], block_tokens, b""))
         return block_hashes

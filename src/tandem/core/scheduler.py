@@ -328,9 +328,7 @@ class Scheduler:
         new_block_ids = kv.allocate_slots(request, num_new_tokens, computed_blocks)
         assert new_block_ids is not None, "can_allocate has checked these blocks"
         self.waiting.popleft()
-        if request.num_preemptions == 0:
-            request.num_cached_tokens = num_cached_tokens
-        request.num_computed_tokens = num_cached_tokens
+        request.num_computed_tokens = num_cached_tokens  # num_cached_tokens: set by allocate_slots
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         plan.add(request, num_new_tokens)

@@ -58,6 +58,7 @@ class EngineCore:
         runner_config: RunnerConfig,
         scheduler_config: SchedulerConfig,
         enable_prefix_caching: bool = True,
+        prefix_caching_hash_algo: str = "xxhash",
         max_step_stats: int = 100_000,
     ) -> None:
         self.runner = ModelRunner(runner_config)
@@ -68,7 +69,10 @@ class EngineCore:
                 f"max_position_embeddings={model_len_limit}: lower max_model_len"
             )
         self.kv_cache_manager = KVCacheManager(
-            self.runner.num_kv_blocks, runner_config.block_size, enable_prefix_caching
+            self.runner.num_kv_blocks,
+            runner_config.block_size,
+            enable_prefix_caching,
+            prefix_caching_hash_algo,
         )
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
         self.generators: dict[str, torch.Generator] = {}

@@ -35,6 +35,7 @@ class LLM:
         max_model_len: int | None = None,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
+        prefix_caching_hash_algo: str = "xxhash",
         scheduling_policy: str = "decode-first",
         max_num_partial_prefills: int = 1,
         long_prefill_token_threshold: int = 0,
@@ -61,7 +62,9 @@ class LLM:
             policy=scheduling_policy,
         )
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(model)
-        core = EngineCore(runner_config, scheduler_config, enable_prefix_caching)
+        core = EngineCore(
+            runner_config, scheduler_config, enable_prefix_caching, prefix_caching_hash_algo
+        )
         config = core.runner.model_config
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         if eos is None and config.eos_token_ids:
@@ -77,24 +80,31 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing done) while requests hold blocks."""
+        return self.engine.core.kv_cache_manager.reset_prefix_cache()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text, or {"prompt_token_ids": [...]}); outputs come back
-        in prompt order."""
+        """Generate for every prompt (text, or {"prompt_token_ids": [...]} / {"prompt": text},
+        optionally with a "cache_salt"); outputs come back in prompt order."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params_list = self._params_list(sampling_params, len(prompts))
         encoded = [self._encode(prompt) for prompt in prompts]  # validate all before queueing
         request_ids = []
         try:
-            for (text, token_ids), params in zip(encoded, params_list, strict=True):
+            for prompt, (text, token_ids), params in zip(
+                prompts, encoded, params_list, strict=True
+            ):
                 request_id = str(self._next_request_id)
                 self._next_request_id += 1
-                self.engine.add_request(request_id, token_ids, params, prompt=text)
+                salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+                self.engine.add_request(request_id, token_ids, params, prompt=text, cache_salt=salt)
                 request_ids.append(request_id)
         except ValueError:
             for request_id in request_ids:

@@ -80,6 +80,7 @@ class LLMEngine:
         prompt: str | None = None,
         output_kind: OutputKind = OutputKind.FINAL_ONLY,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request; raises ValueError (nothing queued) for one that cannot run."""
         if request_id in self.requests:
@@ -98,6 +99,7 @@ class LLMEngine:
                     self._sequence_params(params, index),
                     self.eos_token_id,
                     arrival_time,
+                    cache_salt,
                 )
             )
             state.sequences.append(
