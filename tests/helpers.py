@@ -32,7 +32,7 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        return model(torch.tensor([token_ids])).logits[0].float()
+        return model(torch.tensor([token_ids], device=model.device)).logits[0].float()
 
 
 def llama_cpp_permute(weight, num_heads: int):
