@@ -112,3 +112,17 @@ def family_checkpoint(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]
     folder = tmp_path_factory.mktemp(name)
     model.save_pretrained(folder)
     return folder, model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    """A small GQA Llama with tied embeddings, for engine tests that need speed, not variety."""
+    model = make_hf_model(
+        "LlamaConfig",
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+             tie_word_embeddings=True),
+        seed=3,
+    )  # fmt: skip
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(folder)
+    return folder, model

@@ -3,69 +3,11 @@ how the work was batched (token budget, seats, policy, preemption)."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
 
 from tandem import LLM, SamplingParams
 
-from conftest import make_hf_model
-
-NEAR_TIE = 1e-3  # top-2 logprob gap under which fp32 noise may flip an argmax
-
-
-def first_near_tie(logprobs) -> int:
-    """Index of the first generated position whose top-2 logprob gap is under NEAR_TIE."""
-    for position, row in enumerate(logprobs):
-        top = sorted((lp.logprob for lp in row.values()), reverse=True)
-        if len(top) >= 2 and top[0] - top[1] < NEAR_TIE:
-            return position
-    return len(logprobs)
-
-
-def assert_same_until_tie(tokens: list[int], reference: list[int], reference_logprobs) -> None:
-    limit = first_near_tie(reference_logprobs)
-    assert tokens[:limit] == reference[:limit]
-    if limit == len(reference):
-        assert tokens == reference
-
-
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
-    """HF generate at batch 1 (no padding), with each step's top-2 gap."""
-    with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),  # token 0 in a prompt is not padding
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            output_scores=True,
-            return_dict_in_generate=True,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    gaps = []
-    for scores in out.scores:
-        top = torch.log_softmax(scores[0].float(), -1).topk(2).values
-        gaps.append(float(top[0] - top[1]))
-    return out.sequences[0, len(prompt) :].tolist(), gaps
-
-
-def random_prompts(count: int, vocab: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(rng.randint(low, high))] for _ in range(count)]
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    model = make_hf_model(
-        "LlamaConfig", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                            head_dim=32, tie_word_embeddings=True), seed=3,
-    )  # fmt: skip
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(folder)
-    return folder, model
+from helpers import assert_equals_hf_until_tie, assert_same_until_tie, hf_greedy, random_prompts
 
 
 def test_greedy_equals_hf_generate_for_every_family(family_checkpoint):
@@ -75,9 +17,7 @@ def test_greedy_equals_hf_generate_for_every_family(family_checkpoint):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, output in zip(prompts, outputs, strict=True):
-        reference, gaps = hf_greedy(hf_model, prompt, 12)
-        limit = next((i for i, gap in enumerate(gaps) if gap < NEAR_TIE), len(gaps))
-        assert output.outputs[0].token_ids[:limit] == reference[:limit]
+        assert_equals_hf_until_tie(output.outputs[0].token_ids, *hf_greedy(hf_model, prompt, 12))
 
 
 ENGINE_VARIANTS = [

@@ -11,9 +11,8 @@ import pytest
 from tandem import LLM, SamplingParams
 from tandem.core.kv_cache_manager import BLOCK_HASH_FUNCTIONS
 
-from conftest import make_hf_model
+from helpers import assert_same_until_tie
 
-NEAR_TIE = 1e-3  # top-2 logprob gap under which fp32 noise may flip an argmax
 BLOCK = 16
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
 
@@ -33,24 +32,15 @@ REPEATS = [
 ]
 
 
-def first_near_tie(logprobs) -> int:
-    for position, row in enumerate(logprobs):
-        top = sorted((lp.logprob for lp in row.values()), reverse=True)
-        if len(top) >= 2 and top[0] - top[1] < NEAR_TIE:
-            return position
-    return len(logprobs)
-
-
 def assert_same_outputs(outputs, reference) -> None:
     """Equal greedy tokens, up to the first near-tie of the reference (where fp32 noise from a
     different batching may flip the argmax)."""
     assert len(outputs) == len(reference)
     for output, expected in zip(outputs, reference, strict=True):
-        tokens, expected_tokens = output.outputs[0].token_ids, expected.outputs[0].token_ids
-        limit = first_near_tie(expected.outputs[0].logprobs)
-        assert tokens[:limit] == expected_tokens[:limit]
-        if limit == len(expected_tokens):
-            assert tokens == expected_tokens
+        expected_completion = expected.outputs[0]
+        assert_same_until_tie(
+            output.outputs[0].token_ids, expected_completion.token_ids, expected_completion.logprobs
+        )
 
 
 def generate(llm: LLM, prompts: list[list[int]]):
@@ -62,20 +52,14 @@ def cached_tokens(outputs) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    model = make_hf_model(
-        "LlamaConfig", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                            head_dim=32, tie_word_embeddings=True), seed=3,
-    )  # fmt: skip
-    folder = tmp_path_factory.mktemp("tiny-llama-prefix")
-    model.save_pretrained(folder)
-    return folder
+def tiny_folder(tiny_llama):
+    return tiny_llama[0]
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama):
+def reference(tiny_folder):
     """Outputs with caching off, each prompt set in its own call; and the engine's counters."""
-    llm = LLM(tiny_llama, skip_tokenizer_init=True, enable_prefix_caching=False)
+    llm = LLM(tiny_folder, skip_tokenizer_init=True, enable_prefix_caching=False)
     outputs = generate(llm, PROMPTS), generate(llm, REPEATS)
     return outputs, llm.engine.core.kv_cache_manager
 
@@ -87,10 +71,10 @@ def test_caching_off_reports_no_hits(reference) -> None:
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (0, 0)
 
 
-def test_shared_prefix_hits_and_outputs_equal_uncached(tiny_llama, reference) -> None:
+def test_shared_prefix_hits_and_outputs_equal_uncached(tiny_folder, reference) -> None:
     (shared_ref, _), _ = reference
     # A small budget admits the prompts over several steps, so later ones find the prefix.
-    llm = LLM(tiny_llama, skip_tokenizer_init=True, max_num_batched_tokens=64, max_num_seqs=4)
+    llm = LLM(tiny_folder, skip_tokenizer_init=True, max_num_batched_tokens=64, max_num_seqs=4)
     kv = llm.engine.core.kv_cache_manager
     outputs = generate(llm, PROMPTS)
     assert_same_outputs(outputs, shared_ref)
@@ -108,9 +92,9 @@ def test_shared_prefix_hits_and_outputs_equal_uncached(tiny_llama, reference) ->
     assert kv.num_free_blocks == kv.num_blocks
 
 
-def test_outputs_equal_under_eviction_and_preemption(tiny_llama, reference) -> None:
+def test_outputs_equal_under_eviction_and_preemption(tiny_folder, reference) -> None:
     (shared_ref, repeat_ref), _ = reference
-    llm = LLM(tiny_llama, skip_tokenizer_init=True, num_kv_blocks=14)
+    llm = LLM(tiny_folder, skip_tokenizer_init=True, num_kv_blocks=14)
     kv = llm.engine.core.kv_cache_manager
     pool = kv.block_pool
     evicted = []
@@ -137,7 +121,7 @@ def test_outputs_equal_under_eviction_and_preemption(tiny_llama, reference) -> N
 
 
 @pytest.mark.parametrize("collision", ["constant", "tokens_only"])
-def test_hash_collisions_never_corrupt_outputs(tiny_llama, reference, monkeypatch, collision):
+def test_hash_collisions_never_corrupt_outputs(tiny_folder, reference, monkeypatch, collision):
     def constant(parent: int, tokens, extra: bytes) -> int:
         return 42
 
@@ -147,7 +131,7 @@ def test_hash_collisions_never_corrupt_outputs(tiny_llama, reference, monkeypatc
     hash_fn = constant if collision == "constant" else tokens_only
     monkeypatch.setitem(BLOCK_HASH_FUNCTIONS, "xxhash", hash_fn)
     (shared_ref, repeat_ref), _ = reference
-    llm = LLM(tiny_llama, skip_tokenizer_init=True, max_num_batched_tokens=64, max_num_seqs=4)
+    llm = LLM(tiny_folder, skip_tokenizer_init=True, max_num_batched_tokens=64, max_num_seqs=4)
     assert_same_outputs(generate(llm, REPEATS), repeat_ref)
     assert_same_outputs(generate(llm, PROMPTS), shared_ref)
     again = generate(llm, REPEATS)
@@ -156,9 +140,9 @@ def test_hash_collisions_never_corrupt_outputs(tiny_llama, reference, monkeypatc
     assert cached_tokens(again)[0] >= BLOCK
 
 
-def test_reset_prefix_cache(tiny_llama, reference) -> None:
+def test_reset_prefix_cache(tiny_folder, reference) -> None:
     (shared_ref, _), _ = reference
-    llm = LLM(tiny_llama, skip_tokenizer_init=True)
+    llm = LLM(tiny_folder, skip_tokenizer_init=True)
     kv = llm.engine.core.kv_cache_manager
     generate(llm, PROMPTS[:1])
     assert kv.block_pool.num_cached_blocks > 0

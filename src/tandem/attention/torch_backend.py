@@ -115,11 +115,12 @@ def paged_attention(
 
 # Reused gather buffers, one pair per (device, dtype). A fresh multi-MB allocation per layer
 # costs page faults that made the gather 3-7x slower than the copy itself in a busy engine.
-_workspaces: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+# Keyed by inference mode too: a buffer made under it cannot be written outside it.
+_workspaces: dict[tuple[torch.device, torch.dtype, bool], torch.Tensor] = {}
 
 
 def _workspace(like: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    key = (like.device, like.dtype)
+    key = (like.device, like.dtype, torch.is_inference_mode_enabled())
     buffer = _workspaces.get(key)
     if buffer is None or buffer.numel() < 2 * numel:
         buffer = torch.empty(2 * numel, dtype=like.dtype, device=like.device)
