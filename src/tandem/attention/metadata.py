@@ -41,10 +41,6 @@ class AttentionMetadata:
     # Index tensors a backend derives once per step and every layer reuses.
     backend_plan: object | None = None
 
-    @property
-    def num_reqs(self) -> int:
-        return len(self.seq_lens_cpu)
-
 
 @dataclass
 class BatchInputs:
