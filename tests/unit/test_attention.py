@@ -29,11 +29,22 @@ def dense_causal_attention(q, k, v, num_computed: int, scale: float) -> torch.Te
 @pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(4, 4, 4), (6, 2, 16), (12, 2, 8)])
 def test_mixed_batch_matches_dense(num_heads, num_kv_heads, block_size):
     """Decodes, first chunks and later chunks in one call; blocks scattered through the pool."""
-    torch.manual_seed(0)
-    rng = random.Random(0)
-    head_dim, num_blocks = 32, 64
     # (num_computed_tokens, num_new_tokens) per request
     shapes = [(20, 1), (0, 13), (37, 9), (5, 1), (0, 1), (16, 16), (63, 1)]
+    check_against_dense(shapes, num_heads, num_kv_heads, block_size, num_blocks=64)
+
+
+def test_many_decodes_of_mixed_lengths_match_dense():
+    """Enough decodes of spread-out lengths that they are split into several length groups."""
+    rng = random.Random(1)
+    shapes = [(rng.randint(0, 300), 1) for _ in range(40)] + [(0, 7), (90, 5)]
+    check_against_dense(shapes, num_heads=6, num_kv_heads=2, block_size=8, num_blocks=1700)
+
+
+def check_against_dense(shapes, num_heads, num_kv_heads, block_size, num_blocks):
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    head_dim = 32
     pool = list(range(num_blocks))
     rng.shuffle(pool)
     kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim)

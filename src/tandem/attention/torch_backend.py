@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -26,15 +27,56 @@ class _PrefillSlice:
 
 
 @dataclass
+class _DecodeGroup:
+    """Decodes of similar context length, attended to in one call (padding to the group's
+    longest context, not the batch's)."""
+
+    token_indices: torch.Tensor
+    block_table: torch.Tensor  # [group size, blocks covering the group's longest context]
+    key_mask: torch.Tensor  # [group size, 1, 1, keys] True = valid key
+
+
+@dataclass
 class _Plan:
     """Index tensors derived once per step from the metadata, shared by every layer."""
 
     store_token_indices: torch.Tensor | None  # None: every token is stored
     store_slots: torch.Tensor
-    decode_token_indices: torch.Tensor
-    decode_block_table: torch.Tensor  # [num_decodes, blocks covering the longest context]
-    decode_key_mask: torch.Tensor  # [num_decodes, 1, 1, keys] True = valid key
+    decode_groups: list[_DecodeGroup]
     prefills: list[_PrefillSlice]
+
+
+MIN_DECODE_GROUP = 8  # below this, a call's fixed cost outweighs the padding it saves
+
+
+def _group_decodes(num_blocks: np.ndarray) -> list[np.ndarray]:
+    """Split decode positions (longest context first) so that a group's shortest context
+    needs more than half its longest one's blocks: padding wastes under half of each gather."""
+    order = np.argsort(-num_blocks, kind="stable")
+    groups: list[list[int]] = []
+    for position in order:
+        group = groups[-1] if groups else None
+        if group is None or (
+            len(group) >= MIN_DECODE_GROUP and 2 * num_blocks[position] <= num_blocks[group[0]]
+        ):
+            groups.append([position])
+        else:
+            group.append(position)
+    return [np.asarray(group) for group in groups]
+
+
+def _decode_group(md: AttentionMetadata, requests: np.ndarray) -> _DecodeGroup:
+    device = md.slot_mapping.device
+    lens = md.seq_lens_cpu[requests]
+    num_blocks = int(-(-lens.max() // md.block_size))
+    requests_dev = torch.from_numpy(requests).to(device)
+    key_positions = torch.arange(num_blocks * md.block_size, device=device)
+    key_mask = key_positions[None, :] < torch.from_numpy(lens).to(device)[:, None]
+    return _DecodeGroup(
+        token_indices=md.query_start_loc[requests_dev],
+        block_table=md.block_table[requests_dev, :num_blocks],
+        key_mask=key_mask[:, None, None, :],
+    )
 
 
 def _make_plan(md: AttentionMetadata) -> _Plan:
@@ -46,12 +88,8 @@ def _make_plan(md: AttentionMetadata) -> _Plan:
     store_slots = md.slot_mapping if all_valid else md.slot_mapping[store_token_indices]
 
     decodes = md.decode_indices_cpu
-    decode_lens = md.seq_lens_cpu[decodes]
-    num_blocks = int(-(-decode_lens.max() // block_size)) if len(decodes) else 0
-    decodes_dev = torch.from_numpy(decodes).to(device)
-    key_positions = torch.arange(num_blocks * block_size, device=device)
-    decode_lens_dev = torch.from_numpy(decode_lens).to(device)
-    decode_key_mask = key_positions[None, :] < decode_lens_dev[:, None]
+    decode_blocks = -(-md.seq_lens_cpu[decodes] // block_size)
+    decode_groups = [_decode_group(md, decodes[g]) for g in _group_decodes(decode_blocks)]
 
     prefills = []
     for req in md.prefill_indices_cpu:
@@ -69,9 +107,7 @@ def _make_plan(md: AttentionMetadata) -> _Plan:
     return _Plan(
         store_token_indices=store_token_indices,
         store_slots=store_slots,
-        decode_token_indices=md.query_start_loc[decodes_dev],
-        decode_block_table=md.block_table[decodes_dev, :num_blocks],
-        decode_key_mask=decode_key_mask[:, None, None, :],
+        decode_groups=decode_groups,
         prefills=prefills,
     )
 
@@ -102,9 +138,9 @@ def paged_attention(
     plan = metadata.backend_plan
     store_kv(key, value, kv_cache, plan)
     output = torch.empty_like(query)
-    if len(plan.decode_token_indices):
-        output[plan.decode_token_indices] = _decode_attention(
-            query[plan.decode_token_indices], kv_cache, plan, scale
+    for group in plan.decode_groups:
+        output[group.token_indices] = _decode_attention(
+            query[group.token_indices], kv_cache, group, scale
         )
     for chunk in plan.prefills:
         output[chunk.query_start : chunk.query_end] = _prefill_attention(
@@ -147,19 +183,19 @@ def gather_context(
 
 
 def _decode_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan, scale: float
+    query: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeGroup, scale: float
 ) -> torch.Tensor:
     num_decodes, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     # Keys/values stay [B, keys, KVH, D] in memory; SDPA reads the transposed view in place.
-    keys, values = gather_context(kv_cache, plan.decode_block_table)
+    keys, values = gather_context(kv_cache, group.block_table)
     # GQA: each kv head's query heads become its "query tokens", so its keys are read once.
     grouped = query.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(
         grouped,
         keys.transpose(1, 2),
         values.transpose(1, 2),
-        attn_mask=plan.decode_key_mask,
+        attn_mask=group.key_mask,
         scale=scale,
     )
     return out.reshape(num_decodes, num_heads, head_dim)
