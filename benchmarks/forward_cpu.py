@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -96,13 +95,11 @@ def hf_decode(model: torch.nn.Module, batch: int, vocab: int) -> Callable[[], No
     return run
 
 
-def median_time(fn: Callable[[], None], repeats: int, uses_step_time: bool) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(fn.step_time if uses_step_time else time.perf_counter() - start)
-    return statistics.median(times)
+def run_time(fn: Callable[[], None], uses_step_time: bool) -> float:
+    """Seconds of one run: its whole call, or the per-step time the decode runs record."""
+    start = time.perf_counter()
+    fn()
+    return fn.step_time if uses_step_time else time.perf_counter() - start
 
 
 def main() -> None:
@@ -132,8 +129,8 @@ def main() -> None:
             theirs()
             ours_times, theirs_times = [], []
             for _ in range(args.repeats):  # alternate, so load on the machine hits both
-                ours_times.append(median_time(ours, 1, per_step))
-                theirs_times.append(median_time(theirs, 1, per_step))
+                ours_times.append(run_time(ours, per_step))
+                theirs_times.append(run_time(theirs, per_step))
             ours_s, theirs_s = min(ours_times), min(theirs_times)
             rows.append((name, ours_s, theirs_s, tokens))
 

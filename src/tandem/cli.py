@@ -45,7 +45,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-caching-hash-algo", default="xxhash",
                         choices=["xxhash", "sha256"])  # fmt: skip
     parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--kv-cache-memory", type=parse_size, default=2 << 30,
+    parser.add_argument("--kv-cache-memory", type=parse_size, default="2GiB",
                         help="KV cache size on CPU, e.g. 2GiB")  # fmt: skip
 
 

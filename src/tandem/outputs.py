@@ -3,6 +3,7 @@ timing that shows the prefill/decode split (TTFT vs inter-token latency)."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 
@@ -45,7 +46,7 @@ class RequestMetrics:
     @property
     def inter_token_latencies(self) -> list[float]:
         """Every gap between consecutive output tokens (ITL)."""
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
+        return [b - a for a, b in itertools.pairwise(self.token_times)]
 
     @property
     def decode_time(self) -> float | None:

@@ -17,7 +17,7 @@ from tandem.engine.tokenizer import load_tokenizer
 from tandem.models.loader import load_model_config, resolve_model_path
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
-from tandem.worker.model_runner import RunnerConfig
+from tandem.worker.model_runner import DEFAULT_KV_CACHE_MEMORY, RunnerConfig
 
 PromptType = str | dict[str, Any]
 Conversation = list[dict[str, str]]
@@ -40,7 +40,7 @@ class LLM:
         max_num_partial_prefills: int = 1,
         long_prefill_token_threshold: int = 0,
         num_kv_blocks: int | None = None,
-        kv_cache_memory: int = 2 << 30,
+        kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
         skip_tokenizer_init: bool = False,
     ) -> None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -24,6 +24,8 @@ DTYPES = {
     "fp16": torch.float16,
 }
 
+DEFAULT_KV_CACHE_MEMORY = 2 << 30  # bytes
+
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
@@ -60,7 +62,7 @@ class RunnerConfig:
     device: str = "cpu"
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides the size computed from kv_cache_memory
-    kv_cache_memory: int = 2 << 30  # bytes for the cache on CPU
+    kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY  # bytes for the cache on CPU
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
