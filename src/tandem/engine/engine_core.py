@@ -8,31 +8,22 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from tandem.core.kv_cache_manager import KVCacheManager
-from tandem.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tandem.core.scheduler import Scheduler, SchedulerOutput
+from tandem.engine.stats import SchedulerStats, StepStats
 from tandem.outputs import Logprob
 from tandem.request import Request, RequestStatus
-from tandem.worker.model_runner import ModelRunner, RunnerConfig
+from tandem.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from tandem.engine.config import EngineConfig
 from tandem.worker.sampler import SamplingInputs, sample
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepStats:
-    """One step's telemetry: how much prefill and decode work it mixed, and what it cost."""
-
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_seqs: int
-    num_preempted: int
-    step_time: float  # seconds, schedule to update
-    kv_usage: float  # fraction of KV blocks in use after the step
-    num_waiting: int
-    num_running: int
 
 
 @dataclass
@@ -53,30 +44,20 @@ class EngineCoreOutput:
 
 
 class EngineCore:
-    def __init__(
-        self,
-        runner_config: RunnerConfig,
-        scheduler_config: SchedulerConfig,
-        enable_prefix_caching: bool = True,
-        prefix_caching_hash_algo: str = "xxhash",
-        max_step_stats: int = 100_000,
-    ) -> None:
+    def __init__(self, config: EngineConfig, max_step_stats: int = 100_000) -> None:
+        runner_config, scheduler_config = config.runner, config.scheduler
         self.runner = ModelRunner(runner_config)
-        model_len_limit = self.runner.model_config.max_position_embeddings
-        if scheduler_config.max_model_len > model_len_limit:
-            raise ValueError(
-                f"max_model_len={scheduler_config.max_model_len} is larger than the model's "
-                f"max_position_embeddings={model_len_limit}: lower max_model_len"
-            )
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_kv_blocks,
             runner_config.block_size,
-            enable_prefix_caching,
-            prefix_caching_hash_algo,
+            config.enable_prefix_caching,
+            config.prefix_caching_hash_algo,
         )
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
         self.generators: dict[str, torch.Generator] = {}
         self.step_stats: deque[StepStats] = deque(maxlen=max_step_stats)
+        self.num_steps = 0
+        self.num_preemptions = 0
         max_tokens = self.kv_cache_manager.max_num_tokens
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens; max concurrency at max_model_len=%d: "
@@ -174,7 +155,23 @@ class EngineCore:
             finished_time=request.finished_time,
         )
 
+    def scheduler_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=kv.usage,
+            num_kv_blocks=kv.num_blocks,
+            num_free_kv_blocks=kv.num_free_blocks,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            num_steps=self.num_steps,
+        )
+
     def _record_stats(self, scheduled: SchedulerOutput, step_time: float) -> None:
+        self.num_steps += 1
+        self.num_preemptions += len(scheduled.preempted_request_ids)
         self.step_stats.append(
             StepStats(
                 num_prefill_tokens=scheduled.num_prefill_tokens,

@@ -7,17 +7,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
-from tandem.core.scheduler import SchedulerConfig
+from tandem.engine.config import EngineConfig
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.tokenizer import load_tokenizer
-from tandem.models.loader import load_model_config, resolve_model_path
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
-from tandem.worker.model_runner import DEFAULT_KV_CACHE_MEMORY, RunnerConfig
+from tandem.worker.model_runner import DEFAULT_KV_CACHE_MEMORY
 
 PromptType = str | dict[str, Any]
 Conversation = list[dict[str, str]]
@@ -43,33 +41,28 @@ class LLM:
         kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
         skip_tokenizer_init: bool = False,
     ) -> None:
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        runner_config = RunnerConfig(
-            model=model,
+        self.config = EngineConfig.create(
+            model,
             dtype=dtype,
             device=device,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory=kv_cache_memory,
-        )
-        model_config = load_model_config(resolve_model_path(model))
-        scheduler_config = SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len or model_config.max_position_embeddings,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            prefix_caching_hash_algo=prefix_caching_hash_algo,
+            scheduling_policy=scheduling_policy,
             max_num_partial_prefills=max_num_partial_prefills,
             long_prefill_token_threshold=long_prefill_token_threshold,
-            policy=scheduling_policy,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=kv_cache_memory,
+            skip_tokenizer_init=skip_tokenizer_init,
         )
-        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(model)
-        core = EngineCore(
-            runner_config, scheduler_config, enable_prefix_caching, prefix_caching_hash_algo
+        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(self.config.model_path)
+        core = EngineCore(self.config)
+        eos, extra_eos = self.config.eos_token_ids(
+            self.tokenizer.eos_token_id if self.tokenizer is not None else None
         )
-        config = core.runner.model_config
-        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        if eos is None and config.eos_token_ids:
-            eos = config.eos_token_ids[0]
-        extra_eos = tuple(t for t in config.eos_token_ids if t != eos)
         self.engine = LLMEngine(core, self.tokenizer, eos, extra_eos)
         self._next_request_id = 0
 

@@ -1,0 +1,60 @@
+"""What the engine reports about itself: per-step telemetry, the scheduler's state after a
+step, and one record per finished sequence. The offline LLM keeps them; the server turns them
+into Prometheus metrics and log lines through `StatLogger`s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from tandem.outputs import RequestMetrics
+
+
+@dataclass
+class StepStats:
+    """One step's telemetry: how much prefill and decode work it mixed, and what it cost."""
+
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_seqs: int
+    num_preempted: int
+    step_time: float  # seconds, schedule to update
+    kv_usage: float  # fraction of KV blocks in use after the step
+    num_waiting: int
+    num_running: int
+
+
+@dataclass
+class SchedulerStats:
+    """The engine core's state now; counters are cumulative since start (Prometheus style)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of blocks held by requests (cached free blocks are free)
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found
+    num_preemptions: int
+    num_steps: int
+
+
+@dataclass
+class FinishedRequestStats:
+    """One finished sequence (a request with n > 1 gives n of these)."""
+
+    request_id: str
+    finish_reason: str  # "stop", "length" or "abort"
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    metrics: RequestMetrics
+
+
+class StatLogger(Protocol):
+    """Receives the engine's telemetry in the process that serves requests."""
+
+    def record_steps(self, scheduler_stats: SchedulerStats, steps: list[StepStats]) -> None:
+        """Called after each batch of engine-core steps (steps may be empty: state only)."""
+
+    def record_finished(self, finished: FinishedRequestStats) -> None:
+        """Called once per finished sequence, aborted ones included."""
