@@ -14,6 +14,11 @@ class Logprob:
     decoded_token: str | None = None
 
 
+# One entry per prompt token: None for the first (nothing predicts it), then the token's logprob
+# with its rank plus the top-N at that position, in the shape of CompletionOutput.logprobs.
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
 @dataclass
 class RequestMetrics:
     """Timestamps (time.monotonic seconds) of one sequence's life."""
@@ -89,6 +94,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # With SamplingParams.prompt_logprobs: the whole list, in the first output that has it (DELTA
+    # outputs carry it once); None otherwise.
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def num_cached_tokens(self) -> int:

@@ -47,6 +47,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # normalised to a list
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Logprobs of the prompt tokens (each with its rank) plus the top-N at every prompt position
+    # (RequestOutput.prompt_logprobs). Such a request computes its whole prompt: no prefix-cache
+    # hits, as in vLLM.
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -87,6 +91,8 @@ class SamplingParams:
             _check_int("stop_token_ids", token_id, 0, "a list of token ids >= 0")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, ">= 0 or None")
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, ">= 0 or None")
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0, "in [-2, 2]")
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "in [-2, 2]")
         _check_float(

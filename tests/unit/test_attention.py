@@ -93,6 +93,36 @@ def test_build_batch_positions_and_slots():
     assert np.array_equal(batch.attn_metadata.decode_indices_cpu, [])
 
 
+def test_build_batch_prompt_logits_rows_and_targets():
+    """Rows of the positions to score, request by request, and the token after each."""
+    slices = [
+        Slice(list(range(100, 130)), 8, 10, [1, 2]),  # positions 8..17 in rows 0..9
+        Slice([5, 6, 7], 2, 1, [3]),  # a decode: nothing to score
+        Slice(list(range(200, 240)), 0, 16, [4, 5, 6]),  # rows 11..26
+    ]
+    batch = build_batch(slices, 16, torch.device("cpu"), None, [(10, 14), (0, 0), (0, 16)])
+    prompt = batch.prompt_logits
+    assert prompt.indices.tolist() == [2, 3, 4, 5, *range(11, 27)]
+    assert prompt.target_ids.tolist() == [111, 112, 113, 114, *range(201, 217)]
+    assert prompt.num_rows.tolist() == [4, 0, 16]
+    assert batch.logits_indices.tolist() == [9, 10, 26]  # sampling rows unchanged
+    assert build_batch(slices, 16, torch.device("cpu")).prompt_logits is None
+
+
+@pytest.mark.parametrize(
+    ("ranges", "message"),
+    [
+        ([(7, 9)], "outside the request's new tokens"),
+        ([(9, 19)], "outside the request's new tokens"),
+        ([(9, 18)], "no next token"),
+        ([(0, 0), (0, 0)], "one range per request"),
+    ],
+)
+def test_build_batch_rejects_bad_prompt_logits_ranges(ranges, message):
+    with pytest.raises(ValueError, match=message):
+        build_batch([Slice(list(range(18)), 8, 10, [0, 1])], 16, torch.device("cpu"), None, ranges)
+
+
 def test_build_batch_rejects_short_block_table():
     with pytest.raises(ValueError, match="block table is too short"):
         build_batch([Slice(list(range(20)), 0, 20, [0])], 16, torch.device("cpu"))

@@ -366,6 +366,21 @@ def test_lookups_and_refused_admissions_count_nothing() -> None:
     assert request.num_cached_tokens == 0
 
 
+def test_prompt_logprobs_requests_take_no_hits_but_feed_the_cache() -> None:
+    """Prompt logprobs need logits at every prompt position, so such a request computes its
+    whole prompt (vLLM does the same); it is not counted as a lookup, and its blocks still
+    serve later requests."""
+    kv = KVCacheManager(16, 4, enable_caching=True)
+    prompt = [*range(12), 50]
+    admit(kv, Request("a", prompt))
+    wants = Request("b", prompt, SamplingParams(prompt_logprobs=0))
+    assert admit(kv, wants) == 0
+    assert wants.num_cached_tokens == 0
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (13, 0)
+    kv.free(Request("a", prompt))
+    assert admit(kv, Request("c", prompt)) == 12  # b's blocks (or a's) serve it
+
+
 # -- LRU eviction and reset -------------------------------------------------------------------
 
 

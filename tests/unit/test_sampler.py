@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from tandem.sampling_params import SamplingParams
-from tandem.worker.sampler import SamplingInputs, apply_penalties, sample
+from tandem.worker.sampler import (
+    LogprobsTensors,
+    SamplingInputs,
+    apply_penalties,
+    logprob_dicts,
+    sample,
+    token_logprobs,
+)
 
 # Distinct logits over a small vocab; sorted order 2, 7, 0, 4, 1, 6, 3, 5. Every truncation
 # boundary used below is at least 0.03 away from its threshold, far above float32 error.
@@ -294,6 +301,29 @@ def test_logprobs_come_from_the_raw_logits() -> None:
     assert list(out.logprobs[2]) == [tokens[2]] and out.logprobs[2][tokens[2]].rank == 1
     assert len(out.logprobs[3]) == 4 and out.logprobs[3][tokens[3]].rank == 5
     assert len(out.logprobs[4]) == vocab
+
+
+def test_token_logprobs_of_given_targets_in_slices() -> None:
+    """What prompt logprobs use: any target per row (not a sampled one), its rank, the top-N;
+    rows scored in slices and concatenated give the same as all at once; each row's dict keeps
+    only its own N."""
+    logits = torch.randn(7, 12, generator=torch.Generator().manual_seed(1)) * 2
+    targets = torch.tensor([0, 5, 11, 3, 3, 7, 1])
+    raw = torch.log_softmax(logits, -1)
+    whole = token_logprobs(logits, targets, 4)
+    parts = LogprobsTensors.cat([token_logprobs(logits[a:b], targets[a:b], 4)
+                                 for a, b in ((0, 3), (3, 6), (6, 7))])  # fmt: skip
+    for field in ("token_ids", "token_logprobs", "ranks", "top_logprobs", "top_ids"):
+        assert torch.equal(getattr(whole, field), getattr(parts, field))
+    assert torch.allclose(whole.token_logprobs, raw.gather(-1, targets[:, None]).squeeze(-1))
+    assert whole.ranks.tolist() == [int((raw[i] > raw[i, t]).sum()) + 1
+                                    for i, t in enumerate(targets.tolist())]  # fmt: skip
+    num_top = [0, 1, 2, 4, 4, 3, 0]
+    rows = logprob_dicts(whole, num_top)
+    for row, (entry, target, n) in enumerate(zip(rows, targets.tolist(), num_top, strict=True)):
+        top = raw[row].topk(n).indices.tolist()
+        assert next(iter(entry)) == target and set(entry) == {target, *top}
+    assert token_logprobs(logits, targets, 50).top_ids.shape == (7, 12)  # capped at the vocab
 
 
 def test_mixed_batch_keeps_each_rows_semantics() -> None:

@@ -19,6 +19,7 @@ def test_defaults_match_vllm() -> None:
     assert params.stop_token_ids == []
     assert params.ignore_eos is False
     assert params.logprobs is None
+    assert params.prompt_logprobs is None
     assert (params.presence_penalty, params.frequency_penalty) == (0.0, 0.0)
     assert params.repetition_penalty == 1.0
     assert params.skip_special_tokens is True
@@ -62,6 +63,9 @@ def test_unlimited_max_tokens_is_allowed() -> None:
         ({"stop": [""]}, "stop must be a non-empty string"),
         ({"stop_token_ids": [-1]}, "stop_token_ids must be a list of token ids >= 0, got -1"),
         ({"logprobs": -1}, "logprobs must be >= 0 or None, got -1"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs must be >= 0 or None, got -1"),
+        ({"prompt_logprobs": True}, "prompt_logprobs must be >= 0 or None, got True"),
+        ({"prompt_logprobs": 2.0}, "prompt_logprobs must be >= 0 or None, got 2.0"),
         ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2], got 2.5"),
         ({"frequency_penalty": -3}, "frequency_penalty must be in [-2, 2], got -3"),
         ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
@@ -87,6 +91,8 @@ def test_invalid_values_name_field_value_and_range(kwargs: dict, message: str) -
         {"frequency_penalty": 2.0},
         {"repetition_penalty": 1.3},
         {"logprobs": 0},
+        {"prompt_logprobs": 0},
+        {"prompt_logprobs": 20},
         {"seed": 0},
         {"min_tokens": 16, "max_tokens": 16},
     ],

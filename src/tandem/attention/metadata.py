@@ -43,11 +43,21 @@ class AttentionMetadata:
 
 
 @dataclass
+class PromptLogitsInputs:
+    """Rows of the batch whose logits give prompt logprobs, request by request in batch order."""
+
+    indices: torch.Tensor  # [R] rows of the hidden states
+    target_ids: torch.Tensor  # [R] the token each row predicts: the one after its position
+    num_rows: np.ndarray  # [B] how many of the R rows each request has
+
+
+@dataclass
 class BatchInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [S] rows of the hidden states to turn into logits
+    prompt_logits: PromptLogitsInputs | None = None
 
 
 def build_batch(
@@ -55,9 +65,12 @@ def build_batch(
     block_size: int,
     device: torch.device,
     sample_mask: Sequence[bool] | None = None,
+    prompt_logits_ranges: Sequence[tuple[int, int]] | None = None,
 ) -> BatchInputs:
     """Flatten the scheduled requests into one batch. `sample_mask` picks the requests whose
-    last new token gets logits (default: all)."""
+    last new token gets logits (default: all). `prompt_logits_ranges`: per request, the
+    positions [start, end) among its new tokens that also get logits, for prompt logprobs
+    ((0, 0): none); each must have a known next token."""
     num_reqs = len(requests)
     num_new = np.fromiter((r.num_new_tokens for r in requests), np.int64, num_reqs)
     num_computed = np.fromiter((r.num_computed_tokens for r in requests), np.int64, num_reqs)
@@ -111,12 +124,53 @@ def build_batch(
         prefill_indices_cpu=np.flatnonzero(~is_decode),
         block_size=block_size,
     )
+    prompt_logits = None
+    if prompt_logits_ranges is not None:
+        rows, target_ids, num_rows = _prompt_logits_rows(
+            requests, prompt_logits_ranges, query_start_loc, num_computed, num_new
+        )
+        prompt_logits = PromptLogitsInputs(to_device(rows), to_device(target_ids), num_rows)
     return BatchInputs(
         input_ids=to_device(input_ids),
         positions=to_device(positions),
         attn_metadata=metadata,
         logits_indices=to_device(ends),
+        prompt_logits=prompt_logits,
     )
+
+
+def _prompt_logits_rows(
+    requests: Sequence[RequestSlice],
+    ranges: Sequence[tuple[int, int]],
+    query_start_loc: np.ndarray,
+    num_computed: np.ndarray,
+    num_new: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Batch rows of the positions in `ranges`, their target (next) token ids, rows per request."""
+    num_reqs = len(requests)
+    if len(ranges) != num_reqs:
+        raise ValueError(f"prompt_logits_ranges needs one range per request, got {len(ranges)}")
+    bounds = np.array(ranges, dtype=np.int64).reshape(num_reqs, 2)
+    starts, ends = bounds[:, 0], bounds[:, 1]
+    num_rows = np.maximum(ends - starts, 0)
+    wanted = num_rows > 0
+    if np.any(wanted & ((starts < num_computed) | (ends > num_computed + num_new))):
+        raise ValueError("a prompt-logits range lies outside the request's new tokens")
+    owner = np.repeat(np.arange(num_reqs), num_rows)
+    first_of_owner = np.cumsum(num_rows) - num_rows
+    offsets = np.arange(int(num_rows.sum())) - first_of_owner[owner]
+    rows = (query_start_loc[:-1] + starts - num_computed)[owner] + offsets
+    target_ids = np.concatenate(
+        [
+            np.asarray(r.token_ids[start + 1 : end + 1], dtype=np.int64)
+            for r, start, end in zip(requests, starts.tolist(), ends.tolist(), strict=True)
+            if end > start
+        ]
+        or [np.zeros(0, dtype=np.int64)]
+    )
+    if len(target_ids) != len(rows):
+        raise ValueError("a prompt-logits position has no next token to score")
+    return rows, target_ids, num_rows
 
 
 _current: AttentionMetadata | None = None

@@ -123,9 +123,11 @@ class KVCacheManager:
         """Longest cached prefix of the request, as (blocks, number of tokens they hold).
 
         The last token is never served from the cache: it must be computed to get logits to
-        sample from, and a block shared with another request is never written.
+        sample from, and a block shared with another request is never written. A request that
+        wants prompt logprobs takes no hits (as in vLLM): it needs logits at every prompt
+        position. Its blocks are still cached for others.
         """
-        if not self.enable_caching:
+        if not self._looks_up(request):
             return [], 0
         max_num_blocks = (request.num_tokens - 1) // self.block_size
         token_ids = request.all_token_ids
@@ -243,9 +245,13 @@ class KVCacheManager:
         if request.num_preemptions > 0:
             return
         request.num_cached_tokens = num_cached_tokens
-        if self.enable_caching:
+        if self._looks_up(request):
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_cached_tokens
+
+    def _looks_up(self, request: Request) -> bool:
+        """Whether the request's prompt is looked up in the prefix cache (and counted)."""
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None
 
     def _num_missing_blocks(
         self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]

@@ -18,17 +18,19 @@ from tandem.engine.stats import SchedulerStats, StepStats
 from tandem.outputs import Logprob
 from tandem.request import Request, RequestStatus
 from tandem.worker.model_runner import ModelRunner
+from tandem.worker.sampler import LogprobsTensors, SamplingInputs, logprob_dicts, sample
 
 if TYPE_CHECKING:
+    from tandem.core.scheduler import ScheduledRequest
     from tandem.engine.config import EngineConfig
-from tandem.worker.sampler import SamplingInputs, sample
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class EngineCoreOutput:
-    """What one request got from a step (only requests that sampled or finished appear)."""
+    """What one request got from a step. Requests that sampled or finished appear, and prompt
+    chunks that scored prompt logprobs (with no new tokens)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -41,6 +43,9 @@ class EngineCoreOutput:
     first_token_time: float | None
     token_times: list[float] = field(default_factory=list)  # of the new tokens
     finished_time: float | None = None
+    # Prompt logprobs this step computed, one per prompt position in order from the second
+    # prompt token (the first has none); each position is sent once, even after a preemption.
+    new_prompt_logprobs: list[dict[int, Logprob]] | None = None
 
 
 class EngineCore:
@@ -55,6 +60,11 @@ class EngineCore:
         )
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
         self.generators: dict[str, torch.Generator] = {}
+        # Requests still owed prompt logprobs -> prompt positions whose logits have been scored
+        # and sent (the logits at position p give the logprob of prompt token p + 1). A request
+        # leaves once all are sent, so a recompute after a preemption never sends them again
+        # and decode steps do not look at it.
+        self.prompt_logprobs_sent: dict[str, int] = {}
         self.step_stats: deque[StepStats] = deque(maxlen=max_step_stats)
         self.num_steps = 0
         self.num_preemptions = 0
@@ -76,6 +86,8 @@ class EngineCore:
             generator = torch.Generator(device=self.runner.device)
             generator.manual_seed(seed)
             self.generators[request.request_id] = generator
+        if request.sampling_params.prompt_logprobs is not None and request.num_prompt_tokens > 1:
+            self.prompt_logprobs_sent[request.request_id] = 0
 
     def finish_requests(
         self, request_ids: list[str], status: RequestStatus, stop_reason: str | None = None
@@ -86,6 +98,7 @@ class EngineCore:
             if request is not None and stop_reason is not None:
                 request.stop_reason = stop_reason
             self.generators.pop(request_id, None)
+            self.prompt_logprobs_sent.pop(request_id, None)
         self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
@@ -99,9 +112,16 @@ class EngineCore:
         sampled_requests = [
             self.scheduler.requests[s.request_id] for s in scheduled.scheduled if s.sample
         ]
-        logits = self.runner.execute(scheduled.scheduled, [s.sample for s in scheduled.scheduled])
-        sampler_output = sample(logits, self._sampling_inputs(sampled_requests))
+        prompt_ranges, num_prompt_top = self._prompt_logits_ranges(scheduled.scheduled)
+        run = self.runner.run(
+            scheduled.scheduled, [s.sample for s in scheduled.scheduled], prompt_ranges,
+            num_prompt_top,
+        )  # fmt: skip
+        sampler_output = sample(run.logits, self._sampling_inputs(sampled_requests))
         token_ids = sampler_output.token_ids.tolist()
+        prompt_logprobs_by_id = self._prompt_logprobs(
+            scheduled.scheduled, prompt_ranges, run.prompt_logprobs
+        )
         sampled = {r.request_id: [t] for r, t in zip(sampled_requests, token_ids, strict=True)}
         num_outputs_before = {r.request_id: r.num_output_tokens for r in sampled_requests}
         updated = self.scheduler.update_from_output(scheduled, sampled)
@@ -115,7 +135,87 @@ class EngineCore:
         outputs = [
             self._output(r, num_outputs_before[r.request_id], logprobs_by_id) for r in updated
         ]
+        if prompt_logprobs_by_id:
+            outputs = self._with_prompt_logprobs(outputs, prompt_logprobs_by_id)
         self._record_stats(scheduled, time.perf_counter() - start)
+        return outputs
+
+    # -- prompt logprobs -----------------------------------------------------------------------
+
+    def _prompt_logits_ranges(
+        self, scheduled: list[ScheduledRequest]
+    ) -> tuple[list[tuple[int, int]] | None, int]:
+        """Per scheduled request, the positions [start, end) of this step's tokens whose logits
+        give prompt logprobs not sent yet ((0, 0): none), and the most top tokens one of them
+        asks for; None when no request has any, which is all a step without them costs. The
+        last prompt position is not one (its logits are sampled), and after a preemption
+        mid-prompt the positions already sent are not scored again."""
+        if not self.prompt_logprobs_sent:
+            return None, 0
+        ranges = []
+        num_top = -1
+        for entry in scheduled:
+            num_sent = self.prompt_logprobs_sent.get(entry.request_id)
+            if num_sent is None:
+                ranges.append((0, 0))
+                continue
+            request = self.scheduler.requests[entry.request_id]
+            computed = entry.num_computed_tokens
+            start = max(computed, num_sent)
+            end = min(computed + entry.num_new_tokens, request.num_prompt_tokens - 1)
+            if start >= end:
+                ranges.append((0, 0))
+                continue
+            if start != num_sent:
+                raise RuntimeError(
+                    f"request {entry.request_id!r} skipped prompt positions {num_sent}..{start} "
+                    "(a prefix-cache hit for a request that wants prompt logprobs?)"
+                )
+            ranges.append((start, end))
+            num_top = max(num_top, request.sampling_params.prompt_logprobs)
+        return (ranges, num_top) if num_top >= 0 else (None, 0)
+
+    def _prompt_logprobs(
+        self,
+        scheduled: list[ScheduledRequest],
+        ranges: list[tuple[int, int]] | None,
+        tensors: LogprobsTensors | None,
+    ) -> dict[str, list[dict[int, Logprob]]]:
+        """This step's prompt logprob dicts by request id; their positions are marked sent."""
+        if ranges is None or tensors is None:
+            return {}
+        scored = [
+            (self.scheduler.requests[e.request_id], end - start)
+            for e, (start, end) in zip(scheduled, ranges, strict=True)
+            if end
+        ]
+        num_top = [r.sampling_params.prompt_logprobs for r, count in scored for _ in range(count)]
+        rows = logprob_dicts(tensors, num_top)
+        by_id = {}
+        offset = 0
+        for request, count in scored:
+            request_id = request.request_id
+            by_id[request_id] = rows[offset : offset + count]
+            offset += count
+            num_sent = self.prompt_logprobs_sent[request_id] + count
+            if num_sent == request.num_prompt_tokens - 1:
+                del self.prompt_logprobs_sent[request_id]  # all sent
+            else:
+                self.prompt_logprobs_sent[request_id] = num_sent
+        return by_id
+
+    def _with_prompt_logprobs(
+        self, outputs: list[EngineCoreOutput], by_id: dict[str, list[dict[int, Logprob]]]
+    ) -> list[EngineCoreOutput]:
+        """Attach each request's new prompt logprobs to its output; a prompt chunk that sampled
+        nothing gets an output of its own, with no tokens."""
+        for output in outputs:
+            output.new_prompt_logprobs = by_id.pop(output.request_id, None)
+        for request_id, rows in by_id.items():
+            request = self.scheduler.requests[request_id]  # it sampled nothing: not finished
+            output = self._output(request, request.num_output_tokens, {})
+            output.new_prompt_logprobs = rows
+            outputs.append(output)
         return outputs
 
     def _sampling_inputs(self, requests: list[Request]) -> SamplingInputs:

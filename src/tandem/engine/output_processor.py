@@ -15,7 +15,13 @@ from transformers import PreTrainedTokenizerBase
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.engine_core import EngineCoreOutput
 from tandem.engine.stats import FinishedRequestStats
-from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tandem.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from tandem.request import Request
 from tandem.sampling_params import SamplingParams
 
@@ -50,10 +56,25 @@ class _RequestState:
     params: SamplingParams
     output_kind: OutputKind
     sequences: list[_Sequence]
+    # With params.prompt_logprobs: [None] then the first sequence's rows as they arrive (only
+    # that sequence computes them; the n sequences share one prompt).
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_sent: bool = False  # DELTA outputs carry them once
 
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.sequences)
+
+    def take_prompt_logprobs(self) -> PromptLogprobs | None:
+        """What an output carries: the whole list once complete, in DELTA mode only once."""
+        logprobs = self.prompt_logprobs
+        if logprobs is None or len(logprobs) < len(self.prompt_token_ids):
+            return None
+        if self.output_kind is OutputKind.DELTA:
+            if self.prompt_logprobs_sent:
+                return None
+            self.prompt_logprobs_sent = True
+        return logprobs
 
 
 @dataclass
@@ -94,6 +115,8 @@ class OutputProcessor:
             raise ValueError("stop strings need a tokenizer; give stop_token_ids instead")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         state = _RequestState(request_id, prompt, list(prompt_token_ids), params, output_kind, [])
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
         core_requests = []
         for index in range(params.n):
             sequence_id = request_id if params.n == 1 else f"{index}_{request_id}"
@@ -144,6 +167,9 @@ class OutputProcessor:
             if owner is None or owner[1].finish_reason is not None:
                 continue  # aborted, or a stop string ended it before the core heard of it
             state, sequence = owner
+            if core_output.new_prompt_logprobs and state.prompt_logprobs is not None:
+                self._decode_logprob_tokens(core_output.new_prompt_logprobs)
+                state.prompt_logprobs.extend(core_output.new_prompt_logprobs)
             stop_string = self._apply(sequence, core_output)
             if stop_string is not None:
                 stopped.append((sequence.request_id, stop_string))
@@ -157,7 +183,8 @@ class OutputProcessor:
                         metrics=sequence.metrics,
                     )
                 )
-            touched[state.request_id] = state
+            if core_output.new_token_ids or sequence.finish_reason is not None:
+                touched[state.request_id] = state  # not for a prompt chunk's logprobs alone
         outputs = []
         for state in touched.values():
             if state.finished:
@@ -169,10 +196,14 @@ class OutputProcessor:
         return ProcessedOutputs(outputs, stopped, finished)
 
     def _sequence_params(self, params: SamplingParams, index: int) -> SamplingParams:
-        """Per-sequence copy: extra EOS ids become stop tokens; seeds differ across n."""
+        """Per-sequence copy: extra EOS ids become stop tokens; seeds differ across n; only the
+        first sequence computes the prompt logprobs they share (the others may take prefix-cache
+        hits)."""
         changes: dict = {"n": 1}
         if params.seed is not None:
             changes["seed"] = params.seed + index
+        if index > 0:
+            changes["prompt_logprobs"] = None
         if self.extra_eos_token_ids and not params.ignore_eos:
             extra = [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
             changes["stop_token_ids"] = [*params.stop_token_ids, *extra]
@@ -199,10 +230,8 @@ class OutputProcessor:
         metrics.num_cached_tokens = out.num_cached_tokens
         metrics.num_preemptions = out.num_preemptions
         if out.new_logprobs is not None and sequence.logprobs is not None:
+            self._decode_logprob_tokens(out.new_logprobs)
             for token_id, row in zip(out.new_token_ids, out.new_logprobs, strict=False):
-                if self.tokenizer is not None:
-                    for candidate, logprob in row.items():
-                        logprob.decoded_token = self.tokenizer.decode([candidate])
                 sequence.logprobs.append(row)
                 sequence.cumulative_logprob += row[token_id].logprob
         sequence.finish_reason, sequence.stop_reason = out.finish_reason, out.stop_reason
@@ -216,6 +245,17 @@ class OutputProcessor:
         if sequence.finish_reason is not None:
             metrics.finished_time = out.finished_time or time.monotonic()
         return stop_string
+
+    def _decode_logprob_tokens(self, rows: list[dict[int, Logprob]]) -> None:
+        """Fill each candidate's decoded_token (when there is a tokenizer), decoding each
+        distinct id once: a long prompt's rows repeat many ids."""
+        if self.tokenizer is None:
+            return
+        ids = list({candidate for row in rows for candidate in row})
+        decoded = dict(zip(ids, self.tokenizer.batch_decode([[i] for i in ids]), strict=True))
+        for row in rows:
+            for candidate, logprob in row.items():
+                logprob.decoded_token = decoded[candidate]
 
     def _request_output(self, state: _RequestState) -> RequestOutput:
         delta = state.output_kind is OutputKind.DELTA
@@ -246,4 +286,5 @@ class OutputProcessor:
             outputs=completions,
             finished=state.finished,
             metrics=state.sequences[0].metrics,
+            prompt_logprobs=state.take_prompt_logprobs(),
         )

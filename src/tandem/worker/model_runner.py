@@ -1,5 +1,6 @@
 """The tensor side of a step: owns the model and the paged KV cache, turns scheduled requests
-into one flattened batch, runs the forward and returns logits at the sampling positions."""
+into one flattened batch, runs the forward and returns logits at the sampling positions (and,
+for requests that ask, the logprobs of their prompt tokens in this step's chunk)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tandem.attention.metadata import RequestSlice, build_batch, forward_context
 from tandem.config import ModelConfig
 from tandem.models.llama import CausalLM
 from tandem.models.loader import load_model
+from tandem.worker.sampler import LogprobsTensors, token_logprobs
 
 DTYPES = {
     "float32": torch.float32,
@@ -25,6 +27,9 @@ DTYPES = {
 }
 
 DEFAULT_KV_CACHE_MEMORY = 2 << 30  # bytes
+# Prompt positions whose logits are alive at once: 256 x a 49k vocab in fp32 is 50 MB, where a
+# whole 2k-token chunk would be 400 MB (twice that with its log_softmax).
+PROMPT_LOGITS_ROWS = 256
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -100,13 +105,51 @@ class ModelRunner:
             caches.append(layer.kv_cache)
         return caches
 
-    @torch.inference_mode()
     def execute(
         self, requests: Sequence[RequestSlice], sample_mask: Sequence[bool] | None = None
     ) -> torch.Tensor:
         """Run one step; returns float32 logits `[num_sampled, vocab]`, one row per request
         whose `sample_mask` entry is true (all by default), in request order."""
-        batch = build_batch(requests, self.block_size, self.device, sample_mask)
+        return self.run(requests, sample_mask).logits
+
+    @torch.inference_mode()
+    def run(
+        self,
+        requests: Sequence[RequestSlice],
+        sample_mask: Sequence[bool] | None = None,
+        prompt_logits_ranges: Sequence[tuple[int, int]] | None = None,
+        num_prompt_top: int = 0,
+    ) -> RunnerOutput:
+        """Run one step: logits as `execute` returns them, and, when `prompt_logits_ranges`
+        is given (per request, the positions [start, end) of its new tokens to score: see
+        build_batch), the logprob of the token after each such position with its rank and the
+        `num_prompt_top` most likely tokens there, row by row in request order."""
+        batch = build_batch(
+            requests, self.block_size, self.device, sample_mask, prompt_logits_ranges
+        )
         with forward_context(batch.attn_metadata):
             hidden = self.model(batch.input_ids, batch.positions)
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        prompt = batch.prompt_logits
+        if prompt is None:
+            return RunnerOutput(logits)
+        parts = [
+            token_logprobs(
+                self.model.compute_logits(hidden[prompt.indices[start:end]]),
+                prompt.target_ids[start:end],
+                num_prompt_top,
+            )
+            for start, end in _slices(len(prompt.indices), PROMPT_LOGITS_ROWS)
+        ]
+        return RunnerOutput(logits, LogprobsTensors.cat(parts) if parts else None)
+
+
+@dataclass
+class RunnerOutput:
+    logits: torch.Tensor  # [num_sampled, vocab] float32
+    # Prompt logprobs of this step's chunks, when asked and any position was scored.
+    prompt_logprobs: LogprobsTensors | None = None
+
+
+def _slices(length: int, size: int) -> list[tuple[int, int]]:
+    return [(start, min(start + size, length)) for start in range(0, length, size)]

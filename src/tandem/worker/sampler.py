@@ -3,7 +3,8 @@
 One call handles a whole batch: every filter is a tensor op over all rows with per-row
 parameters, and a filter no row uses costs nothing. The only per-row Python is the draw for
 seeded rows (each has its own torch.Generator, so its tokens do not depend on its batch mates)
-and the building of the logprob dicts the API returns.
+and the building of the logprob dicts the API returns. The same logprob extraction serves
+sampled tokens and prompt tokens (`token_logprobs`, `logprob_dicts`).
 """
 
 from __future__ import annotations
@@ -224,6 +225,60 @@ def _exponential_race(
     return probs.div_(u.log_().neg_()).argmax(dim=-1)
 
 
+@dataclass
+class LogprobsTensors:
+    """Logprobs of one target token per row and the row's top-N, still on the device."""
+
+    token_ids: torch.Tensor  # [rows] int64: the target (sampled, or the next prompt token)
+    token_logprobs: torch.Tensor  # [rows] float32
+    ranks: torch.Tensor  # [rows] int32: 1 + how many tokens are more likely than the target
+    top_logprobs: torch.Tensor  # [rows, N] float32, descending
+    top_ids: torch.Tensor  # [rows, N] int64
+
+    @classmethod
+    def cat(cls, parts: Sequence[LogprobsTensors]) -> LogprobsTensors:
+        if len(parts) == 1:
+            return parts[0]
+        return cls(
+            torch.cat([p.token_ids for p in parts]),
+            torch.cat([p.token_logprobs for p in parts]),
+            torch.cat([p.ranks for p in parts]),
+            torch.cat([p.top_logprobs for p in parts]),
+            torch.cat([p.top_ids for p in parts]),
+        )
+
+
+def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
+    """For each row of `logits` [rows, vocab]: the logprob and rank of its target token under
+    the raw distribution (log_softmax in float32), and its `num_top` most likely tokens."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(-1, target_ids.unsqueeze(-1))
+    ranks = (logprobs > chosen).sum(dim=-1, dtype=torch.int32).add_(1)  # int32: 2x faster on CPU
+    top_logprobs, top_ids = logprobs.topk(min(num_top, logprobs.shape[1]), dim=-1)
+    return LogprobsTensors(target_ids, chosen.squeeze(-1), ranks, top_logprobs, top_ids)
+
+
+def logprob_dicts(tensors: LogprobsTensors, num_top: Sequence[int]) -> list[dict[int, Logprob]]:
+    """vLLM's per-position dicts: the target token with its rank, then the row's top `num_top`
+    (fewer than the tensors hold where rows asked for different counts). One host transfer per
+    tensor, then plain Python."""
+    result = []
+    for token, logprob, rank, ids, values, n in zip(
+        tensors.token_ids.tolist(),
+        tensors.token_logprobs.tolist(),
+        tensors.ranks.tolist(),
+        tensors.top_ids.tolist(),
+        tensors.top_logprobs.tolist(),
+        num_top,
+        strict=True,
+    ):
+        entry = {token: Logprob(logprob, rank)}
+        for position, (top_id, value) in enumerate(zip(ids[:n], values[:n], strict=True), start=1):
+            entry.setdefault(top_id, Logprob(value, position))
+        result.append(entry)
+    return result
+
+
 def _logprobs(
     raw_logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
 ) -> list[dict[int, Logprob] | None] | None:
@@ -233,26 +288,9 @@ def _logprobs(
     if not rows:
         return None
     index = torch.tensor(rows, device=raw_logits.device)
-    logprobs = torch.log_softmax(raw_logits[index].float(), dim=-1)
-    chosen = tokens[index]
-    chosen_logprobs = logprobs.gather(-1, chosen.unsqueeze(-1))
-    ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1
-    top_n = min(max(params[i].logprobs or 0 for i in rows), logprobs.shape[1])
-    top_logprobs, top_ids = logprobs.topk(top_n, dim=-1)
+    num_top = [params[i].logprobs for i in rows]
+    tensors = token_logprobs(raw_logits[index], tokens[index], max(num_top))
     result: list[dict[int, Logprob] | None] = [None] * len(params)
-    # One host transfer per tensor, then plain Python for the dicts the API hands out.
-    for row, token, logprob, rank, ids, values in zip(
-        rows,
-        chosen.tolist(),
-        chosen_logprobs.squeeze(-1).tolist(),
-        ranks.tolist(),
-        top_ids.tolist(),
-        top_logprobs.tolist(),
-        strict=True,
-    ):
-        entry = {token: Logprob(logprob, rank)}
-        n = params[row].logprobs or 0
-        for position, (top_id, value) in enumerate(zip(ids[:n], values[:n], strict=True), start=1):
-            entry.setdefault(top_id, Logprob(value, position))
+    for row, entry in zip(rows, logprob_dicts(tensors, num_top), strict=True):
         result[row] = entry
     return result
