@@ -56,9 +56,8 @@ class LLMEngine:
             raise
 
     def abort_request(self, request_id: str) -> None:
-        self.core.finish_requests(
-            self.processor.abort_request(request_id), RequestStatus.FINISHED_ABORTED
-        )
+        aborted = self.processor.abort_request(request_id)
+        self.core.finish_requests([a.request_id for a in aborted], RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return self.processor.has_unfinished_requests()

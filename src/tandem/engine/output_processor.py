@@ -145,14 +145,20 @@ class OutputProcessor:
             self._sequence_owner[sequence.request_id] = (state, sequence)
         return core_requests
 
-    def abort_request(self, request_id: str) -> list[str]:
-        """Forget a request; returns its core ids that may still run (to abort in the core)."""
+    def abort_request(self, request_id: str) -> list[FinishedRequestStats]:
+        """Forget a request; returns a record for each of its sequences that had not finished
+        (their core ids are the ones to abort in the core)."""
         state = self.requests.pop(request_id, None)
         if state is None:
             return []
+        aborted = []
         for sequence in state.sequences:
             self._sequence_owner.pop(sequence.request_id, None)
-        return [s.request_id for s in state.sequences if s.finish_reason is None]
+            if sequence.finish_reason is None:
+                sequence.finish_reason = "abort"
+                sequence.metrics.finished_time = time.monotonic()
+                aborted.append(self._finished_stats(state, sequence))
+        return aborted
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -174,15 +180,7 @@ class OutputProcessor:
             if stop_string is not None:
                 stopped.append((sequence.request_id, stop_string))
             if sequence.finish_reason is not None:
-                finished.append(
-                    FinishedRequestStats(
-                        request_id=sequence.request_id,
-                        finish_reason=sequence.finish_reason,
-                        num_prompt_tokens=len(state.prompt_token_ids),
-                        num_generation_tokens=len(sequence.token_ids),
-                        metrics=sequence.metrics,
-                    )
-                )
+                finished.append(self._finished_stats(state, sequence))
             if core_output.new_token_ids or sequence.finish_reason is not None:
                 touched[state.request_id] = state  # not for a prompt chunk's logprobs alone
         outputs = []
@@ -194,6 +192,16 @@ class OutputProcessor:
             if state.output_kind is not OutputKind.FINAL_ONLY or state.finished:
                 outputs.append(self._request_output(state))
         return ProcessedOutputs(outputs, stopped, finished)
+
+    @staticmethod
+    def _finished_stats(state: _RequestState, sequence: _Sequence) -> FinishedRequestStats:
+        return FinishedRequestStats(
+            request_id=sequence.request_id,
+            finish_reason=sequence.finish_reason,
+            num_prompt_tokens=len(state.prompt_token_ids),
+            num_generation_tokens=len(sequence.token_ids),
+            metrics=sequence.metrics,
+        )
 
     def _sequence_params(self, params: SamplingParams, index: int) -> SamplingParams:
         """Per-sequence copy: extra EOS ids become stop tokens; seeds differ across n; only the

@@ -1,0 +1,188 @@
+"""The engine-core process: a busy loop of schedule → forward → sample → update that never waits
+on a client. Inputs arrive on a ZeroMQ PULL socket, read and decoded by a thread (so decoding
+overlaps the forward, which releases the GIL); each step's outputs leave in one message on a
+PUSH socket. It blocks only when it has nothing to run."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine_core import EngineCore
+from tandem.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreFailed,
+    CoreInput,
+    CoreOutputs,
+    CoreReady,
+    RequestError,
+    Shutdown,
+    UtilityCall,
+    UtilityResult,
+)
+from tandem.engine.stats import SchedulerStats
+from tandem.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+# How long an idle core waits for input before checking that its parent is still alive.
+IDLE_POLL_SECONDS = 0.5
+
+
+def _reset_prefix_cache(core: EngineCore) -> bool:
+    return core.kv_cache_manager.reset_prefix_cache()
+
+
+def _scheduler_stats(core: EngineCore) -> SchedulerStats:
+    return core.scheduler_stats()
+
+
+UTILITY_METHODS = {
+    "reset_prefix_cache": _reset_prefix_cache,
+    "scheduler_stats": _scheduler_stats,
+}
+
+
+def _read_inputs(context: zmq.Context, address: str, inputs: queue.Queue) -> None:
+    """Input thread: receive, decode, queue. A malformed message is a bug in the API process:
+    it is logged and dropped, never fatal to the requests already running."""
+    socket = context.socket(zmq.PULL)
+    socket.connect(address)
+    decoder = msgspec.msgpack.Decoder(CoreInput)
+    while True:
+        frame = socket.recv()
+        try:
+            inputs.put(decoder.decode(frame))
+        except msgspec.DecodeError as error:
+            logger.error("dropped an undecodable message from the API process: %s", error)
+
+
+class _CoreLoop:
+    def __init__(self, core: EngineCore, output: zmq.Socket, parent_pid: int) -> None:
+        self.core = core
+        self.output = output
+        self.parent_pid = parent_pid
+        self.encoder = msgspec.msgpack.Encoder()
+        self.errors: list[RequestError] = []
+        self.running = True
+
+    def run(self, inputs: queue.Queue) -> None:
+        while self.running:
+            if not self.core.has_unfinished_requests():
+                try:
+                    self._handle(inputs.get(timeout=IDLE_POLL_SECONDS))
+                except queue.Empty:
+                    self._check_parent()
+                    continue
+            changed = self._drain(inputs)
+            if not self.running:
+                return
+            num_steps = self.core.num_steps
+            outputs = self.core.step() if self.core.has_unfinished_requests() else []
+            stepped = self.core.num_steps != num_steps
+            if outputs or stepped or changed or self.errors:
+                steps = [self.core.step_stats[-1]] if stepped else []
+                message = CoreOutputs(outputs, self.errors, self.core.scheduler_stats(), steps)
+                self.output.send(self.encoder.encode(message), copy=False)
+                self.errors = []
+            self._check_parent()
+
+    def _drain(self, inputs: queue.Queue) -> bool:
+        changed = False
+        while self.running:
+            try:
+                message = inputs.get_nowait()
+            except queue.Empty:
+                break
+            self._handle(message)
+            changed = True
+        return changed
+
+    def _handle(self, message: Any) -> None:
+        core = self.core
+        if isinstance(message, AddRequest):
+            try:
+                core.add_request(
+                    Request(
+                        message.request_id,
+                        message.prompt_token_ids,
+                        message.sampling_params,
+                        message.eos_token_id,
+                        message.arrival_time,
+                        message.cache_salt,
+                    )
+                )
+            except ValueError as error:
+                self.errors.append(RequestError(message.request_id, str(error)))
+        elif isinstance(message, AbortRequests):
+            core.finish_requests(message.request_ids, RequestStatus.FINISHED_ABORTED)
+        elif isinstance(message, UtilityCall):
+            self._call_utility(message)
+        elif isinstance(message, Shutdown):
+            self.running = False
+
+    def _call_utility(self, call: UtilityCall) -> None:
+        method = UTILITY_METHODS.get(call.method)
+        if method is None:
+            result = UtilityResult(call.call_id, error=f"no utility method {call.method!r}")
+        else:
+            result = UtilityResult(call.call_id, method(self.core, *call.args))
+        self.output.send(self.encoder.encode(result))
+
+    def _check_parent(self) -> None:
+        """An orphaned core would spin forever holding the model's memory: exit instead."""
+        if os.getppid() != self.parent_pid:
+            logger.error("the API process (pid %d) is gone: engine core exits", self.parent_pid)
+            self.running = False
+
+
+def run_engine_core(
+    config: EngineConfig, input_address: str, output_address: str, parent_pid: int
+) -> None:
+    """Entry point of the engine-core process (started with multiprocessing's spawn)."""
+    # Ctrl-C reaches the whole process group; the API process decides when the core stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s core: %(message)s")
+    context = zmq.Context()
+    output = context.socket(zmq.PUSH)
+    output.setsockopt(zmq.LINGER, 2000)
+    output.connect(output_address)
+    encoder = msgspec.msgpack.Encoder()
+    exit_code = 0
+    try:
+        start = time.perf_counter()
+        core = EngineCore(config)
+        output.send(
+            encoder.encode(
+                CoreReady(
+                    num_kv_blocks=core.kv_cache_manager.num_blocks,
+                    block_size=config.runner.block_size,
+                    max_model_len=core.scheduler.max_model_len,
+                    load_seconds=time.perf_counter() - start,
+                )
+            )
+        )
+        inputs: queue.Queue = queue.Queue()
+        reader = threading.Thread(
+            target=_read_inputs, args=(context, input_address, inputs), daemon=True
+        )
+        reader.start()
+        _CoreLoop(core, output, parent_pid).run(inputs)
+    except Exception as error:
+        logger.error("engine core failed:\n%s", traceback.format_exc())
+        output.send(encoder.encode(CoreFailed(f"{type(error).__name__}: {error}")))
+        exit_code = 1
+    finally:
+        output.close()
+    os._exit(exit_code)  # the reader thread blocks in recv(); do not wait for it
