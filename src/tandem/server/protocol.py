@@ -1,0 +1,548 @@
+"""The OpenAI-compatible API's request bodies, as pydantic models (responses and the error body:
+protocol_responses.py).
+
+Requests mirror OpenAI's schema plus the extra fields vLLM accepts, so clients written for either
+work unchanged, and they are strict: an unknown field, a string where a number belongs, a value
+out of range or a field tandem cannot honour yet fails validation with the error's `loc` naming
+the field, which the server turns into an OpenAI-shaped 400. Nothing a client asks for is
+silently dropped, except fields that cannot change the output (`user`, `metadata`, ...).
+
+Fields the route itself must honour (they are not sampling settings): `stream`, `stream_options`,
+`echo` and `add_special_tokens` (completions), the chat template fields (`chat_template`,
+`chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`), `cache_salt`,
+`request_id`, `return_token_ids`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from tandem.sampling_params import SamplingParams
+
+# OpenAI's documented limits; vLLM's default max_logprobs is the same 20.
+MAX_LOGPROBS = 20
+MAX_N = 128
+# Completions default to 16 new tokens when max_tokens is absent or null (OpenAI and vLLM).
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+_INT64 = 2**63
+
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class RequestValidationError(ValueError):
+    """A request that passed the schema but cannot be served as asked; `param` names the field
+    (None when no single field is to blame), for the server's 400 body."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+# ------------------------------------------------------------------------------ request basics
+
+
+def _not_supported(field: str, hint: str) -> PydanticCustomError:
+    # No context: the message is final, so braces in `hint` are not read as placeholders.
+    return PydanticCustomError("not_supported", f"`{field}` is not supported by tandem yet; {hint}")
+
+
+# Fields tandem accepts but cannot honour yet: any value but their default is an error. One list
+# for every request model, so the rule is written once.
+# fmt: off
+_UNSUPPORTED = (
+    # sampling and decoding
+    "logit_bias", "allowed_token_ids", "bad_words", "logprob_token_ids", "logits_processors",
+    "use_beam_search", "length_penalty", "early_stopping", "watermarking",
+    "spaces_between_special_tokens", "return_tokens_as_token_ids", "repetition_detection",
+    "thinking_token_budget", "truncate_prompt_tokens", "truncation_side", "priority",
+    # structured outputs
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
+    # disaggregation and extensions
+    "kv_transfer_params", "ec_transfer_params", "vllm_xargs",
+    # completions
+    "suffix", "prompt_embeds",
+    # chat: tools, media, reasoning, OpenAI-hosted features
+    "tools", "tool_choice", "functions", "function_call", "tool_calls", "audio", "refusal",
+    "modalities", "moderation", "web_search_options", "verbosity", "reasoning_effort",
+    "include_reasoning", "documents", "mm_processor_kwargs", "media_io_kwargs",
+    "return_prompt_text",
+)
+# fmt: on
+# Non-default values that still ask for nothing tandem lacks.
+_NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},),
+    "tool_choice": ("none",),
+    "function_call": ("none",),
+    "modalities": (["text"],),
+    "thinking_token_budget": (-1,),
+}
+
+
+class _Request(BaseModel):
+    """Strict: "5" is not 5 and true is not 1, as in OpenAI's API; unknown fields are errors."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @field_validator(*_UNSUPPORTED, check_fields=False)
+    @classmethod
+    def _reject_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        name = info.field_name
+        assert name is not None
+        no_ops = (cls.model_fields[name].default, *_NO_OP_VALUES.get(name, ()))
+        empty = isinstance(value, (str, list, dict)) and not value
+        if value is None or (value is False and no_ops[0] is None) or empty or value in no_ops:
+            return value  # null, an off flag or an empty list asks for nothing
+        allowed = " or ".join(dict.fromkeys(map(json.dumps, no_ops)))
+        raise _not_supported(name, f"omit it or send {allowed}")
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = False  # a last chunk with the usage and no choices
+    continuous_usage_stats: bool | None = False  # vLLM: usage in every chunk
+    include_obfuscation: bool | None = None  # OpenAI's padding against side channels; no effect
+
+
+# ---------------------------------------------------------------------------------- chat input
+
+
+class TextContentPart(_Request):
+    type: Literal["text"]
+    text: str
+    prompt_cache_breakpoint: dict[str, Any] | None = None  # OpenAI caching hint; no effect
+
+
+class ChatCompletionMessageParam(_Request):
+    """One message; content is a string or text parts (joined with newlines, as vLLM does)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = Field(None, validate_default=True)
+    name: str | None = None
+    tool_call_id: str | None = None  # tool messages: which call this answers
+    tool_calls: list[dict[str, Any]] | None = None
+    function_call: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    refusal: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None and info.data.get("role", "assistant") != "assistant":
+            raise PydanticCustomError(
+                "missing_content", "`content` is required for {role} messages", info.data
+            )
+        for part in value if isinstance(value, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise PydanticCustomError(
+                    "text_only",
+                    "tandem serves text-only models: content parts must be "
+                    '{"type": "text", "text": ...}, got type ' + json.dumps(kind),
+                )
+        return value
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class _ChatPrompt(_Request):
+    """A conversation and how the chat template renders it (chat and tokenize requests)."""
+
+    messages: list[ChatCompletionMessageParam]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # leave the last message open for the model to extend
+    add_special_tokens: bool = False  # on top of what the template adds
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _non_empty(cls, value: list[ChatCompletionMessageParam]) -> Any:
+        if not value:
+            raise PydanticCustomError("empty", "`messages` must hold at least one message")
+        return value
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_open_end(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt"):
+            raise PydanticCustomError(
+                "conflict",
+                "`continue_final_message` needs `add_generation_prompt: false`: the model "
+                "cannot both continue the last message and start a new one",
+            )
+        return value
+
+    def conversation(self) -> list[dict[str, str]]:
+        """The messages as `apply_chat_template` takes them. `developer` (OpenAI's newer name
+        for the system role) becomes `system`, which the open models' templates know."""
+        turns = []
+        for message in self.messages:
+            turn = {"role": "system" if message.role == "developer" else message.role}
+            turn["content"] = message.text
+            if message.name is not None:
+                turn["name"] = message.name
+            if message.tool_call_id is not None:
+                turn["tool_call_id"] = message.tool_call_id
+            turns.append(turn)
+        return turns
+
+
+# ----------------------------------------------------------------------------- generation input
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def _fit_max_tokens(
+    param: str, requested: int | None, fallback: int, room: int, prompt_param: str
+) -> int:
+    """`room` is max_model_len minus the prompt length. Asking past it is an error, as in OpenAI
+    and vLLM; a default that does not fit shrinks to it."""
+    if room < 1:
+        raise RequestValidationError(
+            "the prompt fills the model's whole context, leaving no room for output; shorten it",
+            param=prompt_param,
+        )
+    if requested is None:
+        return min(fallback, room)
+    if requested > room:
+        raise RequestValidationError(
+            f"`{param}` is {requested}, but only {room} tokens of the model's context are left "
+            f"after the prompt; ask for at most {room} or shorten the prompt",
+            param=param,
+        )
+    return requested
+
+
+class _Generation(_Request):
+    """Fields /v1/completions and /v1/chat/completions share, and their mapping to
+    SamplingParams. null means the default wherever OpenAI allows null."""
+
+    model: str | None = None  # the served model's name; the route checks it
+    n: int | None = Field(1, ge=1, le=MAX_N)
+    best_of: int | None = Field(None, ge=1)  # must follow n: its check reads n
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)  # vLLM allows > 2
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    # vLLM's sampling extras
+    top_k: int | None = Field(None, ge=-1)  # 0 or -1: off
+    min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    request_id: str | None = None
+    return_token_ids: bool | None = False  # token_ids / prompt_token_ids in the response
+    # accepted, no effect on the output
+    user: str | None = None
+    session_id: str | None = None
+    stream_interval: int | None = Field(None, ge=1)  # how many tokens each chunk batches
+    return_token_offsets: bool | None = False  # vLLM's render endpoints only
+    return_mm_kwargs: bool = True  # vLLM's render endpoints only
+    routed_experts_prompt_start: int = Field(0, ge=0)  # MoE routing data, never returned here
+    # accepted so that asking for them is a clear error (see _UNSUPPORTED)
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    logprob_token_ids: list[TokenId] | None = None
+    logits_processors: list[Any] | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    watermarking: bool | None = None
+    spaces_between_special_tokens: bool = True
+    return_tokens_as_token_ids: bool | None = None
+    repetition_detection: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    priority: int = 0
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and value != _or(info.data.get("n"), 1):
+            raise _not_supported("best_of", "omit it or set it equal to `n`")
+        return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, value: Any) -> Any:
+        strings = [value] if isinstance(value, str) else value
+        if value is not None and not (
+            isinstance(strings, list) and all(isinstance(s, str) and s for s in strings)
+        ):
+            raise PydanticCustomError(
+                "stop_shape", "`stop` must be a non-empty string or a list of them"
+            )
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and not info.data.get("stream"):
+            raise PydanticCustomError(
+                "stream_only", "`stream_options` is only allowed with `stream: true`"
+            )
+        return value
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _not_streamed(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("stream"):
+            raise PydanticCustomError(
+                "stream_conflict", "`prompt_logprobs` is not available with `stream: true`"
+            )
+        return value
+
+    def _sampling_params(
+        self,
+        *,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        renames: dict[str, str],
+    ) -> SamplingParams:
+        """`renames` maps a SamplingParams field to the request field it came from, so an
+        error names what the client sent."""
+        kwargs: dict[str, Any] = dict(
+            n=_or(self.n, 1),
+            temperature=_or(self.temperature, 1.0),
+            top_p=_or(self.top_p, 1.0),
+            top_k=_or(self.top_k, 0),
+            min_p=_or(self.min_p, 0.0),
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            presence_penalty=_or(self.presence_penalty, 0.0),
+            frequency_penalty=_or(self.frequency_penalty, 0.0),
+            repetition_penalty=_or(self.repetition_penalty, 1.0),
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            prompt_logprobs=prompt_logprobs,
+        )
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as exc:
+            name = str(exc).split(" ", 1)[0]
+            param = renames.get(name, name) if name in kwargs else None
+            raise RequestValidationError(str(exc), param=param) from exc
+
+
+# Prompts as OpenAI takes them: one text, several texts, one token list, or several token lists.
+PromptInput = str | list[str] | list[TokenId] | list[list[TokenId]]
+_PROMPT_SHAPES = (
+    "`prompt` must be a non-empty string, a list of them, a non-empty list of token ids "
+    "(ints >= 0), or a list of those"
+)
+
+
+class CompletionRequest(_Generation):
+    """POST /v1/completions."""
+
+    prompt: PromptInput
+    echo: bool | None = False  # the prompt is put in front of each choice's text
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: int | None = Field(COMPLETION_DEFAULT_MAX_TOKENS, ge=1)
+    add_special_tokens: bool = True  # e.g. BOS, when the route tokenizes the prompt
+    suffix: str | None = None
+    prompt_embeds: str | list[str] | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        """Checked here, so a bad shape gets one message saying what is allowed instead of an
+        error from every branch of the union."""
+
+        def is_token_list(item: Any) -> bool:
+            return isinstance(item, list) and all(
+                type(token) is int and token >= 0 for token in item
+            )
+
+        if isinstance(value, str):
+            ok = bool(value)
+        elif isinstance(value, list) and value:
+            ok = (
+                all(isinstance(item, str) and item for item in value)
+                or is_token_list(value)
+                or all(is_token_list(item) and item for item in value)
+            )
+        else:
+            ok = False
+        if not ok:
+            raise PydanticCustomError("prompt_shape", _PROMPT_SHAPES)
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a text or a list of token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """`default_max_tokens`: the room left in the context after this prompt. With `echo`,
+        `logprobs` also asks for the prompt tokens' logprobs, as in OpenAI and vLLM."""
+        explicit = "max_tokens" in self.model_fields_set
+        max_tokens = _fit_max_tokens(
+            "max_tokens",
+            self.max_tokens if explicit else None,
+            COMPLETION_DEFAULT_MAX_TOKENS,
+            default_max_tokens,
+            "prompt",
+        )
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = self.logprobs
+        return self._sampling_params(
+            max_tokens=max_tokens,
+            logprobs=self.logprobs,
+            prompt_logprobs=prompt_logprobs,
+            renames={},
+        )
+
+
+class ChatCompletionRequest(_ChatPrompt, _Generation):
+    """POST /v1/chat/completions."""
+
+    logprobs: bool | None = False  # logprobs of the sampled tokens
+    top_logprobs: int | None = Field(0, ge=0, le=MAX_LOGPROBS)  # alternatives per token
+    max_tokens: int | None = Field(None, ge=1)  # OpenAI's older name
+    max_completion_tokens: int | None = Field(None, ge=1)  # wins over max_tokens
+    # vLLM: put the last message in front of the reply when it has the assistant's role;
+    # tandem does not do that yet
+    echo: bool = False
+    # accepted, no effect on the output
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    prediction: dict[str, Any] | None = None  # a latency hint: the output is the same
+    # accepted so that asking for them is a clear error (see _UNSUPPORTED)
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    moderation: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    verbosity: str | None = None
+    reasoning_effort: str | None = None
+    include_reasoning: bool = True
+    return_prompt_text: bool | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_chat_echo(cls, value: bool) -> bool:
+        if value:
+            raise _not_supported("echo", "omit it or send false")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise PydanticCustomError("needs_logprobs", "`top_logprobs` needs `logprobs: true`")
+        return value
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """`default_max_tokens`: the room left in the context after the rendered conversation;
+        without a limit the reply may fill it, as in vLLM."""
+        if self.max_completion_tokens is not None:
+            param, requested = "max_completion_tokens", self.max_completion_tokens
+        else:
+            param, requested = "max_tokens", self.max_tokens
+        max_tokens = _fit_max_tokens(
+            param, requested, default_max_tokens, default_max_tokens, "messages"
+        )
+        return self._sampling_params(
+            max_tokens=max_tokens,
+            logprobs=_or(self.top_logprobs, 0) if self.logprobs else None,
+            prompt_logprobs=self.prompt_logprobs,
+            renames={"max_tokens": param, "logprobs": "top_logprobs"},
+        )
+
+
+# ------------------------------------------------------------------ tokenize / detokenize input
+
+
+class TokenizeCompletionRequest(_Request):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_ChatPrompt):
+    model: str | None = None
+    return_token_strs: bool | None = False
+
+
+def _tokenize_kind(body: Any) -> str:
+    has_messages = isinstance(body, dict) and "messages" in body
+    return "chat" if has_messages or isinstance(body, TokenizeChatRequest) else "completion"
+
+
+# POST /tokenize takes either shape, told apart by `messages`. An error's loc starts with the
+# branch ("completion" or "chat"); the field follows.
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("completion")]
+    | Annotated[TokenizeChatRequest, Tag("chat")],
+    Discriminator(_tokenize_kind),
+]
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[TokenId]
