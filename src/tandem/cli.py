@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import sys
 import time
@@ -44,6 +45,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prefix-caching-hash-algo", default="xxhash",
                         choices=["xxhash", "sha256"])  # fmt: skip
+    parser.add_argument("--max-num-partial-prefills", type=int, default=1)
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                        help="max tokens a prompt takes per step (0: half budget)")  # fmt: skip
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-memory", type=parse_size, default="2GiB",
                         help="KV cache size on CPU, e.g. 2GiB")  # fmt: skip
@@ -57,11 +61,9 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
 
 
-def build_llm(args: argparse.Namespace):
-    from tandem.engine.llm import LLM
-
-    return LLM(
-        args.model,
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine knobs, as EngineConfig.create (and LLM) take them."""
+    return dict(
         dtype=args.dtype,
         device=args.device,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -71,8 +73,35 @@ def build_llm(args: argparse.Namespace):
         scheduling_policy=args.scheduling_policy,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+        max_num_partial_prefills=args.max_num_partial_prefills,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=args.kv_cache_memory,
+    )
+
+
+def build_llm(args: argparse.Namespace):
+    from tandem.engine.llm import LLM
+
+    return LLM(args.model, **engine_kwargs(args))
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from tandem.engine.config import EngineConfig
+    from tandem.server.launcher import run_server
+
+    model = args.model_tag or args.model
+    config = EngineConfig.create(model, **engine_kwargs(args))
+    run_server(
+        config,
+        host=args.host,
+        port=args.port,
+        served_model_names=args.served_model_name or [str(model)],
+        api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
+        max_waiting=args.max_waiting,
+        max_request_bytes=args.max_request_bytes,
+        shutdown_timeout=args.shutdown_timeout,
+        log_requests=not args.disable_log_requests,
     )
 
 
@@ -187,6 +216,26 @@ def main(argv: list[str] | None = None) -> None:
     add_sampling_args(chat)
     chat.add_argument("--system", default=None, help="a system prompt")
     chat.set_defaults(func=cmd_chat)
+
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("model_tag", nargs="?", default=None,
+                       help="model to serve (as --model; default: embedded SmolLM2)")  # fmt: skip
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Bearer KEY' on /v1 (or TANDEM_API_KEY)")  # fmt: skip
+    serve.add_argument("--served-model-name", nargs="+", default=None,
+                       help="name(s) clients send as 'model' (default: the model)")  # fmt: skip
+    serve.add_argument("--max-waiting", type=int, default=None,
+                       help="answer 503 + Retry-After while this many requests wait")  # fmt: skip
+    serve.add_argument("--max-request-bytes", type=parse_size, default="32MiB",
+                       help="largest request body (413 above it)")  # fmt: skip
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests get to finish after SIGTERM")  # fmt: skip
+    serve.add_argument("--disable-log-requests", action="store_true",
+                       help="no log line per finished request")  # fmt: skip
+    serve.set_defaults(func=cmd_serve)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

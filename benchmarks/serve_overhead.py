@@ -1,0 +1,187 @@
+"""What serving over HTTP costs (issue 7): the same requests through the two-process server and
+through the offline LLM, in one run, alternating.
+
+- Output tok/s of N concurrent streaming /v1/completions requests (greedy, ignore_eos, M new
+  tokens each) against the same prompts through `LLM.generate` (goal: within 10%).
+- Sampling to SSE write: every streamed token's time from its sampling in the engine core to its
+  chunk being written by the API process (`tandem:token_delivery_seconds`; goal: p99 < 5 ms).
+- The API process's CPU seconds per output token, since on a 2-core machine it shares the cores
+  with the step loop.
+
+    .venv/bin/python benchmarks/serve_overhead.py [--num-requests 32] [--max-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tandem import LLM, SamplingParams
+
+TOPICS = [
+    "the history of tea", "how bridges carry load", "why the sea is salty", "jazz harmony",
+    "the water cycle", "how vaccines work", "the rules of chess", "volcanoes", "bread baking",
+    "black holes", "bees and pollination", "the printing press", "compound interest",
+    "glaciers", "how a CPU executes code", "the Silk Road", "photosynthesis", "sailing upwind",
+    "the immune system", "origami", "plate tectonics", "coffee roasting", "the Roman roads",
+    "rainbows", "electric motors", "the Moon's phases", "sourdough", "wind turbines",
+    "coral reefs", "the telegraph", "sleep", "mapmaking",
+]  # fmt: skip
+
+
+def prompts(count: int) -> list[str]:
+    return [f"Write a short essay about {TOPICS[i % len(TOPICS)]}." for i in range(count)]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(port: int, log: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(port),
+               "--disable-log-requests"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}: {log.read_text()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("server not healthy within 120 s")
+
+
+def metric_samples(base_url: str) -> dict[str, float]:
+    text = httpx.get(f"{base_url}/metrics").text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name
+            if "le" in sample.labels:
+                key += f"{{le={sample.labels['le']}}}"
+            samples[key] = sample.value
+    return samples
+
+
+def histogram_quantile(before: dict, after: dict, name: str, quantile: float) -> float:
+    """Upper bound of the bucket holding the quantile, over the observations between two
+    scrapes (so, conservatively rounded up to a bucket edge)."""
+    prefix = f"{name}_bucket{{le="
+    buckets = sorted(
+        (float(key[len(prefix) : -1]), after[key] - before.get(key, 0.0))
+        for key in after
+        if key.startswith(prefix)
+    )
+    total = buckets[-1][1]
+    for upper, count in buckets:
+        if count >= quantile * total:
+            return upper
+    return float("inf")
+
+
+async def one_stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> int:
+    body = {
+        "model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    return tokens
+
+
+async def server_round(base_url: str, texts: list[str], max_tokens: int) -> tuple[float, int]:
+    limits = httpx.Limits(max_connections=len(texts) + 4)
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(one_stream(client, p, max_tokens) for p in texts))
+        return time.perf_counter() - start, sum(counts)
+
+
+def offline_round(llm: LLM, texts: list[str], max_tokens: int) -> tuple[float, int]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(texts, params, use_tqdm=False)
+    return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def api_cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    texts = prompts(args.num_requests)
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    log = Path("benchmarks/results/serve_overhead_server.log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    server = start_server(port, log)
+    try:
+        llm = LLM("default")  # both engines idle while the other runs: only one computes at once
+        offline_round(llm, texts[:2], 4)  # warm-up
+        asyncio.run(server_round(base_url, texts[:2], 4))
+        offline_rates, server_rates = [], []
+        delivery_p50, delivery_p99, cpu_per_token = [], [], []
+        for _ in range(args.rounds):
+            elapsed, tokens = offline_round(llm, texts, args.max_tokens)
+            offline_rates.append(tokens / elapsed)
+            before = metric_samples(base_url)
+            cpu_before = api_cpu_seconds(server.pid)
+            elapsed, tokens = asyncio.run(server_round(base_url, texts, args.max_tokens))
+            cpu_per_token.append((api_cpu_seconds(server.pid) - cpu_before) / tokens)
+            after = metric_samples(base_url)
+            server_rates.append(tokens / elapsed)
+            name = "tandem:token_delivery_seconds"
+            delivery_p50.append(histogram_quantile(before, after, name, 0.5))
+            delivery_p99.append(histogram_quantile(before, after, name, 0.99))
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(60)
+    offline, served = statistics.median(offline_rates), statistics.median(server_rates)
+    print(f"\n{datetime.date.today()}, {platform.machine()} {os.cpu_count()} cores, "
+          f"{args.num_requests} streams x {args.max_tokens} tokens, {args.rounds} rounds "
+          "alternated, medians\n")  # fmt: skip
+    print("| path | output tok/s (each round) | median | vs offline |")
+    print("|---|---|---:|---:|")
+    print(f"| offline LLM.generate | {', '.join(f'{r:.1f}' for r in offline_rates)} "
+          f"| {offline:.1f} | 1.00× |")  # fmt: skip
+    print(f"| HTTP server, streaming | {', '.join(f'{r:.1f}' for r in server_rates)} "
+          f"| {served:.1f} | {served / offline:.2f}× |")  # fmt: skip
+    print(f"\nsampling → SSE write, upper bucket edge: p50 ≤ {max(delivery_p50) * 1e3:.2f} ms, "
+          f"p99 ≤ {max(delivery_p99) * 1e3:.2f} ms (worst round)")  # fmt: skip
+    print(f"API process CPU per output token: {statistics.median(cpu_per_token) * 1e3:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()

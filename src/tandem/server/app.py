@@ -1,0 +1,401 @@
+"""The HTTP face: FastAPI routes that parse a request, call the engine and stream the answer.
+Everything OpenAI-shaped lives in protocol*.py and serving.py; the step loop lives in another
+process. Errors are OpenAI's JSON with a 4xx code that says what to change."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from fastapi import Body, FastAPI, Request
+from fastapi.exceptions import RequestValidationError as FastAPIValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import tandem
+from tandem.engine.async_llm import AsyncLLM, EngineDeadError, merge_delta_outputs
+from tandem.outputs import RequestOutput
+from tandem.server.metrics import PrometheusStatLogger
+from tandem.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    RequestValidationError,
+    TokenizeChatRequest,
+    TokenizeRequest,
+)
+from tandem.server.protocol_responses import (
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+    error_body,
+)
+from tandem.server.serving import (
+    ChatShaper,
+    CompletionShaper,
+    chat_job,
+    completion_jobs,
+    new_token_times,
+    run_jobs,
+)
+
+logger = logging.getLogger("tandem.server")
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: list[str]
+    model_root: str
+    api_key: str | None = None
+    max_waiting: int | None = None  # waiting requests above which new ones get a 503
+    max_request_bytes: int = 32 << 20
+    draining: bool = False  # set on SIGTERM: no new requests, in-flight ones finish
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class OpenAIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers
+
+
+def _error_response(error: OpenAIError) -> JSONResponse:
+    return JSONResponse(
+        error_body(error.message, error.type, error.param, error.code or error.status),
+        status_code=error.status,
+        headers=error.headers,
+    )
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """The first error, with the field it is about (the body's top-level field as param)."""
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = loc[0] if loc else None
+    where = ".".join(loc)
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "extra_forbidden":
+        message = "unknown field: neither OpenAI's API nor vLLM's extensions have it; remove it"
+    elif first.get("type") == "json_invalid":
+        return "the body is not valid JSON", None
+    return (f"{where}: {message}" if where else message), param
+
+
+class Gate:
+    """Pure ASGI (no re-buffering of streamed responses): the API key on /v1, no new work while
+    draining, and 413 for a body over the limit, judged by Content-Length and, for chunked
+    bodies, by counting as it arrives."""
+
+    def __init__(self, app: ASGIApp, settings: ServerSettings) -> None:
+        self.app = app
+        self.settings = settings
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        error = self._refusal(scope)
+        if error is not None:
+            await _error_response(error)(scope, receive, send)
+            return
+        limit, received = self.settings.max_request_bytes, 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:  # FastAPI turns anything but an HTTPException into a 400
+                    raise StarletteHTTPException(413, self._too_large())
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+    def _too_large(self) -> str:
+        limit = self.settings.max_request_bytes
+        return f"the request body is over {limit} bytes (--max-request-bytes); send less"
+
+    def _refusal(self, scope: Scope) -> OpenAIError | None:
+        settings = self.settings
+        headers = dict(scope.get("headers") or [])
+        path = scope.get("path", "")
+        if settings.api_key is not None and path.startswith("/v1"):
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(
+                token.strip(), settings.api_key.encode()
+            ):
+                return OpenAIError(
+                    401,
+                    "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
+                    "with the server's --api-key",
+                    "authentication_error",
+                )
+        if settings.draining and scope.get("method") == "POST" and path.startswith("/v1"):
+            return OpenAIError(
+                503, "the server is shutting down; retry elsewhere", "service_unavailable",
+                headers={"Retry-After": "1"},
+            )  # fmt: skip
+        declared = headers.get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > settings.max_request_bytes:
+            return OpenAIError(413, self._too_large())
+        return None
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Run `work`; if the client goes away first, cancel it (which aborts its requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        return Response(status_code=499)  # nobody is listening
+    return task.result()
+
+
+async def _stream_until_disconnect(
+    request: Request, chunks: AsyncIterator[str]
+) -> AsyncIterator[str]:
+    """Uvicorn (ASGI 2.4) reports a gone client only when a send fails; waiting for the first
+    token can take long, so watch for the disconnect ourselves and abort at once."""
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        while True:
+            next_chunk = asyncio.ensure_future(anext(chunks))
+            await asyncio.wait({next_chunk, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not next_chunk.done():
+                next_chunk.cancel()
+                await asyncio.gather(next_chunk, return_exceptions=True)
+                return
+            try:
+                yield next_chunk.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        watcher.cancel()
+        await chunks.aclose()
+
+
+def _sse(payload: BaseModel | dict) -> str:
+    if isinstance(payload, BaseModel):
+        return f"data: {payload.model_dump_json(exclude_none=True)}\n\n"
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
+    app = FastAPI(title="tandem", version=tandem.__version__)
+    app.add_middleware(Gate, settings=settings)
+    stats = next(
+        (s for s in engine.stat_loggers if isinstance(s, PrometheusStatLogger)), None
+    )
+    model_name = settings.served_model_names[0]
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, error: OpenAIError) -> JSONResponse:
+        return _error_response(error)
+
+    @app.exception_handler(FastAPIValidationError)
+    async def _invalid(_: Request, error: FastAPIValidationError) -> JSONResponse:
+        message, param = _validation_message(error.errors())
+        return _error_response(OpenAIError(400, message, param=param))
+
+    @app.exception_handler(RequestValidationError)
+    async def _cannot_serve(_: Request, error: RequestValidationError) -> JSONResponse:
+        return _error_response(OpenAIError(400, error.message, param=error.param))
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, error: EngineDeadError) -> JSONResponse:
+        return _error_response(OpenAIError(503, str(error), "service_unavailable"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return _error_response(OpenAIError(error.status_code, str(error.detail), kind))
+
+    def check_model(requested: str | None) -> None:
+        if requested is not None and requested not in settings.served_model_names:
+            raise OpenAIError(
+                404,
+                f"The model `{requested}` does not exist; this server serves "
+                f"{', '.join(settings.served_model_names)}",
+                "not_found_error",
+                "model",
+                "model_not_found",
+            )
+
+    def check_capacity() -> None:
+        if engine.dead_error is not None:
+            raise engine.dead_error
+        if settings.max_waiting is not None and engine.num_waiting >= settings.max_waiting:
+            raise OpenAIError(
+                503,
+                f"the server is overloaded: {engine.num_waiting} requests are waiting "
+                f"(--max-waiting {settings.max_waiting}); retry shortly",
+                "service_unavailable",
+                headers={"Retry-After": "1"},
+            )
+
+    async def stream(
+        chunks: AsyncIterator[tuple[BaseModel | None, list[float]]],
+    ) -> AsyncIterator[str]:
+        """SSE lines; after each chunk is written, how long its tokens took since sampling."""
+        try:
+            async for chunk, token_times in chunks:
+                if chunk is None:
+                    continue
+                yield _sse(chunk)
+                if stats is not None and token_times:
+                    stats.record_token_delivery(time.monotonic(), token_times)
+        except EngineDeadError as error:
+            yield _sse(error_body(str(error), "service_unavailable", None, 503))
+        except ValueError as error:
+            yield _sse(error_body(str(error), "invalid_request_error", None, 400))
+        yield "data: [DONE]\n\n"
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.dead_error is not None:
+            return _error_response(OpenAIError(503, str(engine.dead_error), "service_unavailable"))
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": tandem.__version__}
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        if stats is None:
+            return Response(status_code=404)
+        body, content_type = stats.render(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(
+            data=[
+                ModelCard(id=name, root=settings.model_root, max_model_len=engine.max_model_len)
+                for name in settings.served_model_names
+            ]
+        )
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        check_capacity()
+        jobs = completion_jobs(engine, body)
+        shaper = CompletionShaper(body, jobs, model_name)
+        outputs = run_jobs(engine, jobs, body.cache_salt)
+        if body.stream:
+
+            async def chunks() -> AsyncIterator[tuple[BaseModel | None, list[float]]]:
+                async for prompt_index, output in outputs:
+                    yield shaper.chunk(prompt_index, output), new_token_times(output)
+                yield shaper.usage_chunk(), []
+
+            return StreamingResponse(
+                _stream_until_disconnect(request, stream(chunks())),
+                media_type="text/event-stream",
+            )
+        return await _cancel_on_disconnect(request, _collect(outputs, shaper.response))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        check_capacity()
+        job = chat_job(engine, body)
+        shaper = ChatShaper(body, job, model_name)
+        outputs = run_jobs(engine, [job], body.cache_salt)
+        if body.stream:
+
+            async def chunks() -> AsyncIterator[tuple[BaseModel | None, list[float]]]:
+                yield shaper.role_chunk(), []
+                async for _, output in outputs:
+                    yield shaper.chunk(output), new_token_times(output)
+                yield shaper.usage_chunk(), []
+
+            return StreamingResponse(
+                _stream_until_disconnect(request, stream(chunks())),
+                media_type="text/event-stream",
+            )
+
+        async def respond() -> Any:
+            return await _collect(outputs, lambda merged: shaper.response(merged[0]))
+
+        return await _cancel_on_disconnect(request, respond())
+
+    @app.post("/tokenize")
+    async def tokenize(body: Annotated[TokenizeRequest, Body()]) -> TokenizeResponse:
+        check_model(body.model)
+        if engine.tokenizer is None:
+            raise OpenAIError(400, "this server has no tokenizer")
+        if isinstance(body, TokenizeChatRequest):
+            text = engine.tokenizer.apply_chat_template(
+                body.conversation(),
+                tokenize=False,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                chat_template=body.chat_template,
+                **(body.chat_template_kwargs or {}),
+            )
+        else:
+            text = body.prompt
+        token_ids = engine.encode(text, add_special_tokens=body.add_special_tokens)
+        token_strs = None
+        if body.return_token_strs:
+            token_strs = engine.tokenizer.convert_ids_to_tokens(token_ids)
+        return TokenizeResponse(
+            tokens=token_ids,
+            count=len(token_ids),
+            max_model_len=engine.max_model_len,
+            token_strs=token_strs,
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(body.model)
+        if engine.tokenizer is None:
+            raise OpenAIError(400, "this server has no tokenizer")
+        bad = [t for t in body.tokens if t >= engine.vocab_size]
+        if bad:
+            raise OpenAIError(
+                400, f"token id {bad[0]} is outside the vocabulary [0, {engine.vocab_size})",
+                param="tokens",
+            )  # fmt: skip
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
+
+    return app
+
+
+async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]], respond) -> Any:
+    """Drain a request's delta outputs into one output per prompt, then build the body."""
+    merged: dict[int, RequestOutput] = {}
+    async for prompt_index, output in outputs:
+        previous = merged.get(prompt_index)
+        merged[prompt_index] = output if previous is None else merge_delta_outputs(previous, output)
+    return respond(merged)

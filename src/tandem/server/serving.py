@@ -1,0 +1,436 @@
+"""From OpenAI requests to engine calls and back: tokenizing prompts, running one engine request
+per prompt, and shaping RequestOutputs into OpenAI's responses and SSE chunks. No HTTP here."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from tandem.engine.async_llm import AsyncLLM, OutputKind
+from tandem.outputs import CompletionOutput, Logprob, RequestOutput
+from tandem.sampling_params import SamplingParams
+from tandem.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestValidationError,
+)
+from tandem.server.protocol_responses import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    CompletionLogProbs,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+    PromptTokenUsageInfo,
+    UsageInfo,
+)
+
+
+@dataclass
+class PromptJob:
+    """One prompt of a request, ready for the engine."""
+
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
+
+
+def _job(
+    engine: AsyncLLM,
+    request: CompletionRequest | ChatCompletionRequest,
+    text: str | None,
+    token_ids: list[int],
+    prompt_param: str,
+) -> PromptJob:
+    if not token_ids:
+        raise RequestValidationError(f"`{prompt_param}` is empty after tokenizing", prompt_param)
+    params = request.to_sampling_params(engine.max_model_len - len(token_ids))
+    try:
+        engine.check_prompt(token_ids, params.max_tokens)
+    except ValueError as error:
+        raise RequestValidationError(str(error), prompt_param) from error
+    return PromptJob(text, token_ids, params)
+
+
+def completion_jobs(engine: AsyncLLM, request: CompletionRequest) -> list[PromptJob]:
+    jobs = []
+    for prompt in request.prompts():
+        if isinstance(prompt, str):
+            token_ids = engine.encode(prompt, add_special_tokens=request.add_special_tokens)
+            jobs.append(_job(engine, request, prompt, token_ids, "prompt"))
+        else:
+            text = engine.tokenizer.decode(prompt) if engine.tokenizer is not None else None
+            jobs.append(_job(engine, request, text, list(prompt), "prompt"))
+    return jobs
+
+
+def chat_job(engine: AsyncLLM, request: ChatCompletionRequest) -> PromptJob:
+    if engine.tokenizer is None:
+        raise RequestValidationError("this server has no tokenizer, so no chat template")
+    try:
+        text = engine.tokenizer.apply_chat_template(
+            request.conversation(),
+            tokenize=False,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template=request.chat_template,
+            **(request.chat_template_kwargs or {}),
+        )
+    except Exception as error:  # a template that cannot render this conversation
+        raise RequestValidationError(
+            f"the chat template could not render these messages: {error}", "messages"
+        ) from error
+    token_ids = engine.encode(text, add_special_tokens=request.add_special_tokens)
+    return _job(engine, request, text, token_ids, "messages")
+
+
+async def run_jobs(
+    engine: AsyncLLM, jobs: Sequence[PromptJob], cache_salt: str | None
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Run every prompt as its own engine request; yield (prompt index, delta output) as they
+    come. Closing this iterator early aborts whatever is still running."""
+    base_id = uuid.uuid4().hex
+    iterators = [
+        engine.generate(
+            job.token_ids,
+            job.params,
+            f"{base_id}-{index}",
+            prompt=job.text,
+            output_kind=OutputKind.DELTA,
+            cache_salt=cache_salt,
+        )
+        for index, job in enumerate(jobs)
+    ]
+    if len(iterators) == 1:
+        async for output in iterators[0]:
+            yield 0, output
+        return
+    pending = {asyncio.ensure_future(anext(it)): index for index, it in enumerate(iterators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                index = pending.pop(future)
+                try:
+                    output = future.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(iterators[index]))] = index
+                yield index, output
+    finally:
+        for future in pending:
+            future.cancel()
+        for iterator in iterators:
+            await iterator.aclose()
+
+
+def new_token_times(output: RequestOutput) -> list[float]:
+    """When each token of a DELTA output was sampled (the core's time.monotonic)."""
+    times = []
+    for completion in output.outputs:
+        if completion.token_ids and completion.metrics is not None:
+            times.extend(completion.metrics.token_times[-len(completion.token_ids) :])
+    return times
+
+
+# -- usage and logprobs ----------------------------------------------------------------------
+
+
+class UsageCounter:
+    """Token counts of a request across its prompts and choices, as OpenAI's usage reports."""
+
+    def __init__(self, jobs: Sequence[PromptJob]) -> None:
+        self.prompt_tokens = sum(len(job.token_ids) for job in jobs)
+        self.completion_tokens = 0
+        self.cached_tokens: dict[int, int] = {}
+
+    def add(self, prompt_index: int, output: RequestOutput) -> None:
+        self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+        self.cached_tokens[prompt_index] = output.metrics.num_cached_tokens
+
+    def usage(self) -> UsageInfo:
+        return UsageInfo(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=PromptTokenUsageInfo(
+                cached_tokens=sum(self.cached_tokens.values())
+            ),
+        )
+
+
+def _token_text(logprob: Logprob) -> str:
+    return logprob.decoded_token or ""
+
+
+def _top(row: dict[int, Logprob], limit: int) -> list[tuple[int, Logprob]]:
+    return sorted(
+        ((t, lp) for t, lp in row.items() if lp.rank <= limit), key=lambda item: item[1].rank
+    )
+
+
+def completion_logprobs(
+    token_ids: list[int],
+    rows: Sequence[dict[int, Logprob] | None],
+    num_top: int,
+    text_offset: int,
+) -> CompletionLogProbs:
+    """Completions-style logprobs; a None row (the first prompt token) has no logprob."""
+    result = CompletionLogProbs()
+    for token_id, row in zip(token_ids, rows, strict=True):
+        if row is None:
+            result.tokens.append("")
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+        else:
+            chosen = row[token_id]
+            result.tokens.append(_token_text(chosen))
+            result.token_logprobs.append(chosen.logprob)
+            top = {_token_text(lp): lp.logprob for _, lp in _top(row, num_top)}
+            top.setdefault(_token_text(chosen), chosen.logprob)
+            result.top_logprobs.append(top)
+        result.text_offset.append(text_offset)
+        text_offset += len(result.tokens[-1])
+    return result
+
+
+def _chat_logprob(logprob: Logprob) -> ChatCompletionLogProb:
+    text = _token_text(logprob)
+    return ChatCompletionLogProb(
+        token=text, logprob=logprob.logprob, bytes=list(text.encode("utf-8"))
+    )
+
+
+def chat_logprobs(
+    token_ids: list[int], rows: Sequence[dict[int, Logprob]], num_top: int
+) -> ChatCompletionLogProbs:
+    content = []
+    for token_id, row in zip(token_ids, rows, strict=True):
+        chosen = _chat_logprob(row[token_id])
+        content.append(
+            ChatCompletionLogProbsContent(
+                **chosen.model_dump(),
+                top_logprobs=[_chat_logprob(lp) for _, lp in _top(row, num_top)],
+            )
+        )
+    return ChatCompletionLogProbs(content=content)
+
+
+def _prompt_logprob_rows(output: RequestOutput) -> list | None:
+    return getattr(output, "prompt_logprobs", None)
+
+
+# -- /v1/completions -------------------------------------------------------------------------
+
+
+@dataclass
+class _ChoiceState:
+    """What a completions choice has sent so far (for echo and text offsets)."""
+
+    text_length: int = 0
+    echoed: bool = False
+
+
+class CompletionShaper:
+    """Builds /v1/completions bodies and chunks from delta outputs."""
+
+    def __init__(self, request: CompletionRequest, jobs: list[PromptJob], model: str) -> None:
+        self.request = request
+        self.jobs = jobs
+        self.model = model
+        self.n = jobs[0].params.n
+        self.response_id = request.request_id or f"cmpl-{uuid.uuid4().hex}"
+        self.usage = UsageCounter(jobs)
+        self.choices: dict[int, _ChoiceState] = {}
+
+    def choice_index(self, prompt_index: int, completion: CompletionOutput) -> int:
+        return prompt_index * self.n + completion.index
+
+    def _choice_text_and_logprobs(
+        self, prompt_index: int, output: RequestOutput, completion: CompletionOutput
+    ) -> tuple[str, CompletionLogProbs | None]:
+        """The delta's text (with the prompt in front on a choice's first piece if echo) and
+        its logprobs (the prompt's too, then)."""
+        state = self.choices.setdefault(self.choice_index(prompt_index, completion), _ChoiceState())
+        job = self.jobs[prompt_index]
+        text = completion.text
+        token_ids, rows = completion.token_ids, completion.logprobs
+        prompt_rows = _prompt_logprob_rows(output)
+        if self.request.echo and not state.echoed:
+            state.echoed = True
+            text = (job.text or "") + text
+            if rows is not None:
+                prompt = prompt_rows or [None] * len(job.token_ids)
+                token_ids, rows = job.token_ids + token_ids, list(prompt) + rows
+        logprobs = None
+        if rows is not None and self.request.logprobs is not None:
+            logprobs = completion_logprobs(
+                token_ids, rows, self.request.logprobs, state.text_length
+            )
+        state.text_length += len(text)
+        return text, logprobs
+
+    def response(self, outputs: dict[int, RequestOutput]) -> CompletionResponse:
+        choices = []
+        for prompt_index in sorted(outputs):
+            output = outputs[prompt_index]
+            self.usage.add(prompt_index, output)
+            for completion in output.outputs:
+                text, logprobs = self._choice_text_and_logprobs(prompt_index, output, completion)
+                choices.append(
+                    CompletionResponseChoice(
+                        index=self.choice_index(prompt_index, completion),
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
+                        prompt_logprobs=_prompt_logprob_rows(output),
+                        prompt_token_ids=(
+                            self.jobs[prompt_index].token_ids
+                            if self.request.return_token_ids
+                            else None
+                        ),
+                        token_ids=completion.token_ids if self.request.return_token_ids else None,
+                    )
+                )
+        choices.sort(key=lambda choice: choice.index)
+        return CompletionResponse(
+            id=self.response_id, model=self.model, choices=choices, usage=self.usage.usage()
+        )
+
+    def chunk(self, prompt_index: int, output: RequestOutput) -> CompletionStreamResponse | None:
+        self.usage.add(prompt_index, output)
+        choices = []
+        for completion in output.outputs:
+            if not completion.token_ids and completion.finish_reason is None:
+                continue
+            text, logprobs = self._choice_text_and_logprobs(prompt_index, output, completion)
+            choices.append(
+                CompletionResponseStreamChoice(
+                    index=self.choice_index(prompt_index, completion),
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                    token_ids=completion.token_ids if self.request.return_token_ids else None,
+                )
+            )
+        if not choices:
+            return None
+        usage = self.usage.usage() if self._continuous_usage else None
+        return CompletionStreamResponse(
+            id=self.response_id, model=self.model, choices=choices, usage=usage
+        )
+
+    @property
+    def _continuous_usage(self) -> bool:
+        options = self.request.stream_options
+        return bool(options and options.include_usage and options.continuous_usage_stats)
+
+    def usage_chunk(self) -> CompletionStreamResponse | None:
+        options = self.request.stream_options
+        if not (options and options.include_usage):
+            return None
+        return CompletionStreamResponse(
+            id=self.response_id, model=self.model, choices=[], usage=self.usage.usage()
+        )
+
+
+# -- /v1/chat/completions --------------------------------------------------------------------
+
+
+class ChatShaper:
+    """Builds /v1/chat/completions bodies and chunks from delta outputs."""
+
+    def __init__(self, request: ChatCompletionRequest, job: PromptJob, model: str) -> None:
+        self.request = request
+        self.job = job
+        self.model = model
+        self.response_id = request.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        self.usage = UsageCounter([job])
+        self.num_top = request.top_logprobs or 0
+
+    def _logprobs(self, completion: CompletionOutput) -> ChatCompletionLogProbs | None:
+        if not self.request.logprobs or completion.logprobs is None:
+            return None
+        return chat_logprobs(completion.token_ids, completion.logprobs, self.num_top)
+
+    def response(self, output: RequestOutput) -> ChatCompletionResponse:
+        self.usage.add(0, output)
+        choices = [
+            ChatCompletionResponseChoice(
+                index=completion.index,
+                message=ChatMessage(content=completion.text),
+                logprobs=self._logprobs(completion),
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
+                token_ids=completion.token_ids if self.request.return_token_ids else None,
+            )
+            for completion in output.outputs
+        ]
+        return ChatCompletionResponse(
+            id=self.response_id,
+            model=self.model,
+            choices=choices,
+            usage=self.usage.usage(),
+            prompt_logprobs=_prompt_logprob_rows(output),
+            prompt_token_ids=self.job.token_ids if self.request.return_token_ids else None,
+        )
+
+    def role_chunk(self) -> ChatCompletionStreamResponse:
+        """OpenAI streams open each choice with the assistant role and empty content."""
+        choices = [
+            ChatCompletionResponseStreamChoice(
+                index=index, delta=DeltaMessage(role="assistant", content="")
+            )
+            for index in range(self.job.params.n)
+        ]
+        return ChatCompletionStreamResponse(
+            id=self.response_id,
+            model=self.model,
+            choices=choices,
+            prompt_token_ids=self.job.token_ids if self.request.return_token_ids else None,
+        )
+
+    def chunk(self, output: RequestOutput) -> ChatCompletionStreamResponse | None:
+        self.usage.add(0, output)
+        choices = [
+            ChatCompletionResponseStreamChoice(
+                index=completion.index,
+                delta=DeltaMessage(content=completion.text),
+                logprobs=self._logprobs(completion),
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
+                token_ids=completion.token_ids if self.request.return_token_ids else None,
+            )
+            for completion in output.outputs
+            if completion.token_ids or completion.finish_reason is not None
+        ]
+        if not choices:
+            return None
+        options = self.request.stream_options
+        continuous = bool(options and options.include_usage and options.continuous_usage_stats)
+        return ChatCompletionStreamResponse(
+            id=self.response_id,
+            model=self.model,
+            choices=choices,
+            usage=self.usage.usage() if continuous else None,
+        )
+
+    def usage_chunk(self) -> ChatCompletionStreamResponse | None:
+        options = self.request.stream_options
+        if not (options and options.include_usage):
+            return None
+        return ChatCompletionStreamResponse(
+            id=self.response_id, model=self.model, choices=[], usage=self.usage.usage()
+        )
