@@ -1,4 +1,4 @@
-"""`tandem generate` and `tandem chat`."""
+"""`tandem generate | chat | serve | bench`."""
 
 from __future__ import annotations
 
@@ -236,6 +236,10 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--disable-log-requests", action="store_true",
                        help="no log line per finished request")  # fmt: skip
     serve.set_defaults(func=cmd_serve)
+
+    from tandem.bench.cli import add_bench_parser
+
+    add_bench_parser(commands)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

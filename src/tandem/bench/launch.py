@@ -1,0 +1,109 @@
+"""Start and stop a server for a benchmark: any command that serves HTTP on a port (tandem, a
+peer), ready once GET /health answers 200, its output kept in a log file, stopped with SIGTERM
+to its process group (then SIGKILL)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def tandem_serve_command(port: int, args: Sequence[str] = ()) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "tandem.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--disable-log-requests",
+        *args,
+    ]
+
+
+class LaunchedServer:
+    """`command` (a list; "{port}" in it is replaced by a free port) run in its own process
+    group. Use as a context manager."""
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        log_path: str | Path,
+        ready_timeout: float = 300.0,
+        env: dict[str, str] | None = None,
+        port: int | None = None,
+    ) -> None:
+        self.port = port or free_port()
+        self.command = [part.replace("{port}", str(self.port)) for part in command]
+        self.log_path = Path(log_path)
+        self.ready_timeout = ready_timeout
+        self.env = {**os.environ, **(env or {})}
+        self.process: subprocess.Popen | None = None
+        self.ready_seconds: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> LaunchedServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"$ {' '.join(self.command)}\n".encode())
+            log.flush()
+            self.process = subprocess.Popen(
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
+            )
+        start = time.monotonic()
+        while time.monotonic() - start < self.ready_timeout:
+            if self.process.poll() is not None:
+                break
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    self.ready_seconds = time.monotonic() - start
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-40:])
+        raise RuntimeError(f"{self.command[0]} did not become ready; the end of its log:\n{tail}")
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        group = os.getpgid(self.process.pid)
+        os.killpg(group, signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(group, signal.SIGKILL)
+            self.process.wait(10)
+        else:  # the leader is gone; its children (an engine core, workers) go with the group
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+
+    def __enter__(self) -> LaunchedServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
