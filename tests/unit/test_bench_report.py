@@ -17,6 +17,7 @@ from tandem.bench.report import (
     load_run,
     parse_goodput,
     percentile,
+    runs_table,
     save_run,
 )
 
@@ -134,3 +135,11 @@ def test_json_round_trip_and_compare_table(tmp_path, records):
     assert "| failed | 1 | 0 |" in lines
     assert any(line.startswith("| goodput (req/s) | 0.33 |") for line in lines)
     assert any(line.startswith("| ITL p90 (ms) | 440.0 |") for line in lines)
+
+
+def test_runs_table_one_row_per_run(records):
+    table = runs_table([{"label": "x", "records": records}], {"ttft": 400})
+    header, rule, row = table.splitlines()
+    assert header.startswith("| run | ok/failed | req/s | out tok/s | TTFT p50 |")
+    assert header.endswith("| goodput |")
+    assert row.startswith("| x | 3/1 | 1.00 | 2.3 | 500 |") and row.endswith("| 0.33 |")

@@ -8,7 +8,14 @@ import shlex
 import sys
 from pathlib import Path
 
-from tandem.bench.report import compare_table, format_summary, load_run, parse_goodput, save_run
+from tandem.bench.report import (
+    compare_table,
+    format_summary,
+    load_run,
+    parse_goodput,
+    runs_table,
+    save_run,
+)
 from tandem.bench.workloads import add_workload_args, build_workload
 
 
@@ -145,7 +152,7 @@ def cmd_sweep(args: argparse.Namespace) -> None:
         server = None
         if budget is not None:
             command = tandem_serve_command(
-                0, ["--max-num-batched-tokens", str(budget), *shlex.split(args.serve_args)]
+                ["--max-num-batched-tokens", str(budget), *shlex.split(args.serve_args)]
             )
             server = LaunchedServer(command, out / f"server_budget{budget}.log").start()
         try:
@@ -176,7 +183,8 @@ def cmd_sweep(args: argparse.Namespace) -> None:
 
 def cmd_compare(args: argparse.Namespace) -> None:
     runs = [load_run(path) for path in args.runs]
-    table = compare_table(runs, parse_goodput(args.goodput) or None)
+    slos = parse_goodput(args.goodput) or None
+    table = runs_table(runs, slos) if args.by_run else compare_table(runs, slos)
     if args.out:
         Path(args.out).write_text(table + "\n")
     print(table)
@@ -240,6 +248,11 @@ def add_bench_parser(commands) -> None:
     compare = sub.add_parser("compare", help="a Markdown table of runs side by side")
     compare.add_argument("runs", nargs="+", help="JSON files of `bench serve --out`")
     compare.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS")
+    compare.add_argument(
+        "--by-run",
+        action="store_true",
+        help="one row per run, the main figures (default: a column per run)",
+    )
     compare.add_argument("--out", default=None)
     compare.set_defaults(func=guarded(cmd_compare))
 

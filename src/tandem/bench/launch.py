@@ -23,7 +23,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def tandem_serve_command(port: int, args: Sequence[str] = ()) -> list[str]:
+def tandem_serve_command(args: Sequence[str] = (), port: int | str = "{port}") -> list[str]:
+    """`tandem serve` by this interpreter; "{port}" is filled in by LaunchedServer."""
     return [
         sys.executable,
         "-m",

@@ -230,3 +230,36 @@ def compare_table(runs: Sequence[dict], slos: dict[str, float] | None = None) ->
             continue
         lines.append(f"| {name} | " + " | ".join(_num(v, digits) for v in values) + " |")
     return "\n".join(lines)
+
+
+RUN_COLUMNS: list[tuple[str, str, str | None, int]] = [
+    ("req/s", "request_throughput", None, 2),
+    ("out tok/s", "output_throughput", None, 1),
+    ("TTFT p50", "ttft_ms", "median", 0),
+    ("TTFT p99", "ttft_ms", "p99", 0),
+    ("TPOT p50", "tpot_ms", "median", 1),
+    ("ITL p50", "itl_ms", "median", 1),
+    ("ITL p99", "itl_ms", "p99", 1),
+    ("ITL max", "itl_ms", "max", 0),
+    ("E2E p50", "e2el_ms", "median", 0),
+]
+
+
+def runs_table(runs: Sequence[dict], slos: dict[str, float] | None = None) -> str:
+    """A Markdown table, one row per run (latencies in ms): the compact view of many runs."""
+    metrics = [compute_metrics(run["records"], slos) for run in runs]
+    good = slos is not None and bool(slos)
+    header = ["run", "ok/failed", *(name for name, *_ in RUN_COLUMNS)] + (
+        ["goodput"] if good else []
+    )
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    for run, m in zip(runs, metrics, strict=True):
+        cells = [run["label"], f"{m['completed']}/{m['failed']}"]
+        cells += [
+            _num(m[key] if stat is None else m[key][stat], digits)
+            for _, key, stat, digits in RUN_COLUMNS
+        ]
+        if good:
+            cells.append(_num(m["goodput"]))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
