@@ -70,7 +70,7 @@ def hf_throughput(prompts: list[list[int]]) -> tuple[float, int]:
 def stutter(policy: str, budget: int, vocab: int) -> tuple[float, float, float]:
     """(max inter-token gap of the 8 streams after the long prompt arrives, the gap they see
     without it, the long prompt's TTFT), in seconds."""
-    llm = LLM("default", scheduling_policy=policy, max_num_batched_tokens=budget,
+    llm = LLM("default", batching_policy=policy, max_num_batched_tokens=budget,
               enable_prefix_caching=False)  # fmt: skip
     engine = llm.engine
     streams = random_prompts(8, 32, 64, vocab, seed=1)

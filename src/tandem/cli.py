@@ -38,7 +38,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument(
-        "--scheduling-policy", default="decode-first", choices=["decode-first", "prefill-first"]
+        "--batching-policy", default="decode-first", choices=["decode-first", "prefill-first"]
     )
     parser.add_argument(
         "--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false"
@@ -70,7 +70,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
-        scheduling_policy=args.scheduling_policy,
+        batching_policy=args.batching_policy,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         max_num_partial_prefills=args.max_num_partial_prefills,

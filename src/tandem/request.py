@@ -58,6 +58,9 @@ class Request:
     # Extra key of the prefix-cache hash of the first block, so the whole chain: requests with
     # different salts (tenants that must not share) never share cached blocks.
     cache_salt: str | None = None
+    # vLLM's request priority: with scheduling_policy="priority", lower values are admitted
+    # first and preempted last; ties go by arrival_time. Must stay 0 under "fcfs".
+    priority: int = 0
 
     output_token_ids: list[int] = field(init=False, default_factory=list)
     all_token_ids: list[int] = field(init=False)
@@ -79,6 +82,8 @@ class Request:
             not isinstance(self.cache_salt, str) or not self.cache_salt
         ):
             raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"priority must be an int, got {self.priority!r}")
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.all_token_ids = list(self.prompt_token_ids)
 

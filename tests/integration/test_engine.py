@@ -25,7 +25,7 @@ ENGINE_VARIANTS = [
     dict(max_num_batched_tokens=64, max_num_seqs=1),
     dict(max_num_batched_tokens=64, max_num_seqs=4, max_num_partial_prefills=2),
     dict(max_num_batched_tokens=2048, max_num_seqs=256),
-    dict(max_num_batched_tokens=64, max_num_seqs=16, scheduling_policy="prefill-first"),
+    dict(max_num_batched_tokens=64, max_num_seqs=16, batching_policy="prefill-first"),
     dict(max_num_batched_tokens=32, max_num_seqs=8, long_prefill_token_threshold=8),
     dict(max_num_batched_tokens=2048, max_num_seqs=256, block_size=4),
 ]
@@ -53,7 +53,7 @@ def test_output_independent_of_batching(tiny_llama, reference_run, variant):
     budget = variant["max_num_batched_tokens"]
     assert all(s.num_prefill_tokens + s.num_decode_tokens <= budget for s in stats)
     assert all(s.num_seqs <= variant["max_num_seqs"] for s in stats)
-    if variant.get("scheduling_policy") == "prefill-first":
+    if variant.get("batching_policy") == "prefill-first":
         assert all(s.num_prefill_tokens == 0 or s.num_decode_tokens == 0 for s in stats)
     elif variant["max_num_seqs"] > 1 and budget < sum(map(len, prompts)):  # decode-first mixes
         assert any(s.num_prefill_tokens and s.num_decode_tokens for s in stats)

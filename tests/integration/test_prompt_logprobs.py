@@ -111,7 +111,7 @@ def test_k_zero_gives_the_prompt_tokens_only_and_a_one_token_prompt_none(tiny_ll
     [
         dict(max_num_batched_tokens=16, max_num_seqs=4),  # chunks of 8 tokens
         dict(max_num_batched_tokens=16, max_num_seqs=4, max_num_partial_prefills=3),
-        dict(max_num_batched_tokens=32, max_num_seqs=8, scheduling_policy="prefill-first"),
+        dict(max_num_batched_tokens=32, max_num_seqs=8, batching_policy="prefill-first"),
         dict(max_num_batched_tokens=2048, max_num_seqs=256, block_size=4),
     ],
     ids=lambda v: ",".join(map(str, v.values())),
@@ -137,7 +137,7 @@ def test_independent_of_chunking_and_batch_mates(folder, reference, variant):
         assert_same_prompt_logprobs(outputs[index].prompt_logprobs, trimmed)
     if variant["max_num_batched_tokens"] < max(map(len, PROMPTS)):
         assert any(s.num_prefill_tokens and s.num_decode_tokens for s in llm.step_stats) or \
-            variant.get("scheduling_policy") == "prefill-first"  # fmt: skip
+            variant.get("batching_policy") == "prefill-first"  # fmt: skip
 
 
 def test_requests_without_prompt_logprobs_are_unaffected(folder):

@@ -87,7 +87,21 @@ def run_to_completion(
         ({"max_num_partial_prefills": 0}, "max_num_partial_prefills must be >= 1, got 0"),
         ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold must be >= 0"),
         ({"max_num_batched_tokens": 8, "max_num_seqs": 16}, "must be >= max_num_seqs"),
-        ({"policy": "fastest"}, "policy must be one of decode-first, prefill-first"),
+        ({"batching_policy": "fastest"}, "batching_policy must be one of decode-first, prefill"),
+        ({"scheduling_policy": "decode-first"}, "scheduling_policy must be one of fcfs, prio"),
+        (
+            {"enable_chunked_prefill": False, "long_prefill_token_threshold": 8},
+            "leave it at 0 with enable_chunked_prefill=False",
+        ),
+        (
+            dict(
+                enable_chunked_prefill=False,
+                max_num_batched_tokens=64,
+                max_num_seqs=8,
+                max_model_len=65,
+            ),
+            r"max_num_batched_tokens \(64\) must be >= max_model_len \(65\)",
+        ),
     ],
 )
 def test_config_rejects_bad_values(kwargs: dict, message: str) -> None:
@@ -232,7 +246,7 @@ def test_long_prompt_takes_at_most_the_threshold_per_step() -> None:
 
 
 def test_prefill_first_never_mixes_prefill_and_decode() -> None:
-    scheduler = make_scheduler(policy="prefill-first")
+    scheduler = make_scheduler(batching_policy="prefill-first")
     add(scheduler, "a", 4)
     assert plan(step(scheduler)) == [("a", 4)]
     add(scheduler, "b", 6)
@@ -245,7 +259,7 @@ def test_prefill_first_never_mixes_prefill_and_decode() -> None:
 
 
 def test_prefill_first_runs_whole_prompts_only() -> None:
-    scheduler = make_scheduler(policy="prefill-first", max_num_batched_tokens=10)
+    scheduler = make_scheduler(batching_policy="prefill-first", max_num_batched_tokens=10)
     add(scheduler, "a", 6)
     add(scheduler, "b", 6)
     assert plan(step(scheduler)) == [("a", 6)]
@@ -254,7 +268,7 @@ def test_prefill_first_runs_whole_prompts_only() -> None:
 
 
 def test_prefill_first_chunks_a_prompt_longer_than_the_budget() -> None:
-    scheduler = make_scheduler(policy="prefill-first", max_num_batched_tokens=8)
+    scheduler = make_scheduler(batching_policy="prefill-first", max_num_batched_tokens=8)
     add(scheduler, "a", 4)
     step(scheduler)
     add(scheduler, "b", 20)
@@ -322,7 +336,7 @@ def test_chunked_resume_samples_only_once_caught_up() -> None:
 def test_outputs_do_not_depend_on_cache_size_or_preemption(policy: str) -> None:
     def generate(num_blocks: int) -> tuple[dict[str, list[int]], int]:
         scheduler = make_scheduler(
-            num_blocks=num_blocks, block_size=4, policy=policy, max_num_batched_tokens=16
+            num_blocks=num_blocks, block_size=4, batching_policy=policy, max_num_batched_tokens=16
         )
         requests = [
             add(scheduler, f"r{i}", 3 + 5 * i, first_token=i, max_tokens=9) for i in range(5)

@@ -1,5 +1,6 @@
 """The scheduler driven by a fake model over random workloads, checking the invariants of
-DESIGN.md after every step: caps, decode-first order, block ownership, KV contents, progress."""
+DESIGN.md after every step: caps, decode-first order, block ownership, KV contents, progress,
+and vLLM's queue order (fcfs / priority) for admission and preemption."""
 
 from __future__ import annotations
 
@@ -62,11 +63,12 @@ class FakeModelRunner:
 
 @dataclass
 class RequestSpec:
-    arrival_step: int
+    arrival_step: int  # also its arrival_time: requests of one step tie, add order decides
     prompt_token_ids: list[int]
     params: SamplingParams
     abort_step: int | None
     abort_after_schedule: bool
+    priority: int = 0
 
 
 @dataclass
@@ -83,14 +85,19 @@ def workloads(draw: st.DrawFn) -> Workload:
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     num_blocks = draw(st.integers(2, 40 // block_size + 2))
     max_num_seqs = draw(st.integers(1, 6))
+    max_model_len = draw(st.integers(4, 48))
+    chunked = draw(st.integers(0, 3)) > 0
     config = SchedulerConfig(
-        max_num_batched_tokens=draw(st.integers(max_num_seqs, 40)),
+        max_num_batched_tokens=draw(st.integers(max(max_num_seqs, 0 if chunked else 48), 48)),
         max_num_seqs=max_num_seqs,
-        max_model_len=draw(st.integers(4, 48)),
+        max_model_len=max_model_len,
         max_num_partial_prefills=draw(st.integers(1, 3)),
-        long_prefill_token_threshold=draw(st.integers(0, 12)),
-        policy=draw(st.sampled_from(["decode-first", "prefill-first"])),
+        long_prefill_token_threshold=draw(st.integers(0, 12)) if chunked else 0,
+        batching_policy=draw(st.sampled_from(["decode-first", "prefill-first"])),
+        scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
+        enable_chunked_prefill=chunked,
     )
+    priorities = st.integers(-2, 2) if config.scheduling_policy == "priority" else st.just(0)
     max_prompt_len = min(config.max_model_len, num_blocks * block_size)
     specs = []
     for _ in range(draw(st.integers(1, 10))):
@@ -118,9 +125,45 @@ def workloads(draw: st.DrawFn) -> Workload:
                 params=params,
                 abort_step=draw(st.integers(0, 30)) if aborted else None,
                 abort_after_schedule=draw(st.booleans()),
+                priority=draw(priorities),
             )
         )
     return Workload(config, num_blocks, block_size, draw(st.booleans()), specs)
+
+
+def check_queue_order(
+    scheduler: Scheduler,
+    output: SchedulerOutput,
+    queue_before: list[Request],
+    running_before: list[Request],
+) -> None:
+    """Admission follows the queue order (fcfs: arrival, preempted first; priority: lowest
+    value, then arrival), and preemption takes the back of that order first."""
+    config = scheduler.config
+    if config.scheduling_policy == "priority":
+        keys = [scheduler.priority_key(r) for r in queue_before]
+        assert keys == sorted(keys), "the priority queue is out of order"
+    planned = {s.request_id: s.num_new_tokens for s in output.scheduled}
+    admitted = [r.request_id for r in queue_before if r.request_id in planned]
+    num_partial = sum(
+        r.num_computed_tokens + planned.get(r.request_id, 0) < r.num_prompt_tokens
+        for r in scheduler.running
+    )
+    # A waiting prompt that would stay mid-prefill may be passed over (decode-first's cap on
+    # partial prefills); otherwise the admitted requests are the head of the queue.
+    if config.batching_policy == "prefill-first" or num_partial < config.max_num_partial_prefills:
+        assert admitted == [r.request_id for r in queue_before[: len(admitted)]], "queue jumped"
+    victims = [r for r in running_before if r.request_id in output.preempted_request_ids]
+    survivors = [r for r in running_before if r.status is RequestStatus.RUNNING]
+    if victims and survivors:
+        if config.scheduling_policy == "priority":
+            rank = scheduler.priority_key
+        else:
+            position = {r.request_id: i for i, r in enumerate(running_before)}
+            rank = lambda r: position[r.request_id]  # noqa: E731
+        assert max(map(rank, survivors)) < min(map(rank, victims)), "preempted out of order"
+    if not config.enable_chunked_prefill:
+        assert all(s.sample for s in output.scheduled), "a prompt was chunked"
 
 
 def check_step(
@@ -149,7 +192,7 @@ def check_step(
     admitted = {s.request_id for s in output.scheduled} & waiting_before
     if output.preempted_request_ids:
         assert not admitted, "admitted a request in a step that preempted"
-    if config.policy == "prefill-first":
+    if config.batching_policy == "prefill-first":
         assert len(set(is_decode)) <= 1, "prefill-first mixed prefill and decode"
         return
     assert all(s.num_new_tokens <= config.long_prefill_token_limit for s in output.scheduled)
@@ -176,13 +219,20 @@ def check_blocks(scheduler: Scheduler, all_requests: list[Request]) -> None:
         if holders.get(block.block_id, 0) > 1:
             assert block.block_hash is not None, "an unhashed block is shared"
     assert kv.num_free_blocks == kv.num_blocks - len(holders)
-    if scheduler.config.policy == "decode-first":
+    if scheduler.config.batching_policy == "decode-first":
         num_partial = sum(1 for r in scheduler.running if not r.is_prefill_done)
         assert num_partial <= scheduler.config.max_num_partial_prefills
 
 
-def make_request(index: int, spec: RequestSpec) -> Request:
-    return Request(f"r{index}", spec.prompt_token_ids, spec.params, eos_token_id=EOS)
+def make_request(index: int, spec: RequestSpec, priority: int | None = None) -> Request:
+    return Request(
+        f"r{index}",
+        spec.prompt_token_ids,
+        spec.params,
+        eos_token_id=EOS,
+        arrival_time=float(spec.arrival_step),
+        priority=spec.priority if priority is None else priority,
+    )
 
 
 def run(workload: Workload) -> tuple[Scheduler, list[Request], int]:
@@ -209,11 +259,14 @@ def run(workload: Workload) -> tuple[Scheduler, list[Request], int]:
         ]
         scheduler.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)
         had_work = scheduler.has_unfinished_requests()
-        waiting_before = {r.request_id for r in scheduler.waiting}
-        decoding_before = {r.request_id for r in scheduler.running if r.is_prefill_done}
+        queue_before = list(scheduler.waiting)
+        running_before = list(scheduler.running)
+        waiting_before = {r.request_id for r in queue_before}
+        decoding_before = {r.request_id for r in running_before if r.is_prefill_done}
         output = scheduler.schedule()
         assert output.scheduled or not had_work, "no progress with requests pending"
         check_step(scheduler, output, waiting_before, decoding_before, prompt_lens)
+        check_queue_order(scheduler, output, queue_before, running_before)
         sampled = runner.execute(output)
         aborts = [
             r.request_id
@@ -236,6 +289,7 @@ def test_random_workloads_keep_every_invariant(workload: Workload) -> None:
     event(f"preempted: {any(r.num_preemptions for r in requests)}")
     event(f"prefix-cache hit: {any(r.num_cached_tokens for r in requests)}")
     event(f"aborted: {any(r.status is RequestStatus.FINISHED_ABORTED for r in requests)}")
+    event(f"policy: {workload.config.scheduling_policy}")
     assert all(r.is_finished for r in requests)
     assert scheduler.num_waiting == scheduler.num_running == 0
     kv = scheduler.kv_cache_manager
@@ -261,7 +315,7 @@ def test_random_workloads_keep_every_invariant(workload: Workload) -> None:
             ),
             KVCacheManager(num_blocks=64, block_size=4),
         )
-        reference = make_request(index, spec)
+        reference = make_request(index, spec, priority=0)
         alone.add_request(reference)
         run_alone(alone)
         assert request.output_token_ids == reference.output_token_ids

@@ -40,7 +40,7 @@ def itl_timeline(run: dict, path: str | Path, title: str | None = None) -> Path:
     a dashed line and the time until its first token a shaded band."""
     records = [r for r in run["records"] if r.ok and len(r.chunks) > 1]
     streams = [r for r in records if r.tag == "stream"] or records
-    fig, ax = plt.subplots(figsize=(10, 4.8))
+    fig, ax = plt.subplots(figsize=(11, 4.8))
     for number, record in enumerate(streams[:MAX_TIMELINE_STREAMS]):
         gaps = [gap * 1e3 for gap in latencies(record).itls]
         ax.plot(record.chunks[1:], gaps, lw=1, marker=".", ms=3, label=f"stream {number + 1}")
@@ -56,7 +56,7 @@ def itl_timeline(run: dict, path: str | Path, title: str | None = None) -> Path:
     ax.set_ylim(bottom=0)
     ax.set_title(title or f"Inter-token latency per stream: {run.get('label', '')}")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left", ncol=2)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: no data hidden
     return _save(fig, path)
 
 

@@ -5,75 +5,40 @@ There are no prefill and decode modes: a request has `num_computed_tokens` (KV i
 the second. A prompt chunk and a decode token differ only in how many tokens that is. A request
 samples a token in the step that catches it up.
 
-Two policies over this one model:
+Two batching policies over this one model (`batching_policy`):
 - decode-first (stall-free, as Sarathi-Serve): running decodes get their token first, then
   in-flight prompt chunks, then new requests, in one mixed batch;
 - prefill-first (the classic one): a step runs whole prompts only, or decodes only, never both.
 
-Out of KV blocks, the newest running request is preempted and later recomputes its tokens.
+Which waiting request comes next is vLLM's `scheduling_policy` (request_queue.py): `fcfs`
+(arrival order) or `priority` (lowest value first, arrival order among equals). Out of KV
+blocks, the last running request in that order is preempted (fcfs: the newest; priority: the
+highest value, latest arrival) and later recomputes its tokens.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal
 
 from tandem.core.block_pool import KVCacheBlock
 from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.request_queue import SCHEDULING_POLICIES, SchedulingPolicy, make_request_queue
+from tandem.core.scheduler_config import BATCHING_POLICIES, BatchingPolicy, SchedulerConfig
 from tandem.request import Request, RequestStatus
 
-SchedulingPolicy = Literal["decode-first", "prefill-first"]
-SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = ("decode-first", "prefill-first")
-_POSITIVE_FIELDS = (
-    "max_num_batched_tokens",
-    "max_num_seqs",
-    "max_model_len",
-    "max_num_partial_prefills",
-)
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_batched_tokens: int = 2048  # token budget of one step
-    max_num_seqs: int = 256  # requests running at once (seats)
-    max_model_len: int = 2048  # prompt + output tokens of one request
-    max_num_partial_prefills: int = 1  # prompts left mid-prefill at once (decode-first)
-    # Most tokens one request may compute in a step (decode-first). 0 = auto: half the token
-    # budget, so a long prompt never takes a whole step and short prompts arriving behind it
-    # still start at once. (vLLM's auto value, 4% of max_model_len, would cut a lone 2k-token
-    # prompt into 26 steps.)
-    long_prefill_token_threshold: int = 0
-    policy: SchedulingPolicy = "decode-first"
-
-    def __post_init__(self) -> None:
-        for name in _POSITIVE_FIELDS:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(
-                "long_prefill_token_threshold must be >= 0 (0 = auto), "
-                f"got {self.long_prefill_token_threshold}"
-            )
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({self.max_num_seqs}), or running requests could not all decode in one step"
-            )
-        if self.policy not in SCHEDULING_POLICIES:
-            raise ValueError(
-                f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}"
-            )
-
-    @property
-    def long_prefill_token_limit(self) -> int:
-        """long_prefill_token_threshold resolved: the most tokens one request computes in a
-        decode-first step."""
-        if self.long_prefill_token_threshold > 0:
-            return self.long_prefill_token_threshold
-        return max(1, self.max_num_batched_tokens // 2)
+__all__ = [
+    "BATCHING_POLICIES",
+    "SCHEDULING_POLICIES",
+    "BatchingPolicy",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SchedulingPolicy",
+]
 
 
 @dataclass
@@ -136,8 +101,12 @@ class Scheduler:
         # A request may not outgrow the whole cache either: alone, it always fits.
         self.max_model_len = min(config.max_model_len, kv_cache_manager.max_num_tokens)
         self.requests: dict[str, Request] = {}  # unfinished requests
-        self.waiting: deque[Request] = deque()  # FCFS; preempted requests go to the front
-        self.running: list[Request] = []  # in admission order: the newest is preempted first
+        self._arrival_order: dict[str, int] = {}  # ties of equal priority and arrival time
+        self._next_arrival = itertools.count()
+        # In admission order (request_queue.py); preempted requests go back in front (fcfs) or
+        # to their place by priority.
+        self.waiting = make_request_queue(config.scheduling_policy, self.priority_key)
+        self.running: list[Request] = []  # in admission order
         self._finished_request_ids: list[str] = []
 
     @property
@@ -151,12 +120,21 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def priority_key(self, request: Request) -> tuple[int, float, int]:
+        """Priority order (smaller first): priority value, arrival time, add_request order."""
+        return request.priority, request.arrival_time, self._arrival_order[request.request_id]
+
     def add_request(self, request: Request) -> None:
         """Queue a request; raise ValueError for one that could never run."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id!r} has already been scheduled")
+        if request.priority and self.config.scheduling_policy != "priority":
+            raise ValueError(
+                f"request {request.request_id!r} has priority {request.priority}, but priority "
+                "scheduling is off: pass scheduling_policy='priority' (or leave priority at 0)"
+            )
         num_prompt_tokens = request.num_prompt_tokens
         if num_prompt_tokens == 0:
             raise ValueError(f"request {request.request_id!r} has an empty prompt")
@@ -172,12 +150,13 @@ class Scheduler:
                 f"({kv.num_blocks} blocks of {kv.block_size} tokens = {kv.max_num_tokens})"
             )
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._arrival_order[request.request_id] = next(self._next_arrival)
+        self.waiting.add(request)
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step. Call update_from_output with its results before scheduling again."""
         plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
-        if self.config.policy == "decode-first":
+        if self.config.batching_policy == "decode-first":
             self._schedule_decode_first(plan)
         else:
             self._schedule_prefill_first(plan)
@@ -225,7 +204,7 @@ class Scheduler:
         for request in to_finish:
             self._finish(request, status, now)
         self.running = [r for r in self.running if not r.is_finished]
-        self.waiting = deque(r for r in self.waiting if not r.is_finished)
+        self.waiting.discard_finished()
 
     # -- policies ------------------------------------------------------------------------------
 
@@ -236,7 +215,7 @@ class Scheduler:
         self._schedule_running_requests(plan, lambda r: not r.is_prefill_done, limit)
         if plan.preempted:
             return  # blocks are short: admitting more would only preempt again
-        # 3. new (and preempted) requests, oldest first.
+        # 3. new (and preempted) requests, in queue order.
         num_partial = sum(
             1
             for r in self.running
@@ -246,22 +225,23 @@ class Scheduler:
         while self.waiting and plan.token_budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
-            request = self.waiting[0]
+            request = self.waiting.peek()
             computed_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_remaining = request.num_tokens - num_cached_tokens
             num_new_tokens = min(
-                request.num_tokens - num_cached_tokens,
-                plan.token_budget,
-                self.config.long_prefill_token_limit,
+                num_remaining, plan.token_budget, self.config.long_prefill_token_limit
             )
+            if num_new_tokens < num_remaining and not self.config.enable_chunked_prefill:
+                break  # a whole prompt or nothing: it waits for a step with room (as vLLM)
             stays_partial = num_cached_tokens + num_new_tokens < request.num_prompt_tokens
             if stays_partial and num_partial >= self.config.max_num_partial_prefills:
                 # Too many prompts mid-prefill; a shorter one behind may still finish in a step.
-                skipped.append(self.waiting.popleft())
+                skipped.append(self.waiting.pop())
                 continue
             if not self._admit(request, computed_blocks, num_cached_tokens, num_new_tokens, plan):
                 break
             num_partial += stays_partial
-        self.waiting.extendleft(reversed(skipped))
+        self.waiting.prepend(skipped)
 
     def _schedule_prefill_first(self, plan: _StepPlan) -> None:
         # Prompts longer than the budget are chunked; continue those first.
@@ -276,11 +256,12 @@ class Scheduler:
         while self.waiting and plan.token_budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
-            request = self.waiting[0]
+            request = self.waiting.peek()
             computed_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_cached_tokens
             if num_new_tokens > plan.token_budget:
-                if num_new_tokens <= self.config.max_num_batched_tokens:
+                fits_whole = num_new_tokens <= self.config.max_num_batched_tokens
+                if fits_whole or not self.config.enable_chunked_prefill:
                     break  # fits whole in the next step
                 num_new_tokens = plan.token_budget  # could never fit whole: chunk it
             if not self._admit(request, computed_blocks, num_cached_tokens, num_new_tokens, plan):
@@ -302,10 +283,14 @@ class Scheduler:
                 self._schedule_running(request, num_new_tokens, plan)
 
     def _schedule_running(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> None:
-        """Give a running request blocks for its tokens, preempting the newest running requests
-        (the request itself, last) until they fit."""
+        """Give a running request blocks for its tokens, preempting running requests from the
+        back of the queue order until they fit: the newest (fcfs), or the highest priority
+        value, latest arrival (priority). It may be the request itself."""
         while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
-            victim = self.running[-1]
+            if self.config.scheduling_policy == "priority":
+                victim = max(self.running, key=self.priority_key)
+            else:
+                victim = self.running[-1]
             self._preempt(victim, plan)
             if victim is request:
                 return
@@ -327,7 +312,7 @@ class Scheduler:
             return False
         new_block_ids = kv.allocate_slots(request, num_new_tokens, computed_blocks)
         assert new_block_ids is not None, "can_allocate has checked these blocks"
-        self.waiting.popleft()
+        self.waiting.pop()
         request.num_computed_tokens = num_cached_tokens  # num_cached_tokens: set by allocate_slots
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -336,15 +321,15 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
-        """Free the request's KV and send it to the front of the queue to recompute later. Its
-        output tokens are kept; it samples again once it has caught up with them."""
+        """Free the request's KV and send it back to the queue (fcfs: to the front) to recompute
+        later. Its output tokens are kept; it samples again once it has caught up with them."""
         self.running.remove(request)
         plan.drop(request)
         self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.prepend([request])
         plan.preempted.append(request)
 
     def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
@@ -353,6 +338,7 @@ class Scheduler:
         request.finished_time = now
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+        del self._arrival_order[request.request_id]
         self._finished_request_ids.append(request.request_id)
 
     def _append_until_stop(

@@ -40,7 +40,7 @@ class EngineConfig:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         prefix_caching_hash_algo: str = "xxhash",
-        scheduling_policy: str = "decode-first",
+        batching_policy: str = "decode-first",
         max_num_partial_prefills: int = 1,
         long_prefill_token_threshold: int = 0,
         num_kv_blocks: int | None = None,
@@ -77,7 +77,7 @@ class EngineConfig:
             max_model_len=max_model_len or model_config.max_position_embeddings,
             max_num_partial_prefills=max_num_partial_prefills,
             long_prefill_token_threshold=long_prefill_token_threshold,
-            policy=scheduling_policy,
+            batching_policy=batching_policy,
         )
         return cls(
             model_path=model_path,
