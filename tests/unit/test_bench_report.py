@@ -139,7 +139,7 @@ def test_json_round_trip_and_compare_table(tmp_path, records):
 
 def test_runs_table_one_row_per_run(records):
     table = runs_table([{"label": "x", "records": records}], {"ttft": 400})
-    header, rule, row = table.splitlines()
+    header, _, row = table.splitlines()
     assert header.startswith("| run | ok/failed | req/s | out tok/s | TTFT p50 |")
     assert header.endswith("| goodput |")
     assert row.startswith("| x | 3/1 | 1.00 | 2.3 | 500 |") and row.endswith("| 0.33 |")
