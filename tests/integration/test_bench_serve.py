@@ -22,43 +22,16 @@ def server(tmp_path_factory):
         yield s
 
 
-def bench(server, tmp_path, name, *args):
+def bench(server, tmp_path, name: str, args: str):
     out = tmp_path / f"{name}.json"
-    main(
-        [
-            "bench",
-            "serve",
-            "--base-url",
-            server.url,
-            "--disable-tqdm",
-            "--out",
-            str(out),
-            "--plots",
-            str(tmp_path / "plots"),
-            "--label",
-            name,
-            *args,
-        ]
-    )
+    common = f"--disable-tqdm --out {out} --plots {tmp_path / 'plots'} --label {name}"
+    main(["bench", "serve", "--base-url", server.url, *common.split(), *args.split()])
     return out
 
 
 def test_serve_random_writes_records_metrics_and_plots(server, tmp_path, capsys):
-    out = bench(
-        server,
-        tmp_path,
-        "random",
-        "--num-prompts",
-        "4",
-        "--input-len",
-        "16:48",
-        "--output-len",
-        "8",
-        "--request-rate",
-        "8",
-        "--goodput",
-        "ttft:60000",
-    )
+    args = "--num-prompts 4 --input-len 16:48 --output-len 8 --request-rate 8 --goodput ttft:60000"
+    out = bench(server, tmp_path, "random", args)
     assert "Output token throughput (tok/s)" in capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["config"]["model"] == "default" and data["config"]["goodput"] == {"ttft": 60000}
@@ -78,45 +51,13 @@ def test_serve_random_writes_records_metrics_and_plots(server, tmp_path, capsys)
 
 
 def test_stutter_chat_and_compare(server, tmp_path, capsys):
-    stutter = bench(
-        server,
-        tmp_path,
-        "stutter",
-        "--workload",
-        "stutter",
-        "--num-prompts",
-        "1",
-        "--streams",
-        "2",
-        "--output-len",
-        "24",
-        "--long-prompt-len",
-        "200",
-        "--long-start",
-        "0.3",
-        "--long-output-len",
-        "2",
-    )
+    args = "--workload stutter --num-prompts 1 --streams 2 --output-len 16 --long-prompt-len 128"
+    stutter = bench(server, tmp_path, "stutter", args + " --long-start 0.3 --long-output-len 2")
     run = load_run(stutter)
     assert [r.tag for r in run["records"]] == ["stream", "stream", "long"]
     assert all(r.ok for r in run["records"])
-    chat = bench(
-        server,
-        tmp_path,
-        "chat",
-        "--workload",
-        "multi-turn",
-        "--endpoint",
-        "chat",
-        "--num-prompts",
-        "1",
-        "--turns",
-        "2",
-        "--input-len",
-        "8",
-        "--output-len",
-        "4",
-    )
+    args = "--workload multi-turn --endpoint chat --num-prompts 1 --turns 2 --input-len 8"
+    chat = bench(server, tmp_path, "chat", args + " --output-len 4")
     turns = load_run(chat)["records"]
     assert [r.turn for r in turns] == [0, 1] and all(r.ok for r in turns)
     assert turns[1].prompt_tokens > turns[0].prompt_tokens + 8  # the history was re-sent
@@ -128,25 +69,8 @@ def test_stutter_chat_and_compare(server, tmp_path, capsys):
 
 
 def test_sweep_over_request_rates(server, tmp_path):
-    main(
-        [
-            "bench",
-            "sweep",
-            "--base-url",
-            server.url,
-            "--disable-tqdm",
-            "--request-rates",
-            "2,inf",
-            "--num-prompts",
-            "3",
-            "--input-len",
-            "16",
-            "--output-len",
-            "4",
-            "--out-dir",
-            str(tmp_path),
-        ]
-    )
+    args = "--request-rates 2,inf --num-prompts 2 --input-len 16 --output-len 4 --disable-tqdm"
+    main(["bench", "sweep", "--base-url", server.url, "--out-dir", str(tmp_path), *args.split()])
     assert (tmp_path / "sweep.png").read_bytes().startswith(PNG)
     assert "| metric | rate 2/s | rate inf/s |" in (tmp_path / "sweep.md").read_text()
     assert len(list(tmp_path.glob("sweep_*.json"))) == 2
