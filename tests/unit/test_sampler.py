@@ -3,16 +3,18 @@ goodness of fit for every random filter, and reproducibility of seeded rows acro
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 
 import pytest
 import torch
 
 from tandem.sampling_params import SamplingParams
+from tandem.worker.logits_processors import apply_penalties, process_logits
 from tandem.worker.sampler import (
     LogprobsTensors,
     SamplingInputs,
-    apply_penalties,
     logprob_dicts,
     sample,
     token_logprobs,
@@ -48,9 +50,13 @@ def reference_probs(
     top_p: float = 1.0,
     min_p: float = 0.0,
 ) -> torch.Tensor:
-    """The intended distribution, filter by filter, in float64 and plain Python."""
+    """The intended distribution, filter by filter in vLLM's order (min-p, top-k, top-p, each
+    on what the one before left), in float64 and plain Python."""
     probs = (logits.double() / temperature).softmax(-1)
-    order = probs.argsort(descending=True).tolist()
+    if min_p > 0.0:
+        probs = torch.where(probs >= min_p * probs.max(), probs, 0.0)
+        probs /= probs.sum()
+    order = [i for i in probs.argsort(descending=True).tolist() if probs[i] > 0]
     keep = set(order)
     if 0 < top_k < len(order):
         keep = set(order[:top_k])
@@ -64,9 +70,6 @@ def reference_probs(
             keep.add(i)
             mass += float(probs[i])
         probs = torch.tensor([p if i in keep else 0.0 for i, p in enumerate(probs.tolist())])
-        probs /= probs.sum()
-    if min_p > 0.0:
-        probs = torch.where(probs >= min_p * probs.max(), probs, 0.0)
         probs /= probs.sum()
     return probs
 
@@ -354,3 +357,176 @@ def test_mismatched_inputs_are_rejected() -> None:
         SamplingInputs([SamplingParams()], [[]], [[]], [], [[]])
     with pytest.raises(ValueError, match="num_rows=1"):
         sample(torch.zeros(2, 5), make_inputs([SamplingParams()]))
+
+
+# -- allowed_token_ids, bad_words, logit_bias, logprobs modes ----------------------------------
+
+
+def processed_values(
+    logits: torch.Tensor, params: list[SamplingParams], **inputs: object
+) -> torch.Tensor:
+    """What each row picked from, read back through logprobs_mode="processed_logits" with
+    logprobs=-1 (every token's value)."""
+    params = [dataclasses.replace(p, logprobs=-1, logprobs_mode="processed_logits") for p in params]
+    out = sample(logits, make_inputs(params, **inputs))
+    rows = torch.full_like(logits, math.nan)
+    for row, entry in enumerate(out.logprobs):
+        for token, logprob in entry.items():
+            rows[row, token] = logprob.logprob
+    return rows
+
+
+def test_allowed_token_ids_keep_only_those() -> None:
+    torch.manual_seed(0)
+    allowed = [1, 3, 6]
+    params = [SamplingParams(allowed_token_ids=allowed)] * NUM_DRAWS + [
+        SamplingParams(temperature=0.0, allowed_token_ids=allowed),
+        SamplingParams(temperature=0.0),
+    ]
+    tokens = sample(LOGITS.expand(len(params), -1), make_inputs(params)).token_ids
+    masked = torch.full_like(LOGITS, -math.inf)
+    masked[allowed] = LOGITS[allowed]
+    assert chi_square_p_value(tokens[:NUM_DRAWS], masked.softmax(-1)) > 1e-3
+    assert set(tokens[:NUM_DRAWS].tolist()) == set(allowed)
+    assert tokens[-2] == 1 and tokens[-1] == 2  # best allowed; the unrestricted row untouched
+    values = processed_values(LOGITS.expand(2, -1), params[-2:])
+    assert torch.equal(values[0], masked) and torch.equal(values[1], LOGITS)
+
+
+def test_logit_bias_is_added_to_the_logits() -> None:
+    bias = {5: 4.0, 2: -3.0, 0: 0.25}
+    params = [SamplingParams(temperature=0.0, logit_bias=bias), SamplingParams(temperature=0.0)]
+    values = processed_values(LOGITS.expand(2, -1), params)
+    expected = LOGITS.clone()
+    for token, amount in bias.items():
+        expected[token] += amount
+    torch.testing.assert_close(values[0], expected)
+    assert torch.equal(values[1], LOGITS)
+    tokens = sample(LOGITS.expand(2, -1), make_inputs(params)).token_ids.tolist()
+    assert tokens == [5, 2]  # -1.4 + 4 beats the rest; the other row keeps its argmax
+
+
+def test_logit_bias_moves_the_distribution() -> None:
+    torch.manual_seed(1)
+    params = [SamplingParams(temperature=0.8, logit_bias={3: 2.5, 7: -1.0})] * NUM_DRAWS
+    tokens = sample(LOGITS.expand(NUM_DRAWS, -1), make_inputs(params)).token_ids
+    biased = LOGITS.clone()
+    biased[3] += 2.5
+    biased[7] -= 1.0
+    assert chi_square_p_value(tokens, reference_probs(biased, temperature=0.8)) > 1e-3
+
+
+def reference_bad_words(
+    logits: list[float], words: list[list[int]], output: list[int]
+) -> list[float]:
+    """vLLM's rule, word by word: ban the last token when the output ends with the rest."""
+    out = list(logits)
+    for word in words:
+        prefix = word[:-1]
+        if len(prefix) <= len(output) and output[len(output) - len(prefix) :] == prefix:
+            out[word[-1]] = -math.inf
+    return out
+
+
+def test_bad_words_match_the_reference() -> None:
+    gen = torch.Generator().manual_seed(4)
+    vocab, banned_some = 6, 0
+    for trial in range(60):
+        params, outputs, expected = [], [], []
+        logits = torch.randn(5, vocab, generator=gen)
+        for row in range(5):
+            output = torch.randint(vocab, (int(torch.randint(0, 5, (1,), generator=gen)),),
+                                   generator=gen).tolist()  # fmt: skip
+            words = [torch.randint(vocab, (int(torch.randint(1, 4, (1,), generator=gen)),),
+                                   generator=gen).tolist() for _ in range(row % 3)]  # fmt: skip
+            if output and row == 4:  # one word certain to match
+                words.append([*output[-2:], (output[-1] + 1) % vocab])
+            bad = ["w"] * len(words) or None
+            params.append(SamplingParams(temperature=0.0, bad_words=bad,
+                                         _bad_words_token_ids=words or None))  # fmt: skip
+            outputs.append(output)
+            expected.append(reference_bad_words(logits[row].tolist(), words, output))
+        values = processed_values(logits, params, outputs=outputs)
+        assert torch.equal(values, torch.tensor(expected)), trial
+        banned_some += int(values.isinf().sum())
+    assert banned_some > 50
+
+
+def test_logprobs_minus_one_gives_the_whole_vocabulary() -> None:
+    logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(5))
+    params = [SamplingParams(temperature=0.0, logprobs=-1), SamplingParams(logprobs=2)]
+    out = sample(logits, make_inputs(params))
+    assert len(out.logprobs[0]) == 40 and len(out.logprobs[1]) <= 3
+    raw = torch.log_softmax(logits[0], -1)
+    ranks = {token: lp.rank for token, lp in out.logprobs[0].items()}
+    assert sorted(ranks.values()) == list(range(1, 41))
+    for token, logprob in out.logprobs[0].items():
+        assert logprob.logprob == pytest.approx(float(raw[token]), abs=1e-6)
+        assert logprob.rank == 1 + int((raw > raw[token]).sum())
+
+
+def test_each_logprobs_mode_reads_its_own_distribution() -> None:
+    """One batch, one row per mode: raw values ignore penalties and temperature; processed
+    values are what the token was drawn from (penalty, temperature, top-k cut)."""
+    vocab = 16
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(6)).expand(4, -1)
+    knobs = dict(temperature=0.5, top_k=4, repetition_penalty=1.5, logprobs=-1, seed=3)
+    modes = ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+    params = [SamplingParams(**knobs, logprobs_mode=mode) for mode in modes]
+    prompts = [[1, 2]] * 4
+    out = sample(logits, make_inputs(params, prompts=prompts))
+    penalised = torch.tensor(reference_penalties(logits[0].tolist(), [1, 2], [], params[0]))
+    tempered = penalised / 0.5
+    kth = tempered.topk(4).values[-1]
+    processed = tempered.masked_fill(tempered < kth, -math.inf)
+    expected = {
+        "raw_logprobs": torch.log_softmax(logits[0], -1),
+        "raw_logits": logits[0],
+        "processed_logprobs": torch.log_softmax(processed, -1),
+        "processed_logits": processed,
+    }
+    for row, mode in enumerate(modes):
+        entry = out.logprobs[row]
+        values = torch.tensor([entry[t].logprob for t in range(vocab)])
+        torch.testing.assert_close(values, expected[mode], msg=mode)
+        chosen = int(out.token_ids[row])
+        assert entry[chosen].rank == 1 + int((expected[mode] > expected[mode][chosen]).sum())
+        assert torch.isfinite(processed[chosen])  # drawn from what the cut left
+
+
+def test_processed_logprobs_of_greedy_rows_skip_temperature() -> None:
+    """As vLLM: a greedy row picks from the biased, penalised logits, with no temperature."""
+    params = [SamplingParams(temperature=0.0, top_k=3, presence_penalty=1.0, logit_bias={1: 1.0},
+                             logprobs=-1, logprobs_mode="processed_logprobs")]  # fmt: skip
+    out = sample(LOGITS[None], make_inputs(params, outputs=[[2]]))
+    expected = LOGITS.clone()
+    expected[1] += 1.0
+    expected[2] -= 1.0
+    values = torch.tensor([out.logprobs[0][t].logprob for t in range(len(LOGITS))])
+    torch.testing.assert_close(values, torch.log_softmax(expected, -1))
+
+
+def test_top_p_weighs_what_min_p_left() -> None:
+    """vLLM's order: min-p first, then top-p over the renormalised rest. min_p=0.3 keeps the
+    logits >= 2.0 + ln 0.3 = 0.80: tokens 2, 7, 0, 4, with shares 0.41, 0.27, 0.18, 0.14;
+    top_p=0.8 then drops token 4 (0.86 of the mass comes before it). Over the full
+    distribution only 0.73 comes before token 4, so the other order would keep it."""
+    torch.manual_seed(2)
+    knobs = dict(min_p=0.3, top_p=0.8)
+    params = [SamplingParams(**knobs)] * NUM_DRAWS
+    tokens = sample(LOGITS.expand(NUM_DRAWS, -1), make_inputs(params)).token_ids
+    expected = reference_probs(LOGITS, **knobs)
+    assert set(expected.nonzero().flatten().tolist()) == {2, 7, 0}
+    assert set(tokens.tolist()) == {2, 7, 0}
+    assert chi_square_p_value(tokens, expected) > 1e-3
+
+
+def test_rows_without_the_new_knobs_are_left_alone() -> None:
+    """A batch that uses none of allowed_token_ids, bad_words, logit_bias, min_tokens or the
+    penalties: process_logits hands back the same tensor, unchanged."""
+    logits = torch.randn(3, 10)
+    before = logits.clone()
+    inputs = make_inputs([SamplingParams(), SamplingParams(temperature=0.0)] * 1 + [
+        SamplingParams(top_k=2)], outputs=[[1, 2]] * 3)  # fmt: skip
+    assert process_logits(logits, inputs) is logits
+    assert torch.equal(logits, before)

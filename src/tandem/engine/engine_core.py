@@ -17,6 +17,7 @@ from tandem.core.scheduler import Scheduler, SchedulerOutput
 from tandem.engine.stats import SchedulerStats, StepStats
 from tandem.outputs import Logprob
 from tandem.request import Request, RequestStatus
+from tandem.sampling_params import num_top_logprobs
 from tandem.worker.model_runner import ModelRunner
 from tandem.worker.sampler import LogprobsTensors, SamplingInputs, logprob_dicts, sample
 
@@ -80,6 +81,8 @@ class EngineCore:
         )
 
     def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError (nothing queued) for one that cannot run."""
+        request.sampling_params.check_vocab(self.runner.model_config.vocab_size)
         self.scheduler.add_request(request)
         seed = request.sampling_params.seed
         if seed is not None:
@@ -172,7 +175,7 @@ class EngineCore:
                     "(a prefix-cache hit for a request that wants prompt logprobs?)"
                 )
             ranges.append((start, end))
-            num_top = max(num_top, request.sampling_params.prompt_logprobs)
+            num_top = max(num_top, self._num_prompt_top(request))
         return (ranges, num_top) if num_top >= 0 else (None, 0)
 
     def _prompt_logprobs(
@@ -189,7 +192,7 @@ class EngineCore:
             for e, (start, end) in zip(scheduled, ranges, strict=True)
             if end
         ]
-        num_top = [r.sampling_params.prompt_logprobs for r, count in scored for _ in range(count)]
+        num_top = [self._num_prompt_top(r) for r, count in scored for _ in range(count)]
         rows = logprob_dicts(tensors, num_top)
         by_id = {}
         offset = 0
@@ -203,6 +206,10 @@ class EngineCore:
             else:
                 self.prompt_logprobs_sent[request_id] = num_sent
         return by_id
+
+    def _num_prompt_top(self, request: Request) -> int:
+        requested = request.sampling_params.prompt_logprobs
+        return num_top_logprobs(requested, self.runner.model_config.vocab_size)
 
     def _with_prompt_logprobs(
         self, outputs: list[EngineCoreOutput], by_id: dict[str, list[dict[int, Logprob]]]

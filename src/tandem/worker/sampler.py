@@ -1,4 +1,6 @@
-"""Turns the logits of one step into token ids, with vLLM's sampling semantics.
+"""Turns the logits of one step into token ids, with vLLM's sampling semantics and order:
+bans, bias and penalties (logits_processors.py), then argmax for greedy rows, or temperature,
+min-p, top-k, top-p and a draw for the others; then logprobs, raw or processed as each row asks.
 
 One call handles a whole batch: every filter is a tensor op over all rows with per-row
 parameters, and a filter no row uses costs nothing. The only per-row Python is the draw for
@@ -12,13 +14,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
 
-import numpy as np
 import torch
 
 from tandem.outputs import Logprob
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import GREEDY_TEMPERATURE, SamplingParams, num_top_logprobs
+from tandem.worker.logits_processors import column, process_logits
 
 
 @dataclass
@@ -32,6 +33,7 @@ class SamplingInputs:
     # EOS and stop ids for rows still under min_tokens, empty otherwise; ids past the vocab
     # cannot be sampled anyway and are ignored.
     stop_token_ids_to_block: list[Sequence[int]]
+    # (params carry the rest: allowed_token_ids, bad-word token ids, logit_bias, penalties)
 
     def __post_init__(self) -> None:
         lengths = {
@@ -50,8 +52,9 @@ class SamplerOutput:
     """What one step sampled, in the row order of the logits."""
 
     token_ids: torch.Tensor  # [num_rows] int64, on the logits' device
-    # Per row, when any row asked: the sampled token plus the top `params.logprobs` tokens, in
-    # that order (vLLM's shape); None for rows that did not ask.
+    # Per row, when any row asked: the sampled token plus the top `params.logprobs` tokens (all
+    # for -1), in that order (vLLM's shape), from the distribution its logprobs_mode names;
+    # None for rows that did not ask.
     logprobs: list[dict[int, Logprob] | None] | None
 
 
@@ -61,77 +64,22 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
         raise ValueError(
             f"logits must be [num_rows={len(inputs.params)}, vocab], got {tuple(logits.shape)}"
         )
-    # Our own float32 copy: the steps below work in place, and logprobs need the raw values.
-    work = logits.to(torch.float32, copy=True)
-    _block_tokens(work, inputs.stop_token_ids_to_block)
-    work = apply_penalties(work, inputs)
+    # Our own float32 copy: the steps below work in place, and raw logprobs need the input.
+    work = process_logits(logits.to(torch.float32, copy=True), inputs)
     tokens = _pick_tokens(work, inputs.params, inputs.generators)
-    return SamplerOutput(tokens, _logprobs(logits, tokens, inputs.params))
+    return SamplerOutput(tokens, _logprobs(logits, work, tokens, inputs.params))
 
 
-def _block_tokens(logits: torch.Tensor, block: Sequence[Sequence[int]]) -> None:
-    """min_tokens: the row may not end yet, so its EOS and stop ids get -inf."""
-    vocab = logits.shape[1]
-    pairs = [(row, t) for row, ids in enumerate(block) for t in ids if 0 <= t < vocab]
-    if pairs:
-        rows, ids = torch.tensor(pairs, device=logits.device).unbind(-1)
-        logits[rows, ids] = -math.inf
+def _wants_processed(params: SamplingParams) -> bool:
+    return params.logprobs is not None and params.logprobs_mode.startswith("processed")
 
 
-def _uses_penalties(params: SamplingParams) -> bool:
-    return (
-        params.repetition_penalty != 1.0
-        or params.frequency_penalty != 0.0
-        or params.presence_penalty != 0.0
-    )
-
-
-def apply_penalties(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
-    """Repetition (HF: divide positive logits, multiply negative ones, for tokens seen in the
-    prompt or output), then frequency (minus penalty x output count) and presence (minus penalty
-    if in the output), only on the rows that set one. May work in place on `logits`."""
-    rows = [i for i, p in enumerate(inputs.params) if _uses_penalties(p)]
-    if not rows:
-        return logits
-    device, vocab = logits.device, logits.shape[1]
-    params = [inputs.params[i] for i in rows]
-    index = None if len(rows) == len(inputs.params) else torch.tensor(rows, device=device)
-    penalised = logits if index is None else logits[index]
-    output_counts = _token_counts([inputs.output_token_ids[i] for i in rows], vocab, device)
-    output_seen = output_counts > 0
-    if any(p.repetition_penalty != 1.0 for p in params):
-        prompts = [inputs.prompt_token_ids[i] for i in rows]
-        seen = output_seen | (_token_counts(prompts, vocab, device, accumulate=False) > 0)
-        penalty = _column([p.repetition_penalty for p in params], device)
-        scaled = torch.where(penalised > 0, penalised / penalty, penalised * penalty)
-        penalised = torch.where(seen, scaled, penalised)
-    if any(p.frequency_penalty != 0.0 for p in params):
-        penalised -= output_counts.mul_(_column([p.frequency_penalty for p in params], device))
-    if any(p.presence_penalty != 0.0 for p in params):
-        penalised -= output_seen * _column([p.presence_penalty for p in params], device)
-    if index is None:
-        return penalised
-    logits[index] = penalised
-    return logits
-
-
-def _token_counts(
-    seqs: Sequence[Sequence[int]], vocab: int, device: torch.device, accumulate: bool = True
-) -> torch.Tensor:
-    """[len(seqs), vocab] float counts of each id (or 1 where present, without accumulate, which
-    is cheaper), in one scatter over the flattened ids. np.fromiter reads Python ints about ten
-    times faster than torch.tensor, which matters for long prompts under repetition penalty."""
-    lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
-    ids = np.fromiter(chain.from_iterable(seqs), dtype=np.int64, count=int(lengths.sum()))
-    rows = np.repeat(np.arange(len(seqs)), lengths)
-    index = (torch.from_numpy(rows).to(device), torch.from_numpy(ids).to(device))
-    counts = torch.zeros(len(seqs), vocab, device=device)
-    return counts.index_put_(index, torch.ones(len(ids), device=device), accumulate=accumulate)
-
-
-def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    """Per-row parameters as a [rows, 1] tensor that broadcasts over the vocab."""
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(-1)
+def _draws(params: SamplingParams) -> bool:
+    """Rows that go through temperature and the cuts: the random ones, and top_k=1 rows that
+    want processed logprobs (vLLM samples those too; the draw can only pick the top token)."""
+    if params.temperature < GREEDY_TEMPERATURE:
+        return False
+    return params.top_k != 1 or _wants_processed(params)
 
 
 def _pick_tokens(
@@ -139,16 +87,21 @@ def _pick_tokens(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
 ) -> torch.Tensor:
-    """Argmax for greedy rows, a random draw for the rest."""
-    random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    """Argmax for greedy rows, a random draw for the rest. Afterwards `logits` holds what each
+    row picked from (the processed logits): as given for greedy rows, and after temperature and
+    the cuts for drawn rows (those are written back only when a row wants them as logprobs)."""
+    random_rows = [i for i, p in enumerate(params) if _draws(p)]
     if len(random_rows) == len(params):
         return _sample_random(logits, params, generators)
     tokens = logits.argmax(dim=-1)
     if random_rows:
         index = torch.tensor(random_rows, device=logits.device)
+        drawn = logits[index]
         tokens[index] = _sample_random(
-            logits[index], [params[i] for i in random_rows], [generators[i] for i in random_rows]
+            drawn, [params[i] for i in random_rows], [generators[i] for i in random_rows]
         )
+        if any(_wants_processed(params[i]) for i in random_rows):
+            logits[index] = drawn
     return tokens
 
 
@@ -157,29 +110,28 @@ def _sample_random(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
 ) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p, then one draw per row. Each filter only
-    raises a per-row logit floor, so one masking pass applies them all, and a filter no row
-    uses costs nothing."""
+    """Temperature, then min-p, top-k and top-p in vLLM's order (top-p weighs what min-p and
+    top-k left), then one draw per row; `logits` is left filtered. Each cut raises a per-row
+    logit floor, and a cut no row uses costs nothing."""
     device, vocab = logits.device, logits.shape[1]
     temperatures = [p.temperature for p in params]
     if any(t != 1.0 for t in temperatures):
-        logits.div_(_column(temperatures, device))
+        logits.div_(column(temperatures, device))
+    min_p = [p.min_p for p in params]
+    if any(m > 0.0 for m in min_p):
+        # prob < min_p * max_prob, in logit space: logit < max_logit + log(min_p); log(0) = -inf.
+        floor = logits.amax(dim=-1, keepdim=True) + column(min_p, device).log()
+        logits.masked_fill_(logits < floor, -math.inf)
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]  # 0: off
     k = torch.tensor(top_k, device=device).unsqueeze(-1) if any(top_k) else None
-    floor: torch.Tensor | None = None
+    floor = None
     if any(p.top_p < 1.0 for p in params):
         # Off rows get p = inf: float rounding in the cumsum must not drop their tail.
-        top_p = _column([p.top_p if p.top_p < 1.0 else math.inf for p in params], device)
+        top_p = column([p.top_p if p.top_p < 1.0 else math.inf for p in params], device)
         floor = _top_k_top_p_floor(logits, k, top_p)
     elif k is not None:
         # top-k alone needs only the k largest values, much cheaper than a full sort.
         floor = _kth_largest(logits.topk(int(k.max()), dim=-1).values, k)
-    min_p = [p.min_p for p in params]
-    if any(m > 0.0 for m in min_p):
-        # prob < min_p * max_prob, in logit space: logit < max_logit + log(min_p); log(0) = -inf.
-        # The max survives the other filters, so applying it last or first is the same.
-        min_p_floor = logits.amax(dim=-1, keepdim=True) + _column(min_p, device).log()
-        floor = min_p_floor if floor is None else torch.maximum(floor, min_p_floor)
     if floor is not None:
         logits.masked_fill_(logits < floor, -math.inf)
     return _exponential_race(logits.softmax(dim=-1), generators)
@@ -251,11 +203,18 @@ class LogprobsTensors:
 def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
     """For each row of `logits` [rows, vocab]: the logprob and rank of its target token under
     the raw distribution (log_softmax in float32), and its `num_top` most likely tokens."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(-1, target_ids.unsqueeze(-1))
-    ranks = (logprobs > chosen).sum(dim=-1, dtype=torch.int32).add_(1)  # int32: 2x faster on CPU
-    top_logprobs, top_ids = logprobs.topk(min(num_top, logprobs.shape[1]), dim=-1)
-    return LogprobsTensors(target_ids, chosen.squeeze(-1), ranks, top_logprobs, top_ids)
+    return gather_logprobs(torch.log_softmax(logits.float(), dim=-1), target_ids, num_top)
+
+
+def gather_logprobs(
+    values: torch.Tensor, target_ids: torch.Tensor, num_top: int
+) -> LogprobsTensors:
+    """The target's value and rank in each row of `values` [rows, vocab] (logprobs, or logits
+    in the logits modes: the order is the same), and the row's `num_top` largest."""
+    chosen = values.gather(-1, target_ids.unsqueeze(-1))
+    ranks = (values > chosen).sum(dim=-1, dtype=torch.int32).add_(1)  # int32: 2x faster on CPU
+    top_values, top_ids = values.topk(min(num_top, values.shape[1]), dim=-1)
+    return LogprobsTensors(target_ids, chosen.squeeze(-1), ranks, top_values, top_ids)
 
 
 def logprob_dicts(tensors: LogprobsTensors, num_top: Sequence[int]) -> list[dict[int, Logprob]]:
@@ -280,17 +239,41 @@ def logprob_dicts(tensors: LogprobsTensors, num_top: Sequence[int]) -> list[dict
 
 
 def _logprobs(
-    raw_logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
+    raw_logits: torch.Tensor,
+    processed: torch.Tensor,
+    tokens: torch.Tensor,
+    params: list[SamplingParams],
 ) -> list[dict[int, Logprob] | None] | None:
-    """Logprobs of the model's raw distribution (before penalties and temperature), as vLLM
-    returns by default: the sampled token with its rank, then the top-N."""
+    """Each asking row's logprobs: the sampled token with its rank, then the top-N, from the
+    raw logits (before anything changed them; vLLM's default) or the processed ones, as
+    log-probabilities or as the logits themselves (logprobs_mode)."""
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
         return None
-    index = torch.tensor(rows, device=raw_logits.device)
-    num_top = [params[i].logprobs for i in rows]
-    tensors = token_logprobs(raw_logits[index], tokens[index], max(num_top))
+    device, vocab = raw_logits.device, raw_logits.shape[1]
+    modes = [params[i].logprobs_mode for i in rows]
+    sources = {"raw": raw_logits, "processed": processed}
+    if len(set(modes)) == 1:
+        values = _logprob_values(sources, modes[0], torch.tensor(rows, device=device))
+    else:
+        values = torch.empty(len(rows), vocab, dtype=torch.float32, device=device)
+        for mode in set(modes):
+            positions = [j for j, m in enumerate(modes) if m == mode]
+            index = torch.tensor([rows[j] for j in positions], device=device)
+            values[torch.tensor(positions, device=device)] = _logprob_values(sources, mode, index)
+    num_top = [num_top_logprobs(params[i].logprobs, vocab) for i in rows]
+    index = torch.tensor(rows, device=device)
+    tensors = gather_logprobs(values, tokens[index], max(num_top))
     result: list[dict[int, Logprob] | None] = [None] * len(params)
     for row, entry in zip(rows, logprob_dicts(tensors, num_top), strict=True):
         result[row] = entry
     return result
+
+
+def _logprob_values(
+    sources: dict[str, torch.Tensor], mode: str, index: torch.Tensor
+) -> torch.Tensor:
+    """The rows `index` of the source `mode` names, as float32 logprobs or logits."""
+    source, _, kind = mode.partition("_")
+    values = sources[source][index].float()
+    return torch.log_softmax(values, dim=-1) if kind == "logprobs" else values
