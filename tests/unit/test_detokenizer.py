@@ -148,9 +148,10 @@ class CountingTokenizer:
         self.tokenizer = tokenizer
         self.longest = 0
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+    def decode(self, ids: list[int], **kwargs: object) -> str:
         self.longest = max(self.longest, len(ids))
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        self.kwargs = kwargs
+        return self.tokenizer.decode(ids, **kwargs)
 
 
 def test_decode_window_stays_small(smollm):
@@ -275,3 +276,59 @@ def test_random_streams_with_stops_match_a_one_shot_reference(smollm):
             smollm, list(random_chunks(ids, rng)), stop=stops, include_stop_str_in_output=include
         )
         assert (stop, detok.output_text) == (expected_stop, expected_text), (text, stops)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_token_leaves_its_text_out(smollm, include):
+    """vLLM: the token that ended the request (a stop token id, or EOS) is not shown unless
+    include_stop_str_in_output; without a stop string nothing else changes."""
+    ids = encode(smollm, "Once upon a time, storytelling")
+    for chunks in [one_by_one(ids), [ids], [ids[:2], ids[2:]]]:
+        detok = IncrementalDetokenizer(smollm, [], include_stop_str_in_output=include)
+        for index, chunk in enumerate(chunks):
+            assert detok.update(chunk, stop_terminated=index == len(chunks) - 1) is None
+        full = smollm.decode(ids)
+        expected = full if include else smollm.decode(ids[:-1])
+        assert detok.output_text == expected
+        assert detok.get_next_output_text(finished=True, delta=False) == expected
+    assert expected.endswith(" storytelling") == include
+
+
+def test_a_stop_string_before_the_stop_token_still_counts(smollm):
+    ids = build_ids(smollm, ["Hello world", " again"])
+    detok = IncrementalDetokenizer(smollm, [], stop=["world"])
+    assert detok.update(ids, stop_terminated=True) == "world"
+    assert detok.output_text == "Hello "
+
+
+def test_stop_strings_wait_for_min_tokens(smollm):
+    """A stop string counts only once min_tokens tokens exist and only if it ends in text
+    after theirs (it may begin in it), as in vLLM."""
+    pieces = ["e", "x", "e", "y", "e", "z"]
+    ids = build_ids(smollm, pieces)
+    assert len(ids) == len(pieces)
+    rng = random.Random(5)
+    for chunks in [one_by_one(ids), [ids], *(list(random_chunks(ids, rng)) for _ in range(10))]:
+        for min_tokens, stop, expected_text in [
+            (0, "e", ""),  # the first token
+            (1, "e", "ex"),  # the third
+            (3, "e", "exey"),  # the fifth
+            (5, "e", None),  # none after the fifth token
+            (2, "xe", "e"),  # begins within the first two tokens, ends in the third
+            (3, "xe", None),
+        ]:
+            detok, found, _ = stream(smollm, chunks, stop=[stop], min_tokens=min_tokens)
+            assert found == (None if expected_text is None else stop)
+            assert detok.output_text == ("exeyez" if expected_text is None else expected_text)
+
+
+@pytest.mark.parametrize("spaces", [True, False])
+def test_spaces_between_special_tokens_reach_the_tokenizer(smollm, spaces):
+    counting = CountingTokenizer(smollm)
+    ids = encode(smollm, "a<|im_end|><|im_start|>b")
+    detok, _, _ = stream(counting, [ids], skip_special_tokens=False,
+                         spaces_between_special_tokens=spaces)  # fmt: skip
+    assert counting.kwargs == {"skip_special_tokens": False,
+                               "spaces_between_special_tokens": spaces}  # fmt: skip
+    # a fast tokenizer (like vLLM's fast path) ignores it
+    assert detok.output_text == "a<|im_end|><|im_start|>b"

@@ -182,16 +182,20 @@ class AsyncLLM:
         request_id: str,
         *,
         prompt: str | None = None,
-        output_kind: OutputKind = OutputKind.DELTA,
+        output_kind: OutputKind | None = None,
         cache_salt: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Queue a request and yield its outputs until it finishes. Raises ValueError for a
-        request that cannot run, EngineDeadError if the core dies meanwhile."""
+        """Queue a request and yield its outputs (as sampling_params.output_kind says, unless
+        `output_kind` is given) until it finishes. Raises ValueError for a request that cannot
+        run, EngineDeadError if the core dies meanwhile."""
         if self.dead_error is not None:
             raise self.dead_error
         if self._shutting_down:
             raise EngineDeadError("the engine is shutting down")
+        output_kind = sampling_params.output_kind if output_kind is None else output_kind
+        prompt_token_ids = sampling_params.truncate_prompt(prompt_token_ids, self.max_model_len)
         self.check_prompt(prompt_token_ids, sampling_params.max_tokens)
+        sampling_params.check_vocab(self.vocab_size)
         arrival_time = time.monotonic()
         core_requests = self.processor.add_request(
             request_id,

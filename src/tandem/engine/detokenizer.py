@@ -37,12 +37,22 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
+        spaces_between_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
+        self._decode_kwargs = {
+            "skip_special_tokens": skip_special_tokens,
+            "spaces_between_special_tokens": spaces_between_special_tokens,
+        }
         self._skip_special_tokens = skip_special_tokens
         self._stop = list(stop or [])
         self._include_stop_str = include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
+        self._min_tokens = min_tokens
+        self._num_tokens = 0  # output tokens seen, decoded or not
+        # Where the text of the first min_tokens tokens ends: no stop string may end before.
+        self._min_tokens_text_end = 0
         # Decoded last time; starts on a character boundary, which byte-fallback decoders need
         # (they turn a whole run of byte tokens into U+FFFDs if it does not decode).
         self._context: list[int] = self._prompt_context(prompt_token_ids)
@@ -56,21 +66,28 @@ class IncrementalDetokenizer:
         """All the output text so far, never ending in an incomplete character."""
         return self._text
 
-    def update(self, new_token_ids: Sequence[int]) -> str | None:
+    def update(self, new_token_ids: Sequence[int], stop_terminated: bool = False) -> str | None:
         """Append the new tokens' text; return the stop string that ends the output, if any.
 
-        The text is then cut before the stop string (after it with include_stop_str_in_output).
-        A stop is searched for only where it could end in the new text, and the one that ends
+        `stop_terminated`: the last token ended the request (EOS or a stop token); its text is
+        left out unless include_stop_str_in_output, as in vLLM. The text is cut before a stop
+        string (after it with include_stop_str_in_output). A stop string counts only if it ends
+        in the new text and after the text of the first min_tokens tokens, and the one that ends
         first wins, so the result does not depend on how tokens were grouped into updates.
         """
         if self._matched_stop is not None:
             raise RuntimeError(f"output already stopped at {self._matched_stop!r}")
         old_len = len(self._text)
-        for token_id in new_token_ids:
+        skipped = stop_terminated and not self._include_stop_str and bool(new_token_ids)
+        for token_id in new_token_ids[:-1] if skipped else new_token_ids:
             self._decode_next(token_id)
-        if not self._stop or len(self._text) == old_len:
+            self._num_tokens += 1
+            if self._num_tokens <= self._min_tokens:
+                self._min_tokens_text_end = len(self._text)
+        self._num_tokens += skipped
+        if not self._stop or self._num_tokens <= self._min_tokens or len(self._text) == old_len:
             return None
-        return self._find_stop(max(0, old_len - self._max_stop_len + 1))
+        return self._find_stop(max(old_len, self._min_tokens_text_end))
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """Text for the client: everything so far, or (delta) what the last call did not return.
@@ -88,7 +105,7 @@ class IncrementalDetokenizer:
         return self._text[start:end]
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+        return self._tokenizer.decode(token_ids, **self._decode_kwargs)
 
     def _prompt_context(self, prompt_token_ids: Sequence[int]) -> list[int]:
         """The prompt's last tokens, minus leading ones that end a character begun before them."""
@@ -118,11 +135,11 @@ class IncrementalDetokenizer:
             and bool(self._tokenizer.decode([token_id], skip_special_tokens=False))
         )
 
-    def _find_stop(self, search_from: int) -> str | None:
-        """Of the stop strings found from search_from on, the one that ends first; cut the text."""
+    def _find_stop(self, floor: int) -> str | None:
+        """Of the stop strings that end after `floor`, the one that ends first; cut the text."""
         best: tuple[int, int, str] | None = None  # (end, start, stop string)
         for stop in self._stop:
-            start = self._text.find(stop, search_from)
+            start = self._text.find(stop, max(0, floor - len(stop) + 1))
             if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
                 best = (start + len(stop), start, stop)
         if best is None:

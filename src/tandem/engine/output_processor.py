@@ -6,7 +6,6 @@ in-process `LLMEngine` and the API process of the server, where the core is anot
 from __future__ import annotations
 
 import dataclasses
-import enum
 import time
 from dataclasses import dataclass, field
 
@@ -23,13 +22,10 @@ from tandem.outputs import (
     RequestOutput,
 )
 from tandem.request import Request
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import RequestOutputKind, SamplingParams, tokenize_bad_words
 
-
-class OutputKind(enum.Enum):
-    CUMULATIVE = "cumulative"  # every update carries the whole text so far
-    DELTA = "delta"  # every update carries only what is new (streaming)
-    FINAL_ONLY = "final"  # one output, when the request finishes
+# The engine's older name for the one enum SamplingParams.output_kind holds.
+OutputKind = RequestOutputKind
 
 
 @dataclass
@@ -54,7 +50,7 @@ class _RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    output_kind: OutputKind
+    output_kind: RequestOutputKind
     sequences: list[_Sequence]
     # With params.prompt_logprobs: [None] then the first sequence's rows as they arrive (only
     # that sequence computes them; the n sequences share one prompt).
@@ -70,7 +66,7 @@ class _RequestState:
         logprobs = self.prompt_logprobs
         if logprobs is None or len(logprobs) < len(self.prompt_token_ids):
             return None
-        if self.output_kind is OutputKind.DELTA:
+        if self.output_kind is RequestOutputKind.DELTA:
             if self.prompt_logprobs_sent:
                 return None
             self.prompt_logprobs_sent = True
@@ -97,6 +93,7 @@ class OutputProcessor:
         self.extra_eos_token_ids = extra_eos_token_ids
         self.requests: dict[str, _RequestState] = {}
         self._sequence_owner: dict[str, tuple[_RequestState, _Sequence]] = {}
+        self._token_texts: dict[int, str] = {}  # each token's text, for logprobs, once decoded
 
     def add_request(
         self,
@@ -104,17 +101,26 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
-        output_kind: OutputKind = OutputKind.FINAL_ONLY,
+        output_kind: RequestOutputKind | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
     ) -> list[Request]:
-        """Track a request; returns the core requests (one per sequence) to submit."""
+        """Track a request; returns the core requests (one per sequence) to submit.
+        `output_kind` overrides params.output_kind (the offline LLM wants final outputs)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; give stop_token_ids instead")
+        bad_words = None
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer to become token ids")
+            bad_words = params.bad_words_token_ids or tokenize_bad_words(
+                params.bad_words, self.tokenizer
+            )
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        state = _RequestState(request_id, prompt, list(prompt_token_ids), params, output_kind, [])
+        kind = params.output_kind if output_kind is None else output_kind
+        state = _RequestState(request_id, prompt, list(prompt_token_ids), params, kind, [])
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
         core_requests = []
@@ -124,7 +130,7 @@ class OutputProcessor:
                 Request(
                     sequence_id,
                     state.prompt_token_ids,
-                    self._sequence_params(params, index),
+                    self._sequence_params(params, index, bad_words),
                     self.eos_token_id,
                     arrival_time,
                     cache_salt,
@@ -174,7 +180,8 @@ class OutputProcessor:
                 continue  # aborted, or a stop string ended it before the core heard of it
             state, sequence = owner
             if core_output.new_prompt_logprobs and state.prompt_logprobs is not None:
-                self._decode_logprob_tokens(core_output.new_prompt_logprobs)
+                if state.params.detokenize:
+                    self._decode_logprob_tokens(core_output.new_prompt_logprobs)
                 state.prompt_logprobs.extend(core_output.new_prompt_logprobs)
             stop_string = self._apply(sequence, core_output)
             if stop_string is not None:
@@ -189,7 +196,7 @@ class OutputProcessor:
                 del self.requests[state.request_id]
                 for sequence in state.sequences:
                     self._sequence_owner.pop(sequence.request_id, None)
-            if state.output_kind is not OutputKind.FINAL_ONLY or state.finished:
+            if state.output_kind is not RequestOutputKind.FINAL_ONLY or state.finished:
                 outputs.append(self._request_output(state))
         return ProcessedOutputs(outputs, stopped, finished)
 
@@ -203,11 +210,13 @@ class OutputProcessor:
             metrics=sequence.metrics,
         )
 
-    def _sequence_params(self, params: SamplingParams, index: int) -> SamplingParams:
+    def _sequence_params(
+        self, params: SamplingParams, index: int, bad_words: list[list[int]] | None
+    ) -> SamplingParams:
         """Per-sequence copy: extra EOS ids become stop tokens; seeds differ across n; only the
         first sequence computes the prompt logprobs they share (the others may take prefix-cache
-        hits)."""
-        changes: dict = {"n": 1}
+        hits); bad_words travel as token ids."""
+        changes: dict = {"n": 1, "best_of": None, "_bad_words_token_ids": bad_words}
         if params.seed is not None:
             changes["seed"] = params.seed + index
         if index > 0:
@@ -218,7 +227,7 @@ class OutputProcessor:
         return dataclasses.replace(params, **changes)
 
     def _detokenizer(self, prompt_token_ids: list[int], params: SamplingParams):
-        if self.tokenizer is None:
+        if self.tokenizer is None or not params.detokenize:
             return None
         return IncrementalDetokenizer(
             self.tokenizer,
@@ -226,6 +235,8 @@ class OutputProcessor:
             skip_special_tokens=params.skip_special_tokens,
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+            min_tokens=params.min_tokens,
         )
 
     def _apply(self, sequence: _Sequence, out: EngineCoreOutput) -> str | None:
@@ -238,35 +249,42 @@ class OutputProcessor:
         metrics.num_cached_tokens = out.num_cached_tokens
         metrics.num_preemptions = out.num_preemptions
         if out.new_logprobs is not None and sequence.logprobs is not None:
-            self._decode_logprob_tokens(out.new_logprobs)
+            if sequence.detokenizer is not None:
+                self._decode_logprob_tokens(out.new_logprobs)
             for token_id, row in zip(out.new_token_ids, out.new_logprobs, strict=False):
                 sequence.logprobs.append(row)
                 sequence.cumulative_logprob += row[token_id].logprob
         sequence.finish_reason, sequence.stop_reason = out.finish_reason, out.stop_reason
         stop_string = None
         if sequence.detokenizer is not None and out.new_token_ids:
-            stop_string = sequence.detokenizer.update(out.new_token_ids)
-            if stop_string is not None and out.finish_reason is None:
+            # An EOS or stop token that ended the request leaves its text out (vLLM).
+            stop_terminated = out.finish_reason == "stop"
+            stop_string = sequence.detokenizer.update(out.new_token_ids, stop_terminated)
+            if stop_string is not None:
+                # It wins over the core's reason, as in vLLM; the core must hear of it only
+                # if it has not finished the sequence itself.
                 sequence.finish_reason, sequence.stop_reason = "stop", stop_string
-            else:
-                stop_string = None
+                if out.finish_reason is not None:
+                    stop_string = None
         if sequence.finish_reason is not None:
             metrics.finished_time = out.finished_time or time.monotonic()
         return stop_string
 
     def _decode_logprob_tokens(self, rows: list[dict[int, Logprob]]) -> None:
-        """Fill each candidate's decoded_token (when there is a tokenizer), decoding each
-        distinct id once: a long prompt's rows repeat many ids."""
+        """Fill each candidate's decoded_token (when there is a tokenizer), decoding each id
+        once for the processor's life: long prompts and logprobs=-1 repeat many ids."""
         if self.tokenizer is None:
             return
-        ids = list({candidate for row in rows for candidate in row})
-        decoded = dict(zip(ids, self.tokenizer.batch_decode([[i] for i in ids]), strict=True))
+        texts = self._token_texts
+        new = list({candidate for row in rows for candidate in row if candidate not in texts})
+        if new:
+            texts.update(zip(new, self.tokenizer.batch_decode([[i] for i in new]), strict=True))
         for row in rows:
             for candidate, logprob in row.items():
-                logprob.decoded_token = decoded[candidate]
+                logprob.decoded_token = texts[candidate]
 
     def _request_output(self, state: _RequestState) -> RequestOutput:
-        delta = state.output_kind is OutputKind.DELTA
+        delta = state.output_kind is RequestOutputKind.DELTA
         completions = []
         for sequence in state.sequences:
             finished = sequence.finish_reason is not None
