@@ -56,8 +56,9 @@ def parity(tmp: str) -> None:
             expected = torch.cat([hf_logits(hf, p) for p in prompts])
             error = relative_error(logits, expected)
             check(f"logits {name} {dtype}", error <= tolerance, f"relative error {error:.2e}")
-        llm = LLM(folder, device=DEVICE, skip_tokenizer_init=True, max_num_batched_tokens=32,
-                  max_num_seqs=8, prefix_caching_hash_algo="sha256")  # fmt: skip
+        llm = LLM(folder, device=DEVICE, dtype="float32", skip_tokenizer_init=True,
+                  max_num_batched_tokens=32, max_num_seqs=8,
+                  prefix_caching_hash_algo="sha256")  # fmt: skip
         params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         same = 0

@@ -72,7 +72,7 @@ def stutter(policy: str, budget: int, vocab: int) -> tuple[float, float, float]:
     without it, the long prompt's TTFT), in seconds."""
     llm = LLM("default", batching_policy=policy, max_num_batched_tokens=budget,
               enable_prefix_caching=False)  # fmt: skip
-    engine = llm.engine
+    engine = llm.llm_engine
     streams = random_prompts(8, 32, 64, vocab, seed=1)
     (long_prompt,) = random_prompts(1, 1500, 1500, vocab, seed=2)
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)

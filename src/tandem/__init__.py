@@ -2,10 +2,19 @@
 
 from typing import Any
 
+from tandem.inputs import PromptType, TextPrompt, TokensPrompt
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "PromptType",
+    "RequestOutput",
+    "SamplingParams",
+    "TextPrompt",
+    "TokensPrompt",
+]
 __version__ = "0.1.0"
 
 

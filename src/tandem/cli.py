@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
@@ -10,7 +11,9 @@ import sys
 import time
 from collections.abc import Iterator
 
-from tandem.sampling_params import SamplingParams
+from tandem.core.request_queue import SCHEDULING_POLICIES
+from tandem.core.scheduler_config import BATCHING_POLICIES
+from tandem.sampling_params import LOGPROBS_MODES, SamplingParams
 
 _SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -26,23 +29,41 @@ def parse_size(text: str) -> int:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Every engine knob of LLM / EngineConfig.create, under vLLM's flag names."""
     parser.add_argument(
         "--model",
         default="default",
         help="HF folder, .gguf file, or 'default' (embedded SmolLM2-135M)",
     )
-    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer folder or .gguf file (default: the model's)")  # fmt: skip
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="refused: tandem never runs code from a checkpoint")  # fmt: skip
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="must be 1: one model on one device")  # fmt: skip
+    parser.add_argument("--dtype", default="auto",
+                        help="auto, float32 (float), bfloat16 or float16 (half); auto: "
+                             "float32 on CPU, the checkpoint's on CUDA (fp32 as bf16)")  # fmt: skip
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="global seed: requests without their own draw from it")  # fmt: skip
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="token budget of a step (default 2048; without chunked prefill "
+                             "max(2048, max-model-len))")  # fmt: skip
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-logprobs", type=int, default=20,
+                        help="most logprobs a request may ask for (-1: no limit)")  # fmt: skip
+    parser.add_argument("--logprobs-mode", default="raw_logprobs", choices=LOGPROBS_MODES)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument(
-        "--batching-policy", default="decode-first", choices=["decode-first", "prefill-first"]
-    )
-    parser.add_argument(
-        "--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false"
-    )
+    parser.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
+                        help="queue order: fcfs, or priority (lower value first)")  # fmt: skip
+    parser.add_argument("--batching-policy", default="decode-first", choices=BATCHING_POLICIES,
+                        help="decode-first (mixed, stall-free) or prefill-first")  # fmt: skip
+    parser.add_argument("--enable-chunked-prefill", default=True,
+                        action=argparse.BooleanOptionalAction)  # fmt: skip
+    parser.add_argument("--enable-prefix-caching", default=True,
+                        action=argparse.BooleanOptionalAction)  # fmt: skip
     parser.add_argument("--prefix-caching-hash-algo", default="xxhash",
                         choices=["xxhash", "sha256"])  # fmt: skip
     parser.add_argument("--max-num-partial-prefills", type=int, default=1)
@@ -50,7 +71,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="max tokens a prompt takes per step (0: half budget)")  # fmt: skip
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-memory", type=parse_size, default="2GiB",
-                        help="KV cache size on CPU, e.g. 2GiB")  # fmt: skip
+                        help="KV cache size, e.g. 2GiB")  # fmt: skip
+    parser.add_argument("--generation-config", default="auto",
+                        help="sampling defaults: auto (the model's generation_config.json), "
+                             "vllm (none), or a folder")  # fmt: skip
+    parser.add_argument("--override-generation-config", type=json.loads, default=None,
+                        help='JSON, e.g. \'{"temperature": 0.5}\'')  # fmt: skip
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="no periodic stats log line")  # fmt: skip
+    # vLLM's, accepted and logged where they change nothing (docs/coming-from-vllm.md).
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument("--swap-space", type=float, default=None)
+    parser.add_argument("--enforce-eager", action="store_true", default=None)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -58,25 +90,38 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The engine knobs, as EngineConfig.create (and LLM) take them."""
     return dict(
+        tokenizer=args.tokenizer,
+        trust_remote_code=args.trust_remote_code,
+        tensor_parallel_size=args.tensor_parallel_size,
         dtype=args.dtype,
         device=args.device,
+        seed=args.seed,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        max_logprobs=args.max_logprobs,
+        logprobs_mode=args.logprobs_mode,
         block_size=args.block_size,
+        scheduling_policy=args.scheduling_policy,
         batching_policy=args.batching_policy,
+        enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         max_num_partial_prefills=args.max_num_partial_prefills,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=args.kv_cache_memory,
+        generation_config=args.generation_config,
+        override_generation_config=args.override_generation_config,
+        disable_log_stats=args.disable_log_stats,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        swap_space=args.swap_space,
+        enforce_eager=args.enforce_eager,
     )
 
 
@@ -111,7 +156,6 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
-        seed=args.seed,
     )
 
 
@@ -147,11 +191,11 @@ def stream_answer(llm, conversation: list[dict[str, str]], params: SamplingParam
                                              add_generation_prompt=True)  # fmt: skip
     token_ids = list(llm.tokenizer(text, add_special_tokens=False).input_ids)
     request_id = f"chat-{time.monotonic_ns()}"
-    llm.engine.add_request(request_id, token_ids, params, prompt=text,
+    llm.llm_engine.add_request(request_id, token_ids, params, prompt=text,
                            output_kind=OutputKind.DELTA)  # fmt: skip
     try:
-        while llm.engine.has_unfinished_requests():
-            for output in llm.engine.step():
+        while llm.llm_engine.has_unfinished_requests():
+            for output in llm.llm_engine.step():
                 if output.request_id != request_id:
                     continue
                 yield output.outputs[0].text
@@ -159,7 +203,7 @@ def stream_answer(llm, conversation: list[dict[str, str]], params: SamplingParam
                     yield output
                     return
     finally:
-        llm.engine.abort_request(request_id)
+        llm.llm_engine.abort_request(request_id)
 
 
 def cmd_chat(args: argparse.Namespace) -> None:

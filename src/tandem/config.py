@@ -51,6 +51,9 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # The dtype the checkpoint was saved in ("bfloat16", "float32", ...): `torch_dtype` in
+    # transformers 4 configs, `dtype` in 5; None when it says nothing (GGUF files).
+    torch_dtype: str | None = None
 
     @property
     def q_size(self) -> int:
@@ -129,4 +132,10 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         sliding_window=int(sliding_window) if sliding_window else None,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_eos_ids(hf.get("eos_token_id")),
+        torch_dtype=_dtype_name(hf.get("torch_dtype") or hf.get("dtype")),
     )
+
+
+def _dtype_name(value: Any) -> str | None:
+    """"torch.bfloat16" (some configs) and "bfloat16" alike become "bfloat16"."""
+    return value.removeprefix("torch.") if isinstance(value, str) else None

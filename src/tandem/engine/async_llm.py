@@ -91,7 +91,7 @@ class AsyncLLM:
         self.client = EngineCoreClient(config)
         try:
             self.tokenizer = (
-                None if config.skip_tokenizer_init else load_tokenizer(config.model_path)
+                None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer_source)
             )
         except BaseException:
             self.client.shutdown()
@@ -184,6 +184,7 @@ class AsyncLLM:
         prompt: str | None = None,
         output_kind: OutputKind | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Queue a request and yield its outputs (as sampling_params.output_kind says, unless
         `output_kind` is given) until it finishes. Raises ValueError for a request that cannot
@@ -195,6 +196,7 @@ class AsyncLLM:
         output_kind = sampling_params.output_kind if output_kind is None else output_kind
         prompt_token_ids = sampling_params.truncate_prompt(prompt_token_ids, self.max_model_len)
         self.check_prompt(prompt_token_ids, sampling_params.max_tokens)
+        sampling_params = self.config.request_params(sampling_params)
         sampling_params.check_vocab(self.vocab_size)
         arrival_time = time.monotonic()
         core_requests = self.processor.add_request(
@@ -217,6 +219,7 @@ class AsyncLLM:
                     request.eos_token_id,
                     arrival_time,
                     cache_salt,
+                    priority,
                 )
             )
         self._adds_since_stats += len(core_requests)

@@ -1,20 +1,38 @@
 """One engine configuration, built once from the user's arguments: the offline `LLM`, the CLI and
-the server all turn their knobs into an `EngineConfig`, which resolves the model path and reads
-the model's config a single time. It is plain data, so it crosses into the engine-core process."""
+the server all turn their knobs into an `EngineConfig`, which resolves the model and tokenizer
+paths and reads the model's config a single time. It is plain data, so it crosses into the
+engine-core process.
+
+The knobs are vLLM's (same names, defaults and meanings; docs/coming-from-vllm.md lists every
+one). A knob that means nothing on this device, or that tandem does not act on yet, is accepted
+and said so in the log when the config is built: never silently different.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from tandem.config import ModelConfig
 from tandem.core.scheduler import SchedulerConfig
-from tandem.models.loader import load_model_config, resolve_model_path
-from tandem.worker.model_runner import DEFAULT_KV_CACHE_MEMORY, RunnerConfig, parse_dtype
+from tandem.generation_config import SAMPLING_KEYS, generation_config_defaults
+from tandem.models.loader import DEFAULT_MODEL, load_model_config, resolve_model_path
+from tandem.sampling_params import LOGPROBS_MODES, SamplingParams, num_top_logprobs
+from tandem.worker.model_runner import DEFAULT_KV_CACHE_MEMORY, DTYPES, RunnerConfig
+
+logger = logging.getLogger(__name__)
 
 PREFIX_CACHING_HASH_ALGOS = ("xxhash", "sha256")
+# vLLM's dtype names: "half" is float16 and "float" float32; "auto" is resolved per device.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+DTYPE_CHOICES = ("auto", *DTYPES, *DTYPE_ALIASES)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # with chunked prefill (vLLM's offline default too)
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's
+GENERATION_CONFIG_SOURCES = ("auto", "vllm")  # or a folder holding generation_config.json
 
 
 @dataclass(frozen=True)
@@ -26,46 +44,95 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "xxhash"
     skip_tokenizer_init: bool = False
+    tokenizer_path: Path | None = None  # None: the model's own (model_path)
+    seed: int | None = 0  # seeds random, numpy and torch in the engine core's process
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # -1: no limit
+    logprobs_mode: str = "raw_logprobs"  # for requests that do not choose their own
+    disable_log_stats: bool = False
+    # Where sampling defaults come from: a folder with generation_config.json, or None for
+    # vLLM's own defaults (generation_config="vllm"); plus override_generation_config.
+    generation_config_path: Path | None = None
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def create(
         cls,
-        model: str | Path = "default",
+        model: str | Path = DEFAULT_MODEL,
         *,
-        dtype: str = "float32",
+        tokenizer: str | Path | None = None,
+        skip_tokenizer_init: bool = False,
+        trust_remote_code: bool = False,
+        tensor_parallel_size: int = 1,
+        dtype: str | torch.dtype = "auto",
         device: str | None = None,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 256,
+        seed: int | None = 0,
         max_model_len: int | None = None,
-        block_size: int = 16,
+        max_num_batched_tokens: int | None = None,
+        max_num_seqs: int = 256,
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        logprobs_mode: str = "raw_logprobs",
+        disable_log_stats: bool = False,
+        enable_chunked_prefill: bool = True,
         enable_prefix_caching: bool = True,
         prefix_caching_hash_algo: str = "xxhash",
+        scheduling_policy: str = "fcfs",
         batching_policy: str = "decode-first",
         max_num_partial_prefills: int = 1,
         long_prefill_token_threshold: int = 0,
+        block_size: int = 16,
         num_kv_blocks: int | None = None,
         kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
-        skip_tokenizer_init: bool = False,
+        generation_config: str | Path = "auto",
+        override_generation_config: dict[str, Any] | None = None,
+        gpu_memory_utilization: float | None = None,
+        swap_space: float | None = None,
+        enforce_eager: bool | None = None,
     ) -> EngineConfig:
         """Validate every knob before anything heavy loads; raises ValueError/FileNotFoundError
-        naming what to change."""
+        naming what to change. None for gpu_memory_utilization, swap_space and enforce_eager
+        means "not given" (vLLM's defaults: 0.9, 4 GiB, False)."""
+        if trust_remote_code:
+            raise ValueError(
+                "trust_remote_code=True: tandem never runs code shipped with a checkpoint; the "
+                "architectures it supports need none, so leave trust_remote_code=False"
+            )
+        if tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size}: tandem runs a model on one device, "
+                "so tensor_parallel_size must be 1"
+            )
         if prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
             raise ValueError(
                 f"prefix_caching_hash_algo must be one of {', '.join(PREFIX_CACHING_HASH_ALGOS)}, "
                 f"got {prefix_caching_hash_algo!r}"
             )
-        parse_dtype(dtype)
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}"
+            )
+        if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int):
+            raise ValueError(f"max_logprobs must be an int (-1: no limit), got {max_logprobs!r}")
+        if max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= 0 or -1 (no limit), got {max_logprobs}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
         model_path = resolve_model_path(model)
         model_config = load_model_config(model_path)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        _note_no_effect(device, gpu_memory_utilization, swap_space, enforce_eager)
         if max_model_len is not None and max_model_len > model_config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={max_model_len} is larger than the model's "
                 f"max_position_embeddings={model_config.max_position_embeddings}: lower it"
             )
+        max_model_len = max_model_len or model_config.max_position_embeddings
+        if max_num_batched_tokens is None:  # vLLM's rule: without chunking a prompt must fit
+            max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
+            if not enable_chunked_prefill:
+                max_num_batched_tokens = max(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
         runner = RunnerConfig(
             model=model_path,
-            dtype=dtype,
+            dtype=resolve_dtype(dtype, device, model_config),
             device=device,
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
@@ -74,10 +141,12 @@ class EngineConfig:
         scheduler = SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len or model_config.max_position_embeddings,
+            max_model_len=max_model_len,
             max_num_partial_prefills=max_num_partial_prefills,
             long_prefill_token_threshold=long_prefill_token_threshold,
             batching_policy=batching_policy,
+            scheduling_policy=scheduling_policy,
+            enable_chunked_prefill=enable_chunked_prefill,
         )
         return cls(
             model_path=model_path,
@@ -87,7 +156,19 @@ class EngineConfig:
             enable_prefix_caching=enable_prefix_caching,
             prefix_caching_hash_algo=prefix_caching_hash_algo,
             skip_tokenizer_init=skip_tokenizer_init,
+            tokenizer_path=None if tokenizer is None else resolve_tokenizer_path(tokenizer),
+            seed=seed,
+            max_logprobs=max_logprobs,
+            logprobs_mode=logprobs_mode,
+            disable_log_stats=disable_log_stats,
+            generation_config_path=_generation_config_path(generation_config, model_path),
+            override_generation_config=dict(override_generation_config or {}),
         )
+
+    @property
+    def tokenizer_source(self) -> Path:
+        """Where the tokenizer (and chat template) is read from."""
+        return self.tokenizer_path or self.model_path
 
     def eos_token_ids(self, tokenizer_eos: int | None) -> tuple[int | None, tuple[int, ...]]:
         """The EOS id requests stop at, and the model's other EOS ids (become stop tokens)."""
@@ -96,3 +177,133 @@ class EngineConfig:
             eos = self.model_config.eos_token_ids[0]
         extra = tuple(t for t in self.model_config.eos_token_ids if t != eos)
         return eos, extra
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """SamplingParams defaults from the generation config (vLLM's get_diff_sampling_param):
+        generation_config.json's sampling fields (generation_config="auto" or a folder) with
+        override_generation_config on top; only the overrides for generation_config="vllm"."""
+        overrides = self.override_generation_config
+        if self.generation_config_path is not None:
+            return generation_config_defaults(self.generation_config_path, overrides)
+        return {
+            name: overrides[key]
+            for key, name in SAMPLING_KEYS.items()
+            if overrides.get(key) is not None
+        }
+
+    def request_params(self, params: SamplingParams) -> SamplingParams:
+        """A request's SamplingParams as this engine runs them: the engine-wide logprobs_mode
+        where the request chose none, and ValueError for more logprobs than max_logprobs.
+        Front ends (LLM, AsyncLLM) call it before queueing anything."""
+        self.check_logprobs(params)
+        if self.logprobs_mode != "raw_logprobs" and "logprobs_mode" not in params.fields_set:
+            params = params.with_defaults({"logprobs_mode": self.logprobs_mode})
+        return params
+
+    def check_logprobs(self, params: SamplingParams) -> None:
+        """ValueError naming both numbers when a request asks for more logprobs (or prompt
+        logprobs) than max_logprobs, as vLLM refuses it."""
+        vocab_size = self.model_config.vocab_size
+        limit = vocab_size if self.max_logprobs == -1 else self.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            requested = getattr(params, name)
+            if requested is not None and num_top_logprobs(requested, vocab_size) > limit:
+                asked = "-1 (the whole vocabulary)" if requested == -1 else str(requested)
+                raise ValueError(
+                    f"{name}={asked} is more than max_logprobs={limit}: ask for at most {limit}, "
+                    f"or start the engine with a larger max_logprobs (-1: no limit)"
+                )
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str, model_config: ModelConfig) -> str:
+    """vLLM's dtype names to one of DTYPES. "auto": float32 on CPU (for now: a per-machine probe
+    of bf16 vs fp32 matmul speed will choose later); on CUDA the checkpoint's own dtype, with
+    float32 (or unknown, e.g. GGUF) checkpoints run in bfloat16 (float16 without bf16)."""
+    if isinstance(dtype, torch.dtype):
+        names: dict[torch.dtype, str] = {}
+        for name, value in DTYPES.items():
+            names.setdefault(value, name)  # the long name ("float16", not "fp16")
+        if dtype not in names:
+            raise ValueError(f"dtype {dtype} is not supported; choose one of {DTYPE_CHOICES}")
+        return names[dtype]
+    if not isinstance(dtype, str) or dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {DTYPE_CHOICES}")
+    if dtype != "auto":
+        return DTYPE_ALIASES.get(dtype, dtype)
+    saved = model_config.torch_dtype
+    if not device.startswith("cuda"):
+        logger.info(
+            "dtype='auto' on %s: float32 (checkpoint saved in %s); a per-machine probe of bf16 "
+            "vs fp32 speed will choose here later",
+            device,
+            saved or "an unstated dtype",
+        )
+        return "float32"
+    if saved in ("bfloat16", "float16"):
+        chosen = saved
+    else:
+        chosen = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    logger.info("dtype='auto' on %s: %s (checkpoint saved in %s)", device, chosen, saved)
+    return chosen
+
+
+def resolve_tokenizer_path(tokenizer: str | Path) -> Path:
+    """A tokenizer folder (no config.json needed), a .gguf file, or "default"."""
+    if str(tokenizer) == DEFAULT_MODEL:
+        return resolve_model_path(tokenizer)
+    path = Path(tokenizer).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"tokenizer path {str(path)!r} does not exist: pass a folder with tokenizer files "
+            "(tokenizer.json / tokenizer_config.json) or a .gguf file"
+        )
+    if path.is_file() and path.suffix != ".gguf":
+        raise ValueError(f"tokenizer {str(path)!r} is a file but not .gguf: pass its folder")
+    return path
+
+
+def _generation_config_path(source: str | Path, model_path: Path) -> Path | None:
+    if str(source) == "auto":
+        return model_path
+    if str(source) == "vllm":
+        return None
+    path = Path(source).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"generation_config={str(source)!r} is neither 'auto', 'vllm' nor a folder: pass "
+            "the folder holding generation_config.json"
+        )
+    return path
+
+
+def _note_no_effect(
+    device: str, gpu_memory_utilization: float | None, swap_space: float | None,
+    enforce_eager: bool | None,
+) -> None:  # fmt: skip
+    """Log the vLLM knobs that were given but change nothing here (after checking them)."""
+    on_gpu = device.startswith("cuda")
+    if gpu_memory_utilization is not None:
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
+            )
+        logger.warning(
+            "gpu_memory_utilization=%s has no effect %s: the KV cache takes kv_cache_memory "
+            "bytes (or num_kv_blocks)",
+            gpu_memory_utilization,
+            "yet (sizing by GPU profiling is not built)" if on_gpu else "on CPU",
+        )
+    if swap_space is not None:
+        if swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {swap_space}")
+        logger.warning(
+            "swap_space=%s has no effect (as in vLLM v1): a preempted request frees its KV "
+            "blocks and recomputes them",
+            swap_space,
+        )
+    if enforce_eager is not None and (not on_gpu or not enforce_eager):
+        logger.warning(
+            "enforce_eager=%s has no effect %s: tandem runs the model eagerly",
+            enforce_eager,
+            "yet (CUDA graphs are not built)" if on_gpu else "on CPU (no CUDA graphs)",
+        )

@@ -121,6 +121,7 @@ class _CoreLoop:
                         message.eos_token_id,
                         message.arrival_time,
                         message.cache_salt,
+                        message.priority,
                     )
                 )
             except ValueError as error:

@@ -5,11 +5,13 @@ stop strings and n > 1 live in the front end (llm_engine.py)."""
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from tandem.core.kv_cache_manager import KVCacheManager
@@ -49,9 +51,20 @@ class EngineCoreOutput:
     new_prompt_logprobs: list[dict[int, Logprob]] | None = None
 
 
+def set_random_seed(seed: int) -> None:
+    """vLLM's global seed: random, numpy and torch (every device) in this process. Requests
+    without a seed of their own draw from torch's default generator, so a run repeats."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, max_step_stats: int = 100_000) -> None:
+        self.config = config
         runner_config, scheduler_config = config.runner, config.scheduler
+        if config.seed is not None:
+            set_random_seed(config.seed)
         self.runner = ModelRunner(runner_config)
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_kv_blocks,
@@ -83,6 +96,7 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         """Queue a request; ValueError (nothing queued) for one that cannot run."""
         request.sampling_params.check_vocab(self.runner.model_config.vocab_size)
+        self.config.check_logprobs(request.sampling_params)
         self.scheduler.add_request(request)
         seed = request.sampling_params.seed
         if seed is not None:

@@ -1,13 +1,16 @@
 """The in-process engine: an `OutputProcessor` over an `EngineCore` in the same process, stepped
 by the caller (the offline `LLM`, `tandem chat`). The server runs the same two pieces split
-across processes (async_llm.py, core_process.py)."""
+across processes (async_llm.py, core_process.py). `LLM.llm_engine` is this object."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
 
 from transformers import PreTrainedTokenizerBase
 
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.output_processor import OutputKind, OutputProcessor
+from tandem.engine.stats import StatLogger
 from tandem.outputs import RequestOutput
 from tandem.request import RequestStatus
 from tandem.sampling_params import SamplingParams
@@ -22,14 +25,19 @@ class LLMEngine:
         tokenizer: PreTrainedTokenizerBase | None,
         eos_token_id: int | None,
         extra_eos_token_ids: tuple[int, ...] = (),
+        stat_loggers: Sequence[StatLogger] = (),
     ) -> None:
         self.core = core
         self.tokenizer = tokenizer
         self.processor = OutputProcessor(tokenizer, eos_token_id, extra_eos_token_ids)
+        self.stat_loggers = list(stat_loggers)
 
     @property
     def max_model_len(self) -> int:
         return self.core.scheduler.max_model_len
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
+        return self.tokenizer
 
     def add_request(
         self,
@@ -40,14 +48,20 @@ class LLMEngine:
         output_kind: OutputKind = OutputKind.FINAL_ONLY,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
-        """Queue a request; raises ValueError (nothing queued) for one that cannot run."""
+        """Queue a request; raises ValueError (nothing queued) for one that cannot run.
+        `priority` orders it under scheduling_policy="priority" (lower first), as in vLLM."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        params = self.core.config.request_params(params)
         core_requests = self.processor.add_request(
             request_id, prompt_token_ids, params, prompt, output_kind, arrival_time, cache_salt
         )
         added = []
         try:
             for request in core_requests:
+                request.priority = priority
                 self.core.add_request(request)
                 added.append(request.request_id)
         except ValueError:
@@ -55,16 +69,32 @@ class LLMEngine:
             self.processor.abort_request(request_id)
             raise
 
-    def abort_request(self, request_id: str) -> None:
-        aborted = self.processor.abort_request(request_id)
-        self.core.finish_requests([a.request_id for a in aborted], RequestStatus.FINISHED_ABORTED)
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            aborted = self.processor.abort_request(request_id)
+            ids = [a.request_id for a in aborted]
+            self.core.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+            for record in aborted:
+                for stat_logger in self.stat_loggers:
+                    stat_logger.record_finished(record)
 
     def has_unfinished_requests(self) -> bool:
         return self.processor.has_unfinished_requests()
 
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.processor.requests)
+
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return an output for each request that has news (by its kind)."""
+        num_steps = self.core.num_steps
         processed = self.processor.process_outputs(self.core.step())
         for sequence_id, stop_string in processed.stopped:
             self.core.finish_requests([sequence_id], RequestStatus.FINISHED_STOPPED, stop_string)
+        if self.stat_loggers:
+            steps = [self.core.step_stats[-1]] if self.core.num_steps != num_steps else []
+            scheduler_stats = self.core.scheduler_stats()
+            for stat_logger in self.stat_loggers:
+                stat_logger.record_steps(scheduler_stats, steps)
+                for record in processed.finished:
+                    stat_logger.record_finished(record)
         return processed.request_outputs

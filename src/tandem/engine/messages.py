@@ -20,6 +20,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     eos_token_id: int | None
     arrival_time: float  # time.monotonic(): one clock for every process on the machine
     cache_salt: str | None = None
+    priority: int = 0  # vLLM's: lower first under scheduling_policy="priority"
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

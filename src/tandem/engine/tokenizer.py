@@ -6,12 +6,15 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from tandem.models.loader import resolve_model_path
+from tandem.models.loader import DEFAULT_MODEL, resolve_model_path
 
 
 def load_tokenizer(model: str | Path) -> PreTrainedTokenizerBase:
-    """The model's tokenizer and chat template; for GGUF, from the file's metadata."""
-    path = resolve_model_path(model)
+    """The tokenizer and chat template of a model folder, a tokenizer-only folder (no
+    config.json needed) or a GGUF file (from its metadata); "default": the embedded model's."""
+    path = resolve_model_path(model) if str(model) == DEFAULT_MODEL else Path(model)
+    if not path.exists():  # never a hub name: nothing is downloaded
+        raise FileNotFoundError(f"tokenizer path {str(path)!r} does not exist")
     if path.suffix == ".gguf":
         return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     try:

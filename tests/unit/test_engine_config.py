@@ -1,0 +1,200 @@
+"""EngineConfig.create: vLLM's knobs, checked and resolved before anything heavy loads (only the
+model's config.json is read), and the CLI's flags that feed it."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+
+import msgspec
+import pytest
+import torch
+
+from tandem.cli import add_engine_args, engine_kwargs
+from tandem.engine.config import EngineConfig, resolve_dtype
+from tandem.engine.messages import AddRequest
+from tandem.engine.vllm_args import check_vllm_only_args
+from tandem.request import Request
+from tandem.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_llama):
+    return tiny_llama[0]
+
+
+def test_defaults_are_vllms(folder):
+    config = EngineConfig.create(folder, device="cpu")
+    assert config.seed == 0 and config.max_logprobs == 20
+    assert config.logprobs_mode == "raw_logprobs"
+    assert config.scheduler.scheduling_policy == "fcfs"
+    assert config.scheduler.batching_policy == "decode-first"
+    assert config.scheduler.enable_chunked_prefill
+    assert config.scheduler.max_num_batched_tokens == 2048
+    assert config.runner.dtype == "float32"  # auto on CPU
+    assert config.generation_config_path == config.model_path  # "auto"
+    assert config.tokenizer_source == config.model_path
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (dict(trust_remote_code=True), ValueError, "never runs code shipped with a checkpoint"),
+        (dict(tensor_parallel_size=2), ValueError, "tensor_parallel_size must be 1"),
+        (dict(dtype="float64"), ValueError, "dtype 'float64' is not supported"),
+        (dict(dtype=torch.int8), ValueError, "not supported"),
+        (dict(logprobs_mode="logits"), ValueError, "logprobs_mode must be one of"),
+        (dict(max_logprobs=-2), ValueError, "max_logprobs must be >= 0 or -1"),
+        (dict(seed=1.5), ValueError, "seed must be an int or None"),
+        (dict(scheduling_policy="decode-first"), ValueError, "is batching_policy"),
+        (dict(batching_policy="fcfs"), ValueError, "batching_policy must be one of"),
+        (
+            dict(gpu_memory_utilization=1.5),
+            ValueError,
+            r"gpu_memory_utilization must be in \(0, 1]",
+        ),
+        (dict(swap_space=-1), ValueError, "swap_space must be >= 0"),
+        (dict(tokenizer="/nonexistent/tok"), FileNotFoundError, "tokenizer path"),
+        (dict(generation_config="/nonexistent"), FileNotFoundError, "generation_config="),
+        (
+            dict(enable_chunked_prefill=False, max_num_batched_tokens=64, max_num_seqs=8),
+            ValueError,
+            r"max_num_batched_tokens \(64\) must be >= max_model_len \(256\)",
+        ),
+    ],
+)
+def test_bad_knobs_are_refused_with_what_to_change(folder, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        EngineConfig.create(folder, device="cpu", **kwargs)
+
+
+def test_dtype_names_as_vllm_reads_them(folder):
+    def dtype(value):
+        return EngineConfig.create(folder, device="cpu", dtype=value).runner.dtype
+
+    assert dtype("half") == "float16"
+    assert dtype("float") == "float32"
+    assert dtype("bfloat16") == "bfloat16"
+    assert dtype(torch.float16) == "float16"
+
+
+def test_auto_dtype_per_device(folder, monkeypatch, caplog):
+    model_config = EngineConfig.create(folder, device="cpu").model_config
+    assert model_config.torch_dtype == "float32"  # save_pretrained of an fp32 model
+    with caplog.at_level(logging.INFO, logger="tandem.engine.config"):
+        assert resolve_dtype("auto", "cpu", model_config) == "float32"
+    assert "a per-machine probe" in caplog.text
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert resolve_dtype("auto", "cuda", model_config) == "bfloat16"  # fp32 checkpoints: bf16
+    assert resolve_dtype("auto", "cuda", replace(model_config, torch_dtype=None)) == "bfloat16"
+    saved_fp16 = replace(model_config, torch_dtype="float16")
+    assert resolve_dtype("auto", "cuda", saved_fp16) == "float16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    assert resolve_dtype("auto", "cuda:0", model_config) == "float16"
+
+
+def test_knobs_without_effect_here_are_logged(folder, caplog):
+    with caplog.at_level(logging.WARNING, logger="tandem.engine.config"):
+        EngineConfig.create(
+            folder, device="cpu", gpu_memory_utilization=0.8, swap_space=4, enforce_eager=True
+        )
+    assert "gpu_memory_utilization=0.8 has no effect on CPU" in caplog.text
+    assert "swap_space=4 has no effect" in caplog.text
+    assert "enforce_eager=True has no effect on CPU" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tandem.engine.config"):
+        EngineConfig.create(folder, device="cpu")  # not given: nothing to say
+    assert caplog.text == ""
+
+
+def test_without_chunked_prefill_the_budget_covers_max_model_len(folder):
+    config = EngineConfig.create(folder, device="cpu", enable_chunked_prefill=False)
+    assert not config.scheduler.enable_chunked_prefill
+    assert config.scheduler.max_num_batched_tokens == 2048  # max(256, 2048)
+    config = EngineConfig.create(
+        folder, device="cpu", enable_chunked_prefill=False, max_num_batched_tokens=256
+    )
+    assert config.scheduler.max_num_batched_tokens == 256
+
+
+def test_max_logprobs_refuses_with_both_numbers(folder):
+    config = EngineConfig.create(folder, device="cpu", max_logprobs=5)
+    config.check_logprobs(SamplingParams(logprobs=5, prompt_logprobs=5))
+    with pytest.raises(ValueError, match="logprobs=6 is more than max_logprobs=5"):
+        config.check_logprobs(SamplingParams(logprobs=6))
+    with pytest.raises(ValueError, match="prompt_logprobs=7 is more than max_logprobs=5"):
+        config.check_logprobs(SamplingParams(prompt_logprobs=7))
+    with pytest.raises(ValueError, match=r"whole vocabulary.*max_logprobs=5"):
+        config.check_logprobs(SamplingParams(logprobs=-1))
+    unlimited = EngineConfig.create(folder, device="cpu", max_logprobs=-1)
+    unlimited.check_logprobs(SamplingParams(logprobs=-1, prompt_logprobs=300))
+
+
+def test_engine_wide_logprobs_mode_fills_only_unset_requests(folder):
+    config = EngineConfig.create(folder, device="cpu", logprobs_mode="processed_logprobs")
+    assert config.request_params(SamplingParams(logprobs=1)).logprobs_mode == "processed_logprobs"
+    explicit = SamplingParams(logprobs=1, logprobs_mode="raw_logits")
+    assert config.request_params(explicit).logprobs_mode == "raw_logits"
+
+
+def test_generation_config_sources(folder, tmp_path):
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.25, "top_p": 0.5, "max_new_tokens": 7, "do_sample": True})
+    )
+    config = EngineConfig.create(folder, device="cpu", generation_config=tmp_path)
+    assert config.sampling_defaults() == {"temperature": 0.25, "top_p": 0.5, "max_tokens": 7}
+    overridden = EngineConfig.create(
+        folder, device="cpu", generation_config=tmp_path,
+        override_generation_config={"temperature": 0.0},
+    )  # fmt: skip
+    assert overridden.sampling_defaults()["temperature"] == 0.0
+    vllm = EngineConfig.create(
+        folder, device="cpu", generation_config="vllm", override_generation_config={"top_k": 5}
+    )
+    assert vllm.generation_config_path is None and vllm.sampling_defaults() == {"top_k": 5}
+
+
+def test_vllm_only_arguments():
+    check_vllm_only_args(dict(quantization=None, tokenizer_mode="auto", hf_overrides={}))
+    with pytest.raises(ValueError, match="quantization='awq' is not supported: GGUF"):
+        check_vllm_only_args(dict(quantization="awq"))
+    with pytest.raises(ValueError, match="leave it at 1"):
+        check_vllm_only_args(dict(pipeline_parallel_size=2))
+    with pytest.raises(TypeError, match=r"does not have: no_such_arg.*coming-from-vllm"):
+        check_vllm_only_args(dict(no_such_arg=1))
+
+
+def test_vllm_only_arguments_without_effect_are_logged(caplog):
+    with caplog.at_level(logging.WARNING, logger="tandem.engine.vllm_args"):
+        check_vllm_only_args(dict(disable_custom_all_reduce=True))
+    assert "disable_custom_all_reduce=True has no effect" in caplog.text
+
+
+def test_cli_flags_feed_the_same_config(folder):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args([
+        "--dtype", "half", "--seed", "7", "--scheduling-policy", "priority",
+        "--batching-policy", "prefill-first", "--no-enable-chunked-prefill",
+        "--max-logprobs", "5", "--logprobs-mode", "processed_logits", "--generation-config",
+        "vllm", "--override-generation-config", '{"top_k": 3}', "--no-enable-prefix-caching",
+        "--disable-log-stats",
+    ])  # fmt: skip
+    config = EngineConfig.create(folder, **engine_kwargs(args))
+    assert config.runner.dtype == "float16" and config.seed == 7
+    assert config.scheduler.scheduling_policy == "priority"
+    assert config.scheduler.batching_policy == "prefill-first"
+    assert not config.scheduler.enable_chunked_prefill and not config.enable_prefix_caching
+    assert config.max_logprobs == 5 and config.logprobs_mode == "processed_logits"
+    assert config.sampling_defaults() == {"top_k": 3} and config.disable_log_stats
+
+
+def test_priority_crosses_the_process_boundary():
+    message = AddRequest("r", [1, 2], SamplingParams(), 2, 1.0, None, priority=-3)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=AddRequest)
+    assert decoded.priority == -3
+    with pytest.raises(ValueError, match="priority must be an int"):
+        Request("r", [1], priority=1.5)
