@@ -2,12 +2,16 @@
 
 from typing import Any
 
+from tandem.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from tandem.inputs import PromptType, TextPrompt, TokensPrompt
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "PromptType",
     "RequestOutput",

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from tandem.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from tandem.engine.config import DEFAULT_MAX_LOGPROBS, EngineConfig
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.llm_engine import LLMEngine
@@ -257,6 +258,24 @@ class LLM:
             kwargs = {"add_special_tokens": False, **(tokenization_kwargs or {})}
             token_prompts.append({"prompt": text, "prompt_token_ids": self._tokenize(text, kwargs)})
         return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: Any = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search (tandem.beam_search): one BeamSearchOutput per prompt,
+        its sequences best first, each with tokens (prompt included), text and cum_logprob."""
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported: LoRA adapters are not built yet")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        probe = SamplingParams(max_tokens=params.max_tokens)
+        token_lists = [self._encode(i, p, probe, None)[1] for i, p in enumerate(prompts)]
+        return run_beam_search(self, token_lists, params, use_tqdm, concurrency_limit)
 
     # -- input checks ---------------------------------------------------------------------------
 
