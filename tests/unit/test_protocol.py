@@ -140,9 +140,15 @@ BAD_VALUES = [
     ("stop", ["\n", ""]),
     ("stop_token_ids", [-1]),
     ("min_tokens", -1),
-    ("prompt_logprobs", -1),
+    ("prompt_logprobs", -2),
     ("prompt_logprobs", 21),
     ("cache_salt", ""),
+    ("truncate_prompt_tokens", 0),
+    ("truncate_prompt_tokens", -2),
+    ("logit_bias", {"abc": 1.0}),
+    ("logit_bias", {"-5": 1.0}),
+    ("logit_bias", {"5": math.nan}),
+    ("allowed_token_ids", [-1]),
 ]
 
 
@@ -157,7 +163,7 @@ def test_completion_values_out_of_range_name_the_field(field: str, value: Any) -
     [
         *BAD_VALUES,
         ("max_completion_tokens", 0),
-        ("top_logprobs", -1),
+        ("top_logprobs", -2),
         ("top_logprobs", 21),
     ],
 )
@@ -298,9 +304,6 @@ def test_unknown_fields_are_rejected(model: type[BaseModel], body: dict, loc: tu
 # ---------------------------------------------------------------- known but not supported yet
 
 UNSUPPORTED_COMMON = [
-    ("logit_bias", {"50256": -100}),
-    ("allowed_token_ids", [1, 2]),
-    ("bad_words", ["darn"]),
     ("logprob_token_ids", [3]),
     ("logits_processors", ["my.module.Processor"]),
     ("use_beam_search", True),
@@ -308,9 +311,7 @@ UNSUPPORTED_COMMON = [
     ("early_stopping", True),
     ("best_of", 3),
     ("priority", 1),
-    ("truncate_prompt_tokens", 10),
-    ("truncation_side", "left"),
-    ("spaces_between_special_tokens", False),
+    ("truncation_side", "right"),
     ("return_tokens_as_token_ids", True),
     ("response_format", {"type": "json_object"}),
     ("structured_outputs", {"regex": "[0-9]+"}),
@@ -356,10 +357,10 @@ def test_known_but_unsupported_fields_are_rejected_when_set(
 
 
 def test_unsupported_errors_say_what_to_send_instead() -> None:
-    msg = rejection(CompletionRequest, {"prompt": "x", "spaces_between_special_tokens": False})[
-        "msg"
-    ]
+    msg = rejection(ChatCompletionRequest, {"messages": USER, "include_reasoning": False})["msg"]
     assert "omit it or send true" in msg
+    msg = rejection(CompletionRequest, {"prompt": "x", "truncation_side": "right"})["msg"]
+    assert 'omit it or send null or "left"' in msg
     msg = rejection(ChatCompletionRequest, {"messages": USER, "response_format": {"type": "x"}})[
         "msg"
     ]
@@ -384,6 +385,7 @@ def test_unsupported_errors_say_what_to_send_instead() -> None:
         ("response_format", None),
         ("guided_json", None),
         ("truncate_prompt_tokens", None),
+        ("truncation_side", "left"),
         ("thinking_token_budget", -1),
         # no effect on the output: accepted and ignored
         ("user", "alice"),
@@ -541,6 +543,11 @@ def test_completion_maps_every_sampling_field() -> None:
         skip_special_tokens=False,
         include_stop_str_in_output=True,
         prompt_logprobs=2,
+        spaces_between_special_tokens=False,
+        logit_bias={"50256": -100, "7": 2.5},
+        allowed_token_ids=[7, 8, 9],
+        bad_words=["darn", "heck"],
+        truncate_prompt_tokens=12,
     )
     params = request.to_sampling_params(default_max_tokens=1000)
     assert (params.n, params.temperature, params.top_p, params.top_k) == (2, 0.7, 0.9, 40)
@@ -554,6 +561,67 @@ def test_completion_maps_every_sampling_field() -> None:
     assert params.repetition_penalty == 1.1
     assert params.skip_special_tokens is False
     assert params.include_stop_str_in_output is True
+    assert params.spaces_between_special_tokens is False
+    assert params.logit_bias == {50256: -100.0, 7: 2.5}  # OpenAI's string keys become ids
+    assert params.allowed_token_ids == [7, 8, 9]
+    assert params.bad_words == ["darn", "heck"]
+    assert params.truncate_prompt_tokens == 12
+
+
+def test_chat_maps_the_vllm_sampling_extras() -> None:
+    request = chat(logit_bias={"3": 1}, allowed_token_ids=[3], bad_words=["x"],
+                   spaces_between_special_tokens=False, truncate_prompt_tokens=-1)  # fmt: skip
+    params = request.to_sampling_params(100)
+    assert (params.logit_bias, params.allowed_token_ids, params.bad_words) == ({3: 1.0}, [3], ["x"])
+    assert (params.spaces_between_special_tokens, params.truncate_prompt_tokens) == (False, -1)
+
+
+def test_logit_bias_is_clamped_as_vllm_does() -> None:
+    params = completion(logit_bias={"1": 500, "2": -1e6}).to_sampling_params(100)
+    assert params.logit_bias == {1: 100.0, 2: -100.0}
+
+
+def test_logit_bias_keys_must_be_token_ids() -> None:
+    error = rejection(CompletionRequest, {"prompt": "x", "logit_bias": {"a1": 2}})
+    assert error["loc"] == ("logit_bias",)
+    assert "keys must be token ids" in error["msg"] and '"a1"' in error["msg"]
+
+
+def test_minus_one_logprobs_ask_for_the_vocabulary_and_meet_the_limit() -> None:
+    """vLLM takes -1 for top_logprobs and prompt_logprobs (not for completions' logprobs) and
+    holds the whole vocabulary to --max-logprobs, 20 by default: refused, naming the field."""
+    request = chat(logprobs=True, top_logprobs=-1)
+    assert request.to_sampling_params(100).logprobs == -1  # no vocabulary given: passes on
+    assert request.to_sampling_params(100, vocab_size=20).logprobs == -1
+    with pytest.raises(RequestValidationError) as info:
+        request.to_sampling_params(100, vocab_size=49152)
+    assert info.value.param == "top_logprobs"
+    assert "all 49152 tokens" in info.value.message and "max_logprobs of 20" in info.value.message
+    unlimited = request.to_sampling_params(100, vocab_size=49152, max_logprobs=-1)
+    assert unlimited.logprobs == -1
+    for request in (completion(prompt_logprobs=-1), chat(prompt_logprobs=-1)):
+        with pytest.raises(RequestValidationError) as info:
+            request.to_sampling_params(100, vocab_size=49152)
+        assert info.value.param == "prompt_logprobs"
+    assert rejection(CompletionRequest, {"prompt": "x", "logprobs": -1})["loc"] == ("logprobs",)
+
+
+def test_generation_config_defaults_fill_the_null_fields() -> None:
+    defaults = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
+                "repetition_penalty": 1.1, "max_tokens": 64}  # fmt: skip
+    for request in (completion(), chat()):
+        params = request.to_sampling_params(1000, defaults=defaults)
+        assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.9, 20)
+        assert (params.min_p, params.repetition_penalty) == (0.05, 1.1)
+    explicit = chat(temperature=1.0, top_k=-1, max_tokens=500)
+    params = explicit.to_sampling_params(1000, defaults=defaults)
+    assert (params.temperature, params.top_k, params.top_p) == (1.0, -1, 0.9)
+    assert params.max_tokens == 500
+    # chat without max_tokens stops at max_new_tokens, or at the room left if that is less
+    assert chat().to_sampling_params(1000, defaults=defaults).max_tokens == 64
+    assert chat().to_sampling_params(30, defaults=defaults).max_tokens == 30
+    # completions keep their default of 16
+    assert completion().to_sampling_params(1000, defaults=defaults).max_tokens == 16
 
 
 def test_defaults_match_vllm_without_a_generation_config() -> None:

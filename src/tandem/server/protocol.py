@@ -10,12 +10,14 @@ silently dropped, except fields that cannot change the output (`user`, `metadata
 Fields the route itself must honour (they are not sampling settings): `stream`, `stream_options`,
 `echo` and `add_special_tokens` (completions), the chat template fields (`chat_template`,
 `chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`), `cache_salt`,
-`request_id`, `return_token_ids`.
+`request_id`, `return_token_ids`, and `truncate_prompt_tokens` (the prompt is cut before
+max_tokens is fitted to the room it leaves).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -31,7 +33,8 @@ from pydantic_core import PydanticCustomError
 
 from tandem.sampling_params import SamplingParams
 
-# OpenAI's documented limits; vLLM's default max_logprobs is the same 20.
+# OpenAI's documented limits; vLLM's default max_logprobs is the same 20. vLLM takes -1 (the
+# whole vocabulary) for top_logprobs and prompt_logprobs, and holds it to that limit too.
 MAX_LOGPROBS = 20
 MAX_N = 128
 # Completions default to 16 new tokens when max_tokens is absent or null (OpenAI and vLLM).
@@ -64,10 +67,9 @@ def _not_supported(field: str, hint: str) -> PydanticCustomError:
 # fmt: off
 _UNSUPPORTED = (
     # sampling and decoding
-    "logit_bias", "allowed_token_ids", "bad_words", "logprob_token_ids", "logits_processors",
-    "use_beam_search", "length_penalty", "early_stopping", "watermarking",
-    "spaces_between_special_tokens", "return_tokens_as_token_ids", "repetition_detection",
-    "thinking_token_budget", "truncate_prompt_tokens", "truncation_side", "priority",
+    "logprob_token_ids", "logits_processors", "use_beam_search", "length_penalty",
+    "early_stopping", "watermarking", "return_tokens_as_token_ids", "repetition_detection",
+    "thinking_token_budget", "truncation_side", "priority",
     # structured outputs
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
@@ -89,6 +91,7 @@ _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "function_call": ("none",),
     "modalities": (["text"],),
     "thinking_token_budget": (-1,),
+    "truncation_side": ("left",),  # how truncate_prompt_tokens cuts anyway
 }
 
 
@@ -215,6 +218,20 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
+def _check_logprobs_limit(
+    param: str, value: int | None, vocab_size: int | None, max_logprobs: int
+) -> None:
+    """-1 asks for every token of the vocabulary: held to the server's --max-logprobs (20 by
+    default, so -1 is refused unless it is raised; -1 there means no limit), as in vLLM."""
+    if value == -1 and vocab_size is not None and -1 < max_logprobs < vocab_size:
+        raise RequestValidationError(
+            f"`{param}` of -1 asks for the logprobs of all {vocab_size} tokens, more than this "
+            f"server's max_logprobs of {max_logprobs}; ask for at most {max_logprobs}, or "
+            "start the server with --max-logprobs -1",
+            param=param,
+        )
+
+
 def _fit_max_tokens(
     param: str, requested: int | None, fallback: int, room: int, prompt_param: str
 ) -> int:
@@ -260,7 +277,13 @@ class _Generation(_Request):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    spaces_between_special_tokens: bool = True
+    # -1: the whole vocabulary, which the server's limit (MAX_LOGPROBS) refuses, as vLLM's does
+    prompt_logprobs: int | None = Field(None, ge=-1, le=MAX_LOGPROBS)
+    logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None  # OpenAI
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k; -1: max_model_len
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     request_id: str | None = None
     return_token_ids: bool | None = False  # token_ids / prompt_token_ids in the response
@@ -272,20 +295,15 @@ class _Generation(_Request):
     return_mm_kwargs: bool = True  # vLLM's render endpoints only
     routed_experts_prompt_start: int = Field(0, ge=0)  # MoE routing data, never returned here
     # accepted so that asking for them is a clear error (see _UNSUPPORTED)
-    logit_bias: dict[str, float] | None = None
-    allowed_token_ids: list[TokenId] | None = None
-    bad_words: list[str] | None = None
     logprob_token_ids: list[TokenId] | None = None
     logits_processors: list[Any] | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     watermarking: bool | None = None
-    spaces_between_special_tokens: bool = True
     return_tokens_as_token_ids: bool | None = None
     repetition_detection: dict[str, Any] | None = None
     thinking_token_budget: int | None = None
-    truncate_prompt_tokens: int | None = None
     truncation_side: Literal["left", "right"] | None = None
     priority: int = 0
     response_format: dict[str, Any] | None = None
@@ -320,6 +338,30 @@ class _Generation(_Request):
             )
         return value
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        """OpenAI sends token ids as the keys' strings."""
+        for key in value or ():
+            if not key.isascii() or not key.isdigit():
+                raise PydanticCustomError(
+                    "token_id_key",
+                    "`logit_bias` keys must be token ids (integers >= 0, as strings), got "
+                    + json.dumps(key),
+                )
+        return value
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _not_zero(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise PydanticCustomError(
+                "truncate_zero",
+                "`truncate_prompt_tokens` must be >= 1 (keep that many last prompt tokens) "
+                "or -1 (keep max_model_len)",
+            )
+        return value
+
     @field_validator("stream_options")
     @classmethod
     def _only_when_streaming(cls, value: Any, info: ValidationInfo) -> Any:
@@ -345,15 +387,22 @@ class _Generation(_Request):
         logprobs: int | None,
         prompt_logprobs: int | None,
         renames: dict[str, str],
+        defaults: Mapping[str, Any] | None,
+        vocab_size: int | None,
+        max_logprobs: int,
     ) -> SamplingParams:
         """`renames` maps a SamplingParams field to the request field it came from, so an
-        error names what the client sent."""
+        error names what the client sent. `defaults`: the model's generation-config defaults
+        (generation_config_defaults), for the fields the request leaves null, as in vLLM."""
+        defaults = defaults or {}
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            _check_logprobs_limit(renames.get(name, name), value, vocab_size, max_logprobs)
         kwargs: dict[str, Any] = dict(
             n=_or(self.n, 1),
-            temperature=_or(self.temperature, 1.0),
-            top_p=_or(self.top_p, 1.0),
-            top_k=_or(self.top_k, 0),
-            min_p=_or(self.min_p, 0.0),
+            temperature=_or(self.temperature, defaults.get("temperature", 1.0)),
+            top_p=_or(self.top_p, defaults.get("top_p", 1.0)),
+            top_k=_or(self.top_k, defaults.get("top_k", 0)),
+            min_p=_or(self.min_p, defaults.get("min_p", 0.0)),
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -363,14 +412,21 @@ class _Generation(_Request):
             logprobs=logprobs,
             presence_penalty=_or(self.presence_penalty, 0.0),
             frequency_penalty=_or(self.frequency_penalty, 0.0),
-            repetition_penalty=_or(self.repetition_penalty, 1.0),
+            repetition_penalty=_or(
+                self.repetition_penalty, defaults.get("repetition_penalty", 1.0)
+            ),
             skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             prompt_logprobs=prompt_logprobs,
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
         try:
-            return SamplingParams(**kwargs)
-        except ValueError as exc:
+            return SamplingParams.from_optional(**kwargs)
+        except (ValueError, TypeError) as exc:
             name = str(exc).split(" ", 1)[0]
             param = renames.get(name, name) if name in kwargs else None
             raise RequestValidationError(str(exc), param=param) from exc
@@ -427,9 +483,18 @@ class CompletionRequest(_Generation):
             return [prompt]
         return list(prompt)
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """`default_max_tokens`: the room left in the context after this prompt. With `echo`,
-        `logprobs` also asks for the prompt tokens' logprobs, as in OpenAI and vLLM."""
+    def to_sampling_params(
+        self,
+        default_max_tokens: int,
+        *,
+        defaults: Mapping[str, Any] | None = None,
+        vocab_size: int | None = None,
+        max_logprobs: int = MAX_LOGPROBS,
+    ) -> SamplingParams:
+        """`default_max_tokens`: the room left in the context after this prompt; `defaults`:
+        the model's generation-config defaults for fields left null; `vocab_size`: what -1
+        logprobs would ask for, held to `max_logprobs` (-1: no limit). With `echo`, `logprobs`
+        also asks for the prompt tokens' logprobs, as in OpenAI and vLLM."""
         explicit = "max_tokens" in self.model_fields_set
         max_tokens = _fit_max_tokens(
             "max_tokens",
@@ -446,6 +511,9 @@ class CompletionRequest(_Generation):
             logprobs=self.logprobs,
             prompt_logprobs=prompt_logprobs,
             renames={},
+            defaults=defaults,
+            vocab_size=vocab_size,
+            max_logprobs=max_logprobs,
         )
 
 
@@ -453,7 +521,7 @@ class ChatCompletionRequest(_ChatPrompt, _Generation):
     """POST /v1/chat/completions."""
 
     logprobs: bool | None = False  # logprobs of the sampled tokens
-    top_logprobs: int | None = Field(0, ge=0, le=MAX_LOGPROBS)  # alternatives per token
+    top_logprobs: int | None = Field(0, ge=-1, le=MAX_LOGPROBS)  # alternatives; -1: all
     max_tokens: int | None = Field(None, ge=1)  # OpenAI's older name
     max_completion_tokens: int | None = Field(None, ge=1)  # wins over max_tokens
     # vLLM: put the last message in front of the reply when it has the assistant's role;
@@ -496,21 +564,31 @@ class ChatCompletionRequest(_ChatPrompt, _Generation):
             raise PydanticCustomError("needs_logprobs", "`top_logprobs` needs `logprobs: true`")
         return value
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def to_sampling_params(
+        self,
+        default_max_tokens: int,
+        *,
+        defaults: Mapping[str, Any] | None = None,
+        vocab_size: int | None = None,
+        max_logprobs: int = MAX_LOGPROBS,
+    ) -> SamplingParams:
         """`default_max_tokens`: the room left in the context after the rendered conversation;
-        without a limit the reply may fill it, as in vLLM."""
+        without a limit the reply may fill it, as in vLLM, or stop at the generation config's
+        max_new_tokens. `defaults`, `vocab_size`, `max_logprobs`: as for completions."""
         if self.max_completion_tokens is not None:
             param, requested = "max_completion_tokens", self.max_completion_tokens
         else:
             param, requested = "max_tokens", self.max_tokens
-        max_tokens = _fit_max_tokens(
-            param, requested, default_max_tokens, default_max_tokens, "messages"
-        )
+        fallback = (defaults or {}).get("max_tokens", default_max_tokens)
+        max_tokens = _fit_max_tokens(param, requested, fallback, default_max_tokens, "messages")
         return self._sampling_params(
             max_tokens=max_tokens,
             logprobs=_or(self.top_logprobs, 0) if self.logprobs else None,
             prompt_logprobs=self.prompt_logprobs,
             renames={"max_tokens": param, "logprobs": "top_logprobs"},
+            defaults=defaults,
+            vocab_size=vocab_size,
+            max_logprobs=max_logprobs,
         )
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from tandem.engine.async_llm import AsyncLLM, OutputKind
 from tandem.outputs import CompletionOutput, Logprob, RequestOutput
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, truncate_prompt
 from tandem.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -54,11 +54,22 @@ def _job(
 ) -> PromptJob:
     if not token_ids:
         raise RequestValidationError(f"`{prompt_param}` is empty after tokenizing", prompt_param)
-    params = request.to_sampling_params(engine.max_model_len - len(token_ids))
+    try:  # before max_tokens is fitted to the room the prompt leaves
+        token_ids = truncate_prompt(token_ids, request.truncate_prompt_tokens, engine.max_model_len)
+    except ValueError as error:
+        raise RequestValidationError(str(error), "truncate_prompt_tokens") from error
+    params = request.to_sampling_params(
+        engine.max_model_len - len(token_ids),
+        vocab_size=engine.vocab_size,
+    )
     try:
         engine.check_prompt(token_ids, params.max_tokens)
     except ValueError as error:
         raise RequestValidationError(str(error), prompt_param) from error
+    try:
+        params.check_vocab(engine.vocab_size)
+    except ValueError as error:  # the message starts with the field's name
+        raise RequestValidationError(str(error), str(error).split(" ", 1)[0]) from error
     return PromptJob(text, token_ids, params)
 
 
