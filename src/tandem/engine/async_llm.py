@@ -104,6 +104,8 @@ class AsyncLLM:
         self.stat_loggers = list(stat_loggers)
         self.max_model_len = config.scheduler.max_model_len
         self.vocab_size = config.model_config.vocab_size
+        # The generation config's sampling defaults, for the fields requests leave unset.
+        self.default_sampling_params = config.sampling_defaults()
         self.scheduler_stats: SchedulerStats | None = None
         self.ready: CoreReady | None = None
         self.dead_error: EngineDeadError | None = None

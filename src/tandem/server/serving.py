@@ -60,7 +60,9 @@ def _job(
         raise RequestValidationError(str(error), "truncate_prompt_tokens") from error
     params = request.to_sampling_params(
         engine.max_model_len - len(token_ids),
+        defaults=engine.default_sampling_params,
         vocab_size=engine.vocab_size,
+        max_logprobs=engine.config.max_logprobs,
     )
     try:
         engine.check_prompt(token_ids, params.max_tokens)
