@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_models import make_hf_model
+
 # (name, HF config class, kwargs): odd shapes on purpose (GQA 1/3/6, head_dim 32/64/128,
 # biases, q/k norm, tied embeddings, llama3 RoPE scaling, a non-default theta).
 FAMILY_CONFIGS: list[tuple[str, str, dict]] = [
@@ -79,31 +81,6 @@ FAMILY_CONFIGS: list[tuple[str, str, dict]] = [
         ),
     ),
 ]
-COMMON = dict(
-    vocab_size=320,
-    intermediate_size=160,
-    num_hidden_layers=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-)
-
-
-def make_hf_model(config_class: str, kwargs: dict, seed: int = 0) -> torch.nn.Module:
-    """A random HF model whose weights are large enough that logits are far from uniform."""
-    import transformers
-
-    config = getattr(transformers, config_class)(**COMMON, **kwargs)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            else:
-                param.copy_(0.08 * torch.randn_like(param))
-    return model.eval()
-
-
 @pytest.fixture(scope="session", params=FAMILY_CONFIGS, ids=[c[0] for c in FAMILY_CONFIGS])
 def family_checkpoint(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     """(folder written by save_pretrained, the HF model) for each family."""

@@ -14,8 +14,8 @@ from tandem.models.layers import CheckpointMismatchError
 from tandem.models.loader import load_model, resolve_model_path
 from tandem.worker.model_runner import ModelRunner, RunnerConfig, parse_dtype
 
-from conftest import make_hf_model
 from helpers import Slice, all_token_logits, hf_logits, relative_error, write_gguf
+from hf_models import make_hf_model
 
 SMALL = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
 ALL_TYPES = {
