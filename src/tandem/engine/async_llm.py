@@ -47,7 +47,7 @@ def merge_delta_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput
     """One DELTA output that says what `old` and then `new` said."""
     pairs = zip(old.outputs, new.outputs, strict=True)
     merged = dataclasses.replace(new, outputs=[_merge_delta(a, b) for a, b in pairs])
-    if getattr(new, "prompt_logprobs", None) is None and getattr(old, "prompt_logprobs", None):
+    if new.prompt_logprobs is None and old.prompt_logprobs is not None:
         merged.prompt_logprobs = old.prompt_logprobs
     return merged
 

@@ -185,6 +185,7 @@ async def _stream_until_disconnect(
     """Uvicorn (ASGI 2.4) reports a gone client only when a send fails; waiting for the first
     token can take long, so watch for the disconnect ourselves and abort at once."""
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    next_chunk: asyncio.Future | None = None
     try:
         while True:
             next_chunk = asyncio.ensure_future(anext(chunks))
@@ -199,7 +200,13 @@ async def _stream_until_disconnect(
                 return
     finally:
         watcher.cancel()
-        await chunks.aclose()
+        if next_chunk is not None and not next_chunk.done():
+            # Cancelled from outside (Starlette saw the disconnect first) while a chunk was
+            # pending: the generators cannot be closed while that task runs them, but
+            # cancelling it unwinds them, which aborts the requests.
+            next_chunk.cancel()
+        else:
+            await chunks.aclose()
 
 
 def _sse(payload: BaseModel | dict) -> str:
@@ -355,14 +362,19 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         if engine.tokenizer is None:
             raise OpenAIError(400, "this server has no tokenizer")
         if isinstance(body, TokenizeChatRequest):
-            text = engine.tokenizer.apply_chat_template(
-                body.conversation(),
-                tokenize=False,
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-                chat_template=body.chat_template,
-                **(body.chat_template_kwargs or {}),
-            )
+            try:
+                text = engine.tokenizer.apply_chat_template(
+                    body.conversation(),
+                    tokenize=False,
+                    add_generation_prompt=body.add_generation_prompt,
+                    continue_final_message=body.continue_final_message,
+                    chat_template=body.chat_template,
+                    **(body.chat_template_kwargs or {}),
+                )
+            except Exception as error:  # as chat_job: a template that cannot render these
+                raise RequestValidationError(
+                    f"the chat template could not render these messages: {error}", "messages"
+                ) from error
         else:
             text = body.prompt
         token_ids = engine.encode(text, add_special_tokens=body.add_special_tokens)

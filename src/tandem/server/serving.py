@@ -239,10 +239,6 @@ def chat_logprobs(
     return ChatCompletionLogProbs(content=content)
 
 
-def _prompt_logprob_rows(output: RequestOutput) -> list | None:
-    return getattr(output, "prompt_logprobs", None)
-
-
 # -- /v1/completions -------------------------------------------------------------------------
 
 
@@ -252,6 +248,7 @@ class _ChoiceState:
 
     text_length: int = 0
     echoed: bool = False
+    finish_sent: bool = False
 
 
 class CompletionShaper:
@@ -278,7 +275,7 @@ class CompletionShaper:
         job = self.jobs[prompt_index]
         text = completion.text
         token_ids, rows = completion.token_ids, completion.logprobs
-        prompt_rows = _prompt_logprob_rows(output)
+        prompt_rows = output.prompt_logprobs
         if self.request.echo and not state.echoed:
             state.echoed = True
             text = (job.text or "") + text
@@ -307,7 +304,7 @@ class CompletionShaper:
                         logprobs=logprobs,
                         finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason,
-                        prompt_logprobs=_prompt_logprob_rows(output),
+                        prompt_logprobs=output.prompt_logprobs,
                         prompt_token_ids=(
                             self.jobs[prompt_index].token_ids
                             if self.request.return_token_ids
@@ -325,8 +322,12 @@ class CompletionShaper:
         self.usage.add(prompt_index, output)
         choices = []
         for completion in output.outputs:
-            if not completion.token_ids and completion.finish_reason is None:
-                continue
+            state = self.choices.setdefault(
+                self.choice_index(prompt_index, completion), _ChoiceState()
+            )
+            if state.finish_sent or (not completion.token_ids and completion.finish_reason is None):
+                continue  # nothing new: a DELTA output for n > 1 repeats finished sequences
+            state.finish_sent = completion.finish_reason is not None
             text, logprobs = self._choice_text_and_logprobs(prompt_index, output, completion)
             choices.append(
                 CompletionResponseStreamChoice(
@@ -372,6 +373,7 @@ class ChatShaper:
         self.response_id = request.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         self.usage = UsageCounter([job])
         self.num_top = request.top_logprobs or 0
+        self.finish_sent: set[int] = set()  # choices whose last chunk has gone out
 
     def _logprobs(self, completion: CompletionOutput) -> ChatCompletionLogProbs | None:
         if not self.request.logprobs or completion.logprobs is None:
@@ -396,7 +398,7 @@ class ChatShaper:
             model=self.model,
             choices=choices,
             usage=self.usage.usage(),
-            prompt_logprobs=_prompt_logprob_rows(output),
+            prompt_logprobs=output.prompt_logprobs,
             prompt_token_ids=self.job.token_ids if self.request.return_token_ids else None,
         )
 
@@ -417,6 +419,13 @@ class ChatShaper:
 
     def chunk(self, output: RequestOutput) -> ChatCompletionStreamResponse | None:
         self.usage.add(0, output)
+        news = [  # a DELTA output for n > 1 repeats the sequences that finished earlier
+            completion
+            for completion in output.outputs
+            if completion.index not in self.finish_sent
+            and (completion.token_ids or completion.finish_reason is not None)
+        ]
+        self.finish_sent.update(c.index for c in news if c.finish_reason is not None)
         choices = [
             ChatCompletionResponseStreamChoice(
                 index=completion.index,
@@ -426,8 +435,7 @@ class ChatShaper:
                 stop_reason=completion.stop_reason,
                 token_ids=completion.token_ids if self.request.return_token_ids else None,
             )
-            for completion in output.outputs
-            if completion.token_ids or completion.finish_reason is not None
+            for completion in news
         ]
         if not choices:
             return None
