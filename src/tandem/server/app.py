@@ -44,6 +44,7 @@ from tandem.server.serving import (
     CompletionShaper,
     chat_job,
     completion_jobs,
+    encode,
     new_token_times,
     run_jobs,
 )
@@ -377,7 +378,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
                 ) from error
         else:
             text = body.prompt
-        token_ids = engine.encode(text, add_special_tokens=body.add_special_tokens)
+        param = "messages" if isinstance(body, TokenizeChatRequest) else "prompt"
+        token_ids = encode(engine, text, body.add_special_tokens, param)
         token_strs = None
         if body.return_token_strs:
             token_strs = engine.tokenizer.convert_ids_to_tokens(token_ids)

@@ -58,6 +58,11 @@ def _job(
         token_ids = truncate_prompt(token_ids, request.truncate_prompt_tokens, engine.max_model_len)
     except ValueError as error:
         raise RequestValidationError(str(error), "truncate_prompt_tokens") from error
+    if len(token_ids) >= engine.max_model_len:  # no room for output: say by how much
+        try:
+            engine.check_prompt(token_ids, None)
+        except ValueError as error:
+            raise RequestValidationError(str(error), prompt_param) from error
     params = request.to_sampling_params(
         engine.max_model_len - len(token_ids),
         defaults=engine.default_sampling_params,
@@ -75,11 +80,22 @@ def _job(
     return PromptJob(text, token_ids, params)
 
 
+def encode(engine: AsyncLLM, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    """Tokenize client text; text no tokenizer can take (e.g. a lone UTF-16 surrogate, which
+    JSON can carry) is the request's fault, a 400 naming the field."""
+    try:
+        return engine.encode(text, add_special_tokens=add_special_tokens)
+    except Exception as error:
+        raise RequestValidationError(
+            f"`{param}` could not be tokenized ({error}); send valid Unicode text", param
+        ) from error
+
+
 def completion_jobs(engine: AsyncLLM, request: CompletionRequest) -> list[PromptJob]:
     jobs = []
     for prompt in request.prompts():
         if isinstance(prompt, str):
-            token_ids = engine.encode(prompt, add_special_tokens=request.add_special_tokens)
+            token_ids = encode(engine, prompt, request.add_special_tokens, "prompt")
             jobs.append(_job(engine, request, prompt, token_ids, "prompt"))
         else:
             text = engine.tokenizer.decode(prompt) if engine.tokenizer is not None else None
@@ -103,7 +119,7 @@ def chat_job(engine: AsyncLLM, request: ChatCompletionRequest) -> PromptJob:
         raise RequestValidationError(
             f"the chat template could not render these messages: {error}", "messages"
         ) from error
-    token_ids = engine.encode(text, add_special_tokens=request.add_special_tokens)
+    token_ids = encode(engine, text, request.add_special_tokens, "messages")
     return _job(engine, request, text, token_ids, "messages")
 
 
