@@ -1,0 +1,259 @@
+"""A real `tandem serve` process for the server's integration tests, and what the tests read back
+from it: started on a free loopback port, ready once /health answers 200, its log kept in a file
+(attached to the report of a test that fails), stopped with SIGTERM and then SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+# Every test server gets a small CPU KV cache: a 2 GiB default per server (and per offline
+# reference LLM) only costs memory here, and 512 MiB holds ~11k tokens, plenty for these tests.
+KV_CACHE_MEMORY = "512MiB"
+KV_CACHE_MEMORY_BYTES = 512 << 20
+# Loading the model takes ~10 s on an idle 2-core machine; several times that under contention.
+READY_TIMEOUT = 180.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie still answers kill(0): read its state
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
+def child_pids(pid: int) -> list[int]:
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except FileNotFoundError:
+            continue
+    return sorted(set(children))
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except FileNotFoundError:
+        return ""
+
+
+class ServerProcess:
+    """`tandem serve` with `args` on a free port. Use as a context manager, or start()/stop()."""
+
+    def __init__(
+        self,
+        *args: str,
+        log_dir: Path,
+        name: str = "server",
+        env: dict[str, str] | None = None,
+        ready_timeout: float = READY_TIMEOUT,
+    ) -> None:
+        self.args = ["--kv-cache-memory", KV_CACHE_MEMORY, *args]
+        self.name = name
+        self.log_path = Path(log_dir) / f"{name}.log"
+        self.env = {**os.environ, **(env or {})}
+        self.ready_timeout = ready_timeout
+        self.port = 0
+        self.process: subprocess.Popen | None = None
+        self.ready_seconds: float | None = None
+
+    # -- addresses ----------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """For openai.OpenAI(base_url=...)."""
+        return f"{self.url}/v1"
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    # -- life ---------------------------------------------------------------------------------
+
+    def start(self) -> ServerProcess:
+        for _ in range(3):  # a port taken between free_port() and the bind: try another
+            self.port = free_port()
+            command = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(self.port)]
+            with open(self.log_path, "ab") as log:
+                log.write(f"$ {' '.join(command + self.args)}\n".encode())
+                log.flush()
+                self.process = subprocess.Popen(
+                    command + self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                    stdin=subprocess.DEVNULL,
+                )  # fmt: skip
+            if self._wait_ready():
+                return self
+            if "address already in use" not in self.log().lower():
+                break
+        log = self.log()
+        self.stop()
+        raise RuntimeError(f"{self.name} did not become ready; its log:\n{log}")
+
+    def _wait_ready(self) -> bool:
+        start = time.monotonic()
+        deadline = start + self.ready_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                return False
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    self.ready_seconds = time.monotonic() - start
+                    return True
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        return False
+
+    def wait(self, timeout: float) -> int | None:
+        """The exit code, or None if it is still running after `timeout` seconds."""
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM, then SIGKILL (its children too) if it does not exit in time."""
+        if self.process is None:
+            return None
+        children = child_pids(self.pid) if self.process.poll() is None else []
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            if self.wait(timeout) is None:
+                self.process.kill()
+                self.process.wait(10)
+        for pid in children:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        return self.process.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- what it shows ------------------------------------------------------------------------
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def wait_for_log(self, text: str, timeout: float = 10.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            log = self.log()
+            if text in log:
+                return log
+            time.sleep(0.1)
+        raise AssertionError(f"{text!r} not in the {self.name} log within {timeout} s")
+
+    def engine_core_pid(self) -> int:
+        """The engine-core child (multiprocessing's spawn child; the other child, if any, is
+        multiprocessing's resource tracker)."""
+        cores = [p for p in child_pids(self.pid) if "spawn_main" in cmdline(p)]
+        assert len(cores) == 1, f"expected one engine-core child, found {cores}"
+        return cores[0]
+
+    def metrics(self) -> dict[str, float]:
+        return scrape_metrics(self.url)
+
+
+# -- /metrics -------------------------------------------------------------------------------
+
+
+def scrape_metrics(url: str) -> dict[str, float]:
+    """Every sample of /metrics by name (labels summed away, `finished_reason` kept as a
+    suffix: `tandem:request_success_total[abort]`)."""
+    response = httpx.get(f"{url}/metrics", timeout=10)
+    response.raise_for_status()
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            name = sample.name
+            if "finished_reason" in sample.labels:
+                name += f"[{sample.labels['finished_reason']}]"
+            samples[name] = samples.get(name, 0.0) + sample.value
+    return samples
+
+
+IDLE_GAUGES = ("tandem:num_requests_running", "tandem:num_requests_waiting",
+               "tandem:kv_cache_usage_perc")  # fmt: skip
+
+
+def wait_until_idle(url: str, timeout: float = 30.0) -> dict[str, float]:
+    """Poll /metrics until no request runs or waits and no KV block is held; the last scrape."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape_metrics(url)
+        if all(samples[name] == 0 for name in IDLE_GAUGES):
+            return samples
+        if time.monotonic() > deadline:
+            state = {name: samples[name] for name in IDLE_GAUGES}
+            raise AssertionError(f"the engine is not idle {timeout} s later: {state}")
+        time.sleep(0.2)
+
+
+# -- responses ------------------------------------------------------------------------------
+
+
+def sse_events(lines: Iterable[str]) -> list[Any]:
+    """The `data:` payloads of a server-sent-event stream: parsed JSON, or the text "[DONE]"."""
+    events = []
+    for line in lines:
+        if not line.startswith("data: "):
+            assert line.strip() == "", f"unexpected SSE line {line!r}"
+            continue
+        payload = line[len("data: ") :]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: Any = ...) -> dict:
+    """The response has `status` and OpenAI's error body; returns its `error` object."""
+    assert response.status_code == status, (response.status_code, response.text)
+    assert response.headers["content-type"].startswith("application/json"), response.headers
+    error = assert_error_shape(response.json())
+    if param is not ...:
+        assert error["param"] == param, error
+    return error
+
+
+def assert_error_shape(body: Any) -> dict:
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    error = body["error"]
+    assert isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}, body
+    assert isinstance(error["message"], str) and error["message"], body
+    assert isinstance(error["type"], str) and error["type"], body
+    assert error["param"] is None or isinstance(error["param"], str), body
+    return error
