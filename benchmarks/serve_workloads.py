@@ -147,16 +147,23 @@ def bench(
 
 def compare(names: list[str], sizes: dict, out: Path) -> list[str]:
     by_workload: dict[str, list[dict]] = {name: [] for name in sizes}
+    ready: list[str] = []
     for engine, command in engines(names, out).items():
         print(f"{engine}:", flush=True)
         server = serve(command, out / f"{engine}.log")
+        ready.append(f"{engine} {server.ready_seconds:.0f} s")
         try:
             for name, (make, rate) in sizes.items():
                 by_workload[name].append(bench(server, make(), rate, f"{engine} {name}", out))
         finally:
             server.stop()
         time.sleep(2)
-    lines = ["## Engines compared, one workload at a time", ""]
+    lines = [
+        "## Engines compared, one workload at a time",
+        "",
+        f"Start-up until /health answered: {', '.join(ready)}.",
+        "",
+    ]
     for name, runs in by_workload.items():
         if not runs:
             continue
