@@ -4,6 +4,7 @@ from it: started on a free loopback port, ready once /health answers 200, its lo
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -24,6 +25,16 @@ KV_CACHE_MEMORY = "512MiB"
 KV_CACHE_MEMORY_BYTES = 512 << 20
 # Loading the model takes ~10 s on an idle 2-core machine; several times that under contention.
 READY_TIMEOUT = 180.0
+
+
+_libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the child must not load it after fork
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the server's process before exec: SIGTERM when the test process dies, even by
+    SIGKILL (a timeout), so no server outlives its test run (the engine core follows it)."""
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -108,7 +119,7 @@ class ServerProcess:
                 log.flush()
                 self.process = subprocess.Popen(
                     command + self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                    stdin=subprocess.DEVNULL,
+                    stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
                 )  # fmt: skip
             if self._wait_ready():
                 return self
@@ -195,7 +206,7 @@ class ServerProcess:
 def scrape_metrics(url: str) -> dict[str, float]:
     """Every sample of /metrics by name (labels summed away, `finished_reason` kept as a
     suffix: `tandem:request_success_total[abort]`)."""
-    response = httpx.get(f"{url}/metrics", timeout=10)
+    response = httpx.get(f"{url}/metrics", timeout=30)
     response.raise_for_status()
     samples: dict[str, float] = {}
     for family in text_string_to_metric_families(response.text):

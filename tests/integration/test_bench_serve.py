@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from server_process import ServerProcess
 
 from tandem.bench.report import compute_metrics, load_run
 from tandem.cli import main
+
+from server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

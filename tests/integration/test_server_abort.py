@@ -147,7 +147,7 @@ def test_non_streaming_clients_that_disconnect(default_server: ServerProcess):
             "ignore_eos": True, "temperature": 0}  # fmt: skip
 
     async def run() -> list:
-        async with httpx.AsyncClient(base_url=default_server.url, timeout=1.5) as client:
+        async with httpx.AsyncClient(base_url=default_server.url, timeout=3) as client:
             return await asyncio.gather(
                 *(client.post("/v1/completions", json=body) for _ in range(4)),
                 return_exceptions=True,

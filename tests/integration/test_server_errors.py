@@ -5,6 +5,7 @@ length)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 
 import httpx
@@ -141,20 +142,17 @@ def test_over_the_context_length_says_by_how_much(http, max_model_len):
 def test_text_that_is_not_unicode_is_400(http):
     """JSON can carry a lone UTF-16 surrogate ("\\ud800"), which no tokenizer can encode."""
     bad = "a\ud800b"
-
-    def post(path: str, body: dict) -> httpx.Response:
-        # ASCII-escaped JSON: httpx's own encoder would fail on the surrogate client-side.
-        content = json.dumps(body, ensure_ascii=True).encode()
-        return http.post(path, content=content, headers={"content-type": "application/json"})
-
-    assert_openai_error(post("/v1/completions", {**COMPLETION, "prompt": bad}), 400, "prompt")
-    response = post("/v1/completions", {**COMPLETION, "prompt": ["ok", bad]})
-    assert_openai_error(response, 400, "prompt")
     messages = [{"role": "user", "content": bad}]
-    response = post("/v1/chat/completions", {**CHAT, "messages": messages})
-    assert_openai_error(response, 400, "messages")
-    assert_openai_error(post("/tokenize", {"prompt": bad}), 400, "prompt")
-    assert_openai_error(post("/tokenize", {"messages": messages}), 400, "messages")
+    for path, body, param in (
+        ("/v1/completions", {**COMPLETION, "prompt": bad}, "prompt"),
+        ("/v1/completions", {**COMPLETION, "prompt": ["ok", bad]}, "prompt"),
+        ("/v1/chat/completions", {**CHAT, "messages": messages}, "messages"),
+        ("/tokenize", {"prompt": bad}, "prompt"),
+        ("/tokenize", {"messages": messages}, "messages"),
+    ):
+        raw = json.dumps(body).encode()  # ASCII with a \\ud800 escape: valid JSON
+        response = http.post(path, content=raw, headers={"content-type": "application/json"})
+        assert_openai_error(response, 400, param)
 
 
 @pytest.mark.parametrize(
@@ -194,16 +192,17 @@ def test_unknown_model_and_path_are_404(http):
 
 def test_api_key(limited_server):
     url = limited_server.url
+    post = functools.partial(httpx.post, timeout=120)
     good = {"Authorization": f"Bearer {API_KEY}"}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
                     {"Authorization": f"Basic {API_KEY}"}):  # fmt: skip
-        response = httpx.post(f"{url}/v1/completions", json=COMPLETION, headers=headers)
+        response = post(f"{url}/v1/completions", json=COMPLETION, headers=headers)
         error = assert_openai_error(response, 401)
         assert error["type"] == "authentication_error"
-        assert_openai_error(httpx.get(f"{url}/v1/models", headers=headers), 401)
-    assert httpx.post(f"{url}/v1/completions", json=COMPLETION, headers=good).status_code == 200
-    assert httpx.get(f"{url}/health").status_code == 200  # probes carry no key
-    assert httpx.get(f"{url}/metrics").status_code == 200
+        assert_openai_error(httpx.get(f"{url}/v1/models", headers=headers, timeout=30), 401)
+    assert post(f"{url}/v1/completions", json=COMPLETION, headers=good).status_code == 200
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200  # probes carry no key
+    assert httpx.get(f"{url}/metrics", timeout=30).status_code == 200
     client = openai.OpenAI(base_url=limited_server.base_url, api_key=API_KEY, max_retries=0)
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text
     wrong = openai.OpenAI(base_url=limited_server.base_url, api_key="nope", max_retries=0)
@@ -215,20 +214,20 @@ def test_body_over_the_limit_is_413(limited_server):
     url = f"{limited_server.url}/v1/completions"
     headers = {"Authorization": f"Bearer {API_KEY}"}
     big = {**COMPLETION, "prompt": "word " * MAX_REQUEST_BYTES}
-    assert_openai_error(httpx.post(url, json=big, headers=headers), 413)
+    assert_openai_error(httpx.post(url, json=big, headers=headers, timeout=30), 413)
 
     def chunked():  # no Content-Length: the limit is enforced as the body arrives
         body = httpx.Request("POST", url, json=big).content
         for start in range(0, len(body), 1000):
             yield body[start : start + 1000]
 
-    assert_openai_error(httpx.post(url, content=chunked(), headers=headers), 413)
+    assert_openai_error(httpx.post(url, content=chunked(), headers=headers, timeout=30), 413)
     # just under the limit is fine, and the server is unharmed
     fits = {**COMPLETION, "prompt": "word " * ((MAX_REQUEST_BYTES - 200) // 5)}
     assert len(httpx.Request("POST", url, json=fits).content) < MAX_REQUEST_BYTES
     response = httpx.post(url, json={**fits, "max_tokens": 1}, headers=headers, timeout=120)
     assert response.status_code == 200, response.text
-    assert httpx.get(f"{limited_server.url}/health").status_code == 200
+    assert httpx.get(f"{limited_server.url}/health", timeout=30).status_code == 200
 
 
 def test_queue_over_max_waiting_is_503_with_retry_after(limited_server):

@@ -68,7 +68,7 @@ def test_sigterm_drains_in_flight_streams(server_factory):
         name="drain-server", env={"TANDEM_API_KEY": API_KEY},
     )  # fmt: skip
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
-    assert_openai_error(httpx.post(f"{server.url}/v1/completions", json=body), 401)
+    assert_openai_error(httpx.post(f"{server.url}/v1/completions", json=body, timeout=30), 401)
     children = child_pids(server.pid)
     max_tokens = 24
     bodies = [{"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
@@ -88,7 +88,7 @@ def test_sigterm_drains_in_flight_streams(server_factory):
             return await asyncio.gather(*tasks), signalled, late
 
     results, signalled, late = asyncio.run(run())
-    assert late == 503 or isinstance(late, httpx.ConnectError), late
+    assert late == 503 or isinstance(late, httpx.TransportError), late
     exit_code = server.wait(SHUTDOWN_TIMEOUT + 10)
     took = time.monotonic() - signalled
     assert exit_code == 0, f"exit code {exit_code}"
