@@ -165,6 +165,9 @@ def main() -> None:
             name = "tandem:token_delivery_seconds"
             delivery_p50.append(histogram_quantile(before, after, name, 0.5))
             delivery_p99.append(histogram_quantile(before, after, name, 0.99))
+            print(f"round {len(server_rates)}: offline {offline_rates[-1]:.1f} tok/s, server "
+                  f"{server_rates[-1]:.1f} tok/s, delivery p99 <= {delivery_p99[-1] * 1e3:.2f} "
+                  "ms", flush=True)  # fmt: skip
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(60)
