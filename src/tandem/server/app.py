@@ -46,6 +46,7 @@ from tandem.server.serving import (
     completion_jobs,
     encode,
     new_token_times,
+    render_chat,
     run_jobs,
 )
 
@@ -363,22 +364,9 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         if engine.tokenizer is None:
             raise OpenAIError(400, "this server has no tokenizer")
         if isinstance(body, TokenizeChatRequest):
-            try:
-                text = engine.tokenizer.apply_chat_template(
-                    body.conversation(),
-                    tokenize=False,
-                    add_generation_prompt=body.add_generation_prompt,
-                    continue_final_message=body.continue_final_message,
-                    chat_template=body.chat_template,
-                    **(body.chat_template_kwargs or {}),
-                )
-            except Exception as error:  # as chat_job: a template that cannot render these
-                raise RequestValidationError(
-                    f"the chat template could not render these messages: {error}", "messages"
-                ) from error
+            text, param = render_chat(engine, body), "messages"
         else:
-            text = body.prompt
-        param = "messages" if isinstance(body, TokenizeChatRequest) else "prompt"
+            text, param = body.prompt, "prompt"
         token_ids = encode(engine, text, body.add_special_tokens, param)
         token_strs = None
         if body.return_token_strs:

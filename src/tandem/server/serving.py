@@ -15,6 +15,7 @@ from tandem.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestValidationError,
+    TokenizeChatRequest,
 )
 from tandem.server.protocol_responses import (
     ChatCompletionLogProb,
@@ -103,11 +104,13 @@ def completion_jobs(engine: AsyncLLM, request: CompletionRequest) -> list[Prompt
     return jobs
 
 
-def chat_job(engine: AsyncLLM, request: ChatCompletionRequest) -> PromptJob:
+def render_chat(engine: AsyncLLM, request: ChatCompletionRequest | TokenizeChatRequest) -> str:
+    """The conversation through the chat template, as the request asks; a template that
+    cannot render it is the request's fault (400)."""
     if engine.tokenizer is None:
         raise RequestValidationError("this server has no tokenizer, so no chat template")
     try:
-        text = engine.tokenizer.apply_chat_template(
+        return engine.tokenizer.apply_chat_template(
             request.conversation(),
             tokenize=False,
             add_generation_prompt=request.add_generation_prompt,
@@ -115,10 +118,14 @@ def chat_job(engine: AsyncLLM, request: ChatCompletionRequest) -> PromptJob:
             chat_template=request.chat_template,
             **(request.chat_template_kwargs or {}),
         )
-    except Exception as error:  # a template that cannot render this conversation
+    except Exception as error:
         raise RequestValidationError(
             f"the chat template could not render these messages: {error}", "messages"
         ) from error
+
+
+def chat_job(engine: AsyncLLM, request: ChatCompletionRequest) -> PromptJob:
+    text = render_chat(engine, request)
     token_ids = encode(engine, text, request.add_special_tokens, "messages")
     return _job(engine, request, text, token_ids, "messages")
 
