@@ -175,7 +175,8 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     finally:
         watcher.cancel()
         if not task.done():
-            task.cancel()
+            task.cancel()  # only requests it: wait until it has unwound (and aborted)
+            await asyncio.gather(task, return_exceptions=True)
     if task.cancelled():
         return Response(status_code=499)  # nobody is listening
     return task.result()
