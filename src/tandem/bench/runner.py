@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from tandem.bench.client import ClientConfig, first_model, run_workload
+from tandem.bench.records import RequestRecord
 from tandem.bench.report import compute_metrics
 from tandem.bench.workloads import Workload
 
@@ -71,6 +72,9 @@ def run_benchmark(
             progress=progress,
         )
     )
+    # the figures come from the records as stored (rounded to the microsecond), so anyone
+    # recomputing them from the JSON gets exactly the stored figures
+    records = [RequestRecord.from_dict(record.to_dict()) for record in records]
     return {
         "format": FORMAT,
         "label": label or f"{workload.name}@{config.base_url}",
