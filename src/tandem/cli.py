@@ -145,6 +145,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
         max_waiting=args.max_waiting,
         max_request_bytes=args.max_request_bytes,
+        trust_request_chat_template=args.trust_request_chat_template,
         shutdown_timeout=args.shutdown_timeout,
         log_requests=not args.disable_log_requests,
     )
@@ -275,6 +276,8 @@ def main(argv: list[str] | None = None) -> None:
                        help="answer 503 + Retry-After while this many requests wait")  # fmt: skip
     serve.add_argument("--max-request-bytes", type=parse_size, default="32MiB",
                        help="largest request body (413 above it)")  # fmt: skip
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="run chat templates that requests send (code run in the server)")  # fmt: skip
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM")  # fmt: skip
     serve.add_argument("--disable-log-requests", action="store_true",

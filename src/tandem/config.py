@@ -137,5 +137,5 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 
 def _dtype_name(value: Any) -> str | None:
-    """"torch.bfloat16" (some configs) and "bfloat16" alike become "bfloat16"."""
+    """Both "torch.bfloat16" (some configs) and "bfloat16" become "bfloat16"."""
     return value.removeprefix("torch.") if isinstance(value, str) else None

@@ -32,8 +32,13 @@ class ServerFactory:
 @pytest.fixture(scope="session")
 def default_server(tmp_path_factory) -> Iterator[ServerProcess]:
     """`tandem serve` with default settings, shared by the test modules that do not stop it
-    (a start loads the model: several seconds on two cores)."""
-    with ServerProcess(log_dir=tmp_path_factory.mktemp("server"), name="default-server") as server:
+    (a start loads the model: several seconds on two cores). It runs the chat templates that
+    requests send, so that tests can send broken ones."""
+    with ServerProcess(
+        "--trust-request-chat-template",
+        log_dir=tmp_path_factory.mktemp("server"),
+        name="default-server",
+    ) as server:
         yield server
 
 

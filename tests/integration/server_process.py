@@ -4,6 +4,7 @@ from it: started on a free loopback port, ready once /health answers 200, its lo
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import json
 import os
@@ -119,7 +120,7 @@ class ServerProcess:
                 log.flush()
                 self.process = subprocess.Popen(
                     command + self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                    stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                    stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent, process_group=0,
                 )  # fmt: skip
             if self._wait_ready():
                 return self
@@ -208,8 +209,12 @@ def scrape_metrics(url: str) -> dict[str, float]:
     suffix: `tandem:request_success_total[abort]`)."""
     response = httpx.get(f"{url}/metrics", timeout=30)
     response.raise_for_status()
+    return parse_metrics(response.text)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
     samples: dict[str, float] = {}
-    for family in text_string_to_metric_families(response.text):
+    for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name
             if "finished_reason" in sample.labels:
@@ -233,6 +238,43 @@ def wait_until_idle(url: str, timeout: float = 30.0) -> dict[str, float]:
             state = {name: samples[name] for name in IDLE_GAUGES}
             raise AssertionError(f"the engine is not idle {timeout} s later: {state}")
         time.sleep(0.2)
+
+
+# -- a thundering herd ------------------------------------------------------------------------
+
+
+async def simultaneous_posts(
+    port: int, path: str, body: dict, headers: dict[str, str], count: int
+) -> list[httpx.Response]:
+    """`count` POSTs whose handlers run side by side: each request is sent but for the last
+    byte of its body, and once every handler waits for it, the last bytes go out together
+    (so checks made before the work starts all see the same state)."""
+    raw = json.dumps(body).encode()
+    lines = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json",
+             f"Content-Length: {len(raw)}", "Connection: close",
+             *(f"{name}: {value}" for name, value in headers.items())]  # fmt: skip
+    request = ("\r\n".join(lines) + "\r\n\r\n").encode() + raw
+    connections = [await asyncio.open_connection("127.0.0.1", port) for _ in range(count)]
+    for _, writer in connections:
+        writer.write(request[:-1])
+        await writer.drain()
+    await asyncio.sleep(0.5)
+    for _, writer in connections:
+        writer.write(request[-1:])
+    responses = []
+    for reader, writer in connections:
+        head, _, content = (await reader.read()).partition(b"\r\n\r\n")
+        writer.close()
+        status_line, *header_lines = head.decode().split("\r\n")
+        fields = [line.split(":", 1) for line in header_lines]
+        responses.append(
+            httpx.Response(
+                int(status_line.split()[1]),
+                headers=[(name.strip(), value.strip()) for name, value in fields],
+                content=content,
+            )
+        )
+    return responses
 
 
 # -- responses ------------------------------------------------------------------------------

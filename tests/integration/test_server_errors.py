@@ -12,7 +12,13 @@ import httpx
 import openai
 import pytest
 
-from server_process import ServerProcess, assert_openai_error, wait_until_idle
+from server_process import (
+    ServerProcess,
+    assert_openai_error,
+    parse_metrics,
+    simultaneous_posts,
+    wait_until_idle,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300, func_only=True)]
 
@@ -173,6 +179,26 @@ def test_chat_template_that_cannot_render_is_400(http, change):
         assert "chat template" in error["message"], error
 
 
+def test_request_chat_template_needs_the_servers_trust(limited_server):
+    """A chat template is code the server runs; without --trust-request-chat-template a
+    request's own is refused with what to do, and the model's template still serves."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    for path, body in (
+        ("/v1/chat/completions", CHAT),
+        ("/tokenize", {"messages": CHAT["messages"]}),
+    ):
+        for change in ({"chat_template": template},
+                       {"chat_template_kwargs": {"chat_template": template}}):  # fmt: skip
+            response = httpx.post(f"{limited_server.url}{path}", json={**body, **change},
+                                  headers=headers, timeout=120)  # fmt: skip
+            error = assert_openai_error(response, 400, "chat_template")
+            assert "--trust-request-chat-template" in error["message"], error
+    response = httpx.post(f"{limited_server.url}/tokenize", json={"messages": CHAT["messages"]},
+                          headers=headers, timeout=120)  # fmt: skip
+    assert response.status_code == 200 and response.json()["count"] > 0
+
+
 # -- 404, 405 -----------------------------------------------------------------------------
 
 
@@ -230,32 +256,58 @@ def test_body_over_the_limit_is_413(limited_server):
     assert httpx.get(f"{limited_server.url}/health", timeout=30).status_code == 200
 
 
-def test_queue_over_max_waiting_is_503_with_retry_after(limited_server):
-    """A burst against one seat and one waiting place: some get 503 + Retry-After at once;
-    every other request runs to completion."""
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    body = {**COMPLETION, "max_tokens": 16, "ignore_eos": True}
-
-    async def burst() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=limited_server.url, headers=headers,
-                                     timeout=120) as client:  # fmt: skip
-            return await asyncio.gather(
-                *(client.post("/v1/completions", json=body) for _ in range(8))
-            )
-
-    responses = asyncio.run(burst())
-    statuses = sorted(response.status_code for response in responses)
-    assert set(statuses) <= {200, 503}, statuses
-    assert 503 in statuses and 200 in statuses, statuses
+def _check_admitted_or_refused(responses: list[httpx.Response], max_tokens: int) -> None:
+    """Every response is a complete answer or a 503 with Retry-After, nothing else."""
     for response in responses:
         if response.status_code == 503:
             error = assert_openai_error(response, 503)
             assert error["type"] == "service_unavailable"
             assert int(response.headers["retry-after"]) >= 1
         else:
-            choice = response.json()["choices"][0]
-            assert choice["finish_reason"] == "length"
-            assert response.json()["usage"]["completion_tokens"] == 16
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["finish_reason"] == "length"
+            assert response.json()["usage"]["completion_tokens"] == max_tokens
+
+
+def test_queue_over_max_waiting_is_503_with_retry_after(limited_server):
+    """One engine seat, one waiting place (--max-num-seqs 1 --max-waiting 1). A burst of eight
+    at an idle server: one is admitted, and the others arrive within milliseconds, while it
+    still waits or has just taken the seat, so at most one more fits; the rest get 503 +
+    Retry-After at once. Then, with the seat held by a long request, a second burst: exactly
+    one takes the waiting place. Every admitted request runs to completion."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {**COMPLETION, "max_tokens": 16, "ignore_eos": True}
+
+    async def bursts() -> tuple[list[httpx.Response], httpx.Response, list[httpx.Response]]:
+        async with httpx.AsyncClient(base_url=limited_server.url, headers=headers,
+                                     timeout=120) as client:  # fmt: skip
+
+            async def burst() -> list[httpx.Response]:
+                return await simultaneous_posts(
+                    limited_server.port, "/v1/completions", body, headers, 8
+                )
+
+            at_idle = await burst()
+            holder = asyncio.create_task(
+                client.post("/v1/completions", json={**body, "max_tokens": 96})
+            )
+            while True:  # until the holder runs (and so waits no more)
+                metrics = parse_metrics((await client.get("/metrics")).text)
+                if metrics["tandem:num_requests_running"] == 1:
+                    break
+                assert not holder.done(), holder.result().text
+                await asyncio.sleep(0.02)
+            while_held = await burst()
+            return at_idle, await holder, while_held
+
+    at_idle, holder, while_held = asyncio.run(bursts())
+    statuses = sorted(response.status_code for response in at_idle)
+    assert 1 <= statuses.count(200) <= 2 and set(statuses) <= {200, 503}, statuses
+    _check_admitted_or_refused(at_idle, 16)
+    assert holder.status_code == 200 and holder.json()["usage"]["completion_tokens"] == 96
+    statuses = sorted(response.status_code for response in while_held)
+    assert statuses == [200] + [503] * 7, statuses
+    _check_admitted_or_refused(while_held, 16)
     wait_until_idle(limited_server.url)
     response = httpx.post(f"{limited_server.url}/v1/completions", json=body, headers=headers,
                           timeout=120)  # fmt: skip

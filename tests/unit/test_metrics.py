@@ -68,6 +68,7 @@ def scheduler_stats(**overrides: float) -> SchedulerStats:
         prefix_cache_hits=0,
         num_preemptions=0,
         num_steps=0,
+        num_requests_received=0,
     )
     fields.update(overrides)
     return SchedulerStats(**fields)

@@ -81,6 +81,40 @@ class _OutputCollector:
         return output
 
 
+class RequestStream:
+    """A queued request's outputs, as an async iterator; closing it before the request
+    finishes (break, cancellation, a client gone) aborts the request, started or not."""
+
+    def __init__(self, engine: AsyncLLM, request_id: str, collector: _OutputCollector) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.collector = collector
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            output = await self.collector.get()
+        except BaseException:
+            self.cancel()
+            raise
+        self.finished = output.finished
+        return output
+
+    def cancel(self) -> None:
+        """Abort the request unless it has finished."""
+        if not self.finished:
+            self.finished = True
+            self.engine._abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+
 class AsyncLLM:
     """Create with `await AsyncLLM.create(config)`; `generate` is an async iterator of
     RequestOutputs; leaving it early (break, cancellation, a client gone) aborts the request."""
@@ -112,7 +146,7 @@ class AsyncLLM:
         self._collectors: dict[str, _OutputCollector] = {}
         self._utility_calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
-        self._adds_since_stats = 0
+        self._num_requests_sent = 0  # AddRequests sent to the core, ever
         self._output_task: asyncio.Task | None = None
         self._death_callbacks: list = []
         self._shutting_down = False
@@ -143,8 +177,10 @@ class AsyncLLM:
     @property
     def num_waiting(self) -> int:
         """Requests queued in the core, counting those sent since its last report."""
-        reported = self.scheduler_stats.num_waiting if self.scheduler_stats else 0
-        return reported + self._adds_since_stats
+        if self.scheduler_stats is None:
+            return self._num_requests_sent
+        in_flight = self._num_requests_sent - self.scheduler_stats.num_requests_received
+        return self.scheduler_stats.num_waiting + in_flight
 
     def on_death(self, callback) -> None:
         """Call `callback(error)` once if the engine core dies."""
@@ -177,7 +213,7 @@ class AsyncLLM:
                 "or the completion."
             )
 
-    async def generate(
+    def add_request(
         self,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
@@ -187,10 +223,10 @@ class AsyncLLM:
         output_kind: OutputKind | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """Queue a request and yield its outputs (as sampling_params.output_kind says, unless
-        `output_kind` is given) until it finishes. Raises ValueError for a request that cannot
-        run, EngineDeadError if the core dies meanwhile."""
+    ) -> RequestStream:
+        """Queue a request now (it counts as waiting from this call on, so an admission check
+        right before it holds under a burst) and return its outputs' stream. Raises ValueError
+        for a request that cannot run."""
         if self.dead_error is not None:
             raise self.dead_error
         if self._shutting_down:
@@ -224,16 +260,37 @@ class AsyncLLM:
                     priority,
                 )
             )
-        self._adds_since_stats += len(core_requests)
-        finished = False
+        self._num_requests_sent += len(core_requests)
+        return RequestStream(self, request_id, collector)
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        prompt: str | None = None,
+        output_kind: OutputKind | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Queue a request and yield its outputs (as sampling_params.output_kind says, unless
+        `output_kind` is given) until it finishes. Raises ValueError for a request that cannot
+        run, EngineDeadError if the core dies meanwhile."""
+        stream = self.add_request(
+            prompt_token_ids,
+            sampling_params,
+            request_id,
+            prompt=prompt,
+            output_kind=output_kind,
+            cache_salt=cache_salt,
+            priority=priority,
+        )
         try:
-            while not finished:
-                output = await collector.get()
-                finished = output.finished
+            async for output in stream:
                 yield output
         finally:
-            if not finished:
-                self._abort(request_id)
+            await stream.aclose()
 
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)
@@ -288,7 +345,6 @@ class AsyncLLM:
             if collector is not None:
                 collector.put_error(ValueError(error.message))
         self.scheduler_stats = message.scheduler_stats
-        self._adds_since_stats = 0
         for stat_logger in self.stat_loggers:
             stat_logger.record_steps(message.scheduler_stats, message.steps)
             for record in processed.finished:
@@ -345,4 +401,3 @@ class AsyncLLM:
             self._output_task.cancel()
             await asyncio.gather(self._output_task, return_exceptions=True)
         self.client.shutdown()  # blocks for at most a few seconds: the server is stopping
-

@@ -82,6 +82,7 @@ class EngineCore:
         self.step_stats: deque[StepStats] = deque(maxlen=max_step_stats)
         self.num_steps = 0
         self.num_preemptions = 0
+        self.num_requests_received = 0
         max_tokens = self.kv_cache_manager.max_num_tokens
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens; max concurrency at max_model_len=%d: "
@@ -95,6 +96,7 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         """Queue a request; ValueError (nothing queued) for one that cannot run."""
+        self.num_requests_received += 1
         request.sampling_params.check_vocab(self.runner.model_config.vocab_size)
         self.config.check_logprobs(request.sampling_params)
         self.scheduler.add_request(request)
@@ -288,6 +290,7 @@ class EngineCore:
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             num_steps=self.num_steps,
+            num_requests_received=self.num_requests_received,
         )
 
     def _record_stats(self, scheduled: SchedulerOutput, step_time: float) -> None:

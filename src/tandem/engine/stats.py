@@ -37,6 +37,7 @@ class SchedulerStats:
     prefix_cache_hits: int  # of those, tokens found
     num_preemptions: int
     num_steps: int
+    num_requests_received: int  # add_request calls, refused ones included
 
 
 @dataclass

@@ -9,9 +9,10 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError as FastAPIValidationError
@@ -45,12 +46,14 @@ from tandem.server.serving import (
     chat_job,
     completion_jobs,
     encode,
+    merge_streams,
     new_token_times,
     render_chat,
-    run_jobs,
+    start_jobs,
 )
 
 logger = logging.getLogger("tandem.server")
+T = TypeVar("T")
 
 
 @dataclass
@@ -60,6 +63,7 @@ class ServerSettings:
     api_key: str | None = None
     max_waiting: int | None = None  # waiting requests above which new ones get a 503
     max_request_bytes: int = 32 << 20
+    trust_request_chat_template: bool = False  # a request's own template runs in this process
     draining: bool = False  # set on SIGTERM: no new requests, in-flight ones finish
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -212,6 +216,21 @@ async def _stream_until_disconnect(
             await chunks.aclose()
 
 
+_TOKENIZE_INLINE_BYTES = 16 << 10  # request bodies up to this are tokenized on the event loop
+_tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenize")
+
+
+async def off_loop_if_large(request: Request, fn: Callable[..., T], *args: Any) -> T:
+    """Run `fn` (templating, tokenizing) on the event loop for a small body, where a thread hop
+    would cost more than the work; a large one runs on the tokenizer thread, so a megabyte
+    prompt does not hold up every other stream's tokens. One thread: the tokenizer is never
+    entered by two prompts at once."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) <= _TOKENIZE_INLINE_BYTES:
+        return fn(*args)
+    return await asyncio.get_running_loop().run_in_executor(_tokenizer_thread, fn, *args)
+
+
 def _sse(payload: BaseModel | dict) -> str:
     if isinstance(payload, BaseModel):
         return f"data: {payload.model_dump_json(exclude_none=True)}\n\n"
@@ -221,9 +240,7 @@ def _sse(payload: BaseModel | dict) -> str:
 def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="tandem", version=tandem.__version__)
     app.add_middleware(Gate, settings=settings)
-    stats = next(
-        (s for s in engine.stat_loggers if isinstance(s, PrometheusStatLogger)), None
-    )
+    stats = next((s for s in engine.stat_loggers if isinstance(s, PrometheusStatLogger)), None)
     model_name = settings.served_model_names[0]
 
     @app.exception_handler(OpenAIError)
@@ -243,6 +260,13 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     async def _dead(_: Request, error: EngineDeadError) -> JSONResponse:
         return _error_response(OpenAIError(503, str(error), "service_unavailable"))
 
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, error: Exception) -> JSONResponse:
+        logger.error("unhandled error", exc_info=error)
+        return _error_response(
+            OpenAIError(500, f"internal server error: {type(error).__name__}", "server_error")
+        )
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, error: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
@@ -258,6 +282,20 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
                 "model",
                 "model_not_found",
             )
+
+    def check_chat_template(body: ChatCompletionRequest | TokenizeChatRequest) -> None:
+        kwargs = body.chat_template_kwargs or {}
+        if settings.trust_request_chat_template or (
+            body.chat_template is None and "chat_template" not in kwargs
+        ):
+            return
+        raise OpenAIError(
+            400,
+            "this server does not run chat templates sent with requests (a template is code "
+            "run in the server); leave out `chat_template`, or start the server with "
+            "--trust-request-chat-template",
+            param="chat_template",
+        )
 
     def check_capacity() -> None:
         if engine.dead_error is not None:
@@ -318,9 +356,10 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         check_capacity()
-        jobs = completion_jobs(engine, body)
+        jobs = await off_loop_if_large(request, completion_jobs, engine, body)
+        check_capacity()  # again: the queue may have grown while this request was tokenized
         shaper = CompletionShaper(body, jobs, model_name)
-        outputs = run_jobs(engine, jobs, body.cache_salt)
+        outputs = merge_streams(start_jobs(engine, jobs, body.cache_salt))
         if body.stream:
 
             async def chunks() -> AsyncIterator[tuple[BaseModel | None, list[float]]]:
@@ -337,10 +376,12 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
+        check_chat_template(body)
         check_capacity()
-        job = chat_job(engine, body)
+        job = await off_loop_if_large(request, chat_job, engine, body)
+        check_capacity()
         shaper = ChatShaper(body, job, model_name)
-        outputs = run_jobs(engine, [job], body.cache_salt)
+        outputs = merge_streams(start_jobs(engine, [job], body.cache_salt))
         if body.stream:
 
             async def chunks() -> AsyncIterator[tuple[BaseModel | None, list[float]]]:
@@ -360,15 +401,23 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         return await _cancel_on_disconnect(request, respond())
 
     @app.post("/tokenize")
-    async def tokenize(body: Annotated[TokenizeRequest, Body()]) -> TokenizeResponse:
+    async def tokenize(
+        body: Annotated[TokenizeRequest, Body()], request: Request
+    ) -> TokenizeResponse:
         check_model(body.model)
         if engine.tokenizer is None:
             raise OpenAIError(400, "this server has no tokenizer")
         if isinstance(body, TokenizeChatRequest):
-            text, param = render_chat(engine, body), "messages"
-        else:
-            text, param = body.prompt, "prompt"
-        token_ids = encode(engine, text, body.add_special_tokens, param)
+            check_chat_template(body)
+
+        def token_ids_of_body() -> list[int]:
+            if isinstance(body, TokenizeChatRequest):
+                text, param = render_chat(engine, body), "messages"
+            else:
+                text, param = body.prompt, "prompt"
+            return encode(engine, text, body.add_special_tokens, param)
+
+        token_ids = await off_loop_if_large(request, token_ids_of_body)
         token_strs = None
         if body.return_token_strs:
             token_strs = engine.tokenizer.convert_ids_to_tokens(token_ids)

@@ -72,6 +72,7 @@ async def serve(
     max_waiting: int | None,
     max_request_bytes: int,
     shutdown_timeout: float,
+    trust_request_chat_template: bool = False,
     log_requests: bool = True,
 ) -> int:
     """Serve until SIGTERM/SIGINT (exit code 0) or the engine core's death (1)."""
@@ -86,6 +87,7 @@ async def serve(
         api_key=api_key,
         max_waiting=max_waiting,
         max_request_bytes=max_request_bytes,
+        trust_request_chat_template=trust_request_chat_template,
     )
     app = build_app(engine, settings)
     server = _Server(

@@ -8,7 +8,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from tandem.engine.async_llm import AsyncLLM, OutputKind
+from tandem.engine.async_llm import AsyncLLM, OutputKind, RequestStream
 from tandem.outputs import CompletionOutput, Logprob, RequestOutput
 from tandem.sampling_params import SamplingParams, truncate_prompt
 from tandem.server.protocol import (
@@ -130,29 +130,44 @@ def chat_job(engine: AsyncLLM, request: ChatCompletionRequest) -> PromptJob:
     return _job(engine, request, text, token_ids, "messages")
 
 
-async def run_jobs(
+def start_jobs(
     engine: AsyncLLM, jobs: Sequence[PromptJob], cache_salt: str | None
-) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Run every prompt as its own engine request; yield (prompt index, delta output) as they
-    come. Closing this iterator early aborts whatever is still running."""
+) -> list[RequestStream]:
+    """Queue every prompt as its own engine request, now (so they count against the waiting
+    limit at once); if one is refused, those already queued are aborted."""
     base_id = uuid.uuid4().hex
-    iterators = [
-        engine.generate(
-            job.token_ids,
-            job.params,
-            f"{base_id}-{index}",
-            prompt=job.text,
-            output_kind=OutputKind.DELTA,
-            cache_salt=cache_salt,
-        )
-        for index, job in enumerate(jobs)
-    ]
-    if len(iterators) == 1:
-        async for output in iterators[0]:
-            yield 0, output
-        return
-    pending = {asyncio.ensure_future(anext(it)): index for index, it in enumerate(iterators)}
+    streams: list[RequestStream] = []
     try:
+        for index, job in enumerate(jobs):
+            streams.append(
+                engine.add_request(
+                    job.token_ids,
+                    job.params,
+                    f"{base_id}-{index}",
+                    prompt=job.text,
+                    output_kind=OutputKind.DELTA,
+                    cache_salt=cache_salt,
+                )
+            )
+    except BaseException:
+        for stream in streams:
+            stream.cancel()
+        raise
+    return streams
+
+
+async def merge_streams(
+    streams: Sequence[RequestStream],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yield (prompt index, delta output) as they come. Closing this iterator early aborts
+    whatever is still running."""
+    pending: dict[asyncio.Future, int] = {}
+    try:
+        if len(streams) == 1:
+            async for output in streams[0]:
+                yield 0, output
+            return
+        pending = {asyncio.ensure_future(anext(s)): index for index, s in enumerate(streams)}
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for future in done:
@@ -161,13 +176,13 @@ async def run_jobs(
                     output = future.result()
                 except StopAsyncIteration:
                     continue
-                pending[asyncio.ensure_future(anext(iterators[index]))] = index
+                pending[asyncio.ensure_future(anext(streams[index]))] = index
                 yield index, output
     finally:
         for future in pending:
             future.cancel()
-        for iterator in iterators:
-            await iterator.aclose()
+        for stream in streams:
+            stream.cancel()
 
 
 def new_token_times(output: RequestOutput) -> list[float]:
