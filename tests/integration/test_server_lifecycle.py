@@ -60,7 +60,8 @@ def _wait_gone(pids: list[int], timeout: float) -> list[int]:
 
 
 def test_sigterm_drains_in_flight_streams(server_factory):
-    """SIGTERM with streams in flight: each runs to its end ([DONE], finish_reason), nothing new
+    """SIGTERM with streams in flight, to the whole process group (as systemd sends it, so the
+    engine core gets it too): each stream runs to its end ([DONE], finish_reason), nothing new
     is admitted, and the process exits 0 within --shutdown-timeout. Also: the API key may come
     from TANDEM_API_KEY, and the log has a ready line and one line per finished request."""
     server = server_factory.start(
@@ -78,7 +79,7 @@ def test_sigterm_drains_in_flight_streams(server_factory):
         headers = {"Authorization": f"Bearer {API_KEY}"}
         async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=120) as client:
             tasks = await _start_streams(client, bodies)
-            server.process.send_signal(signal.SIGTERM)
+            os.killpg(server.pid, signal.SIGTERM)  # the server leads its own process group
             signalled = time.monotonic()
             await asyncio.sleep(0.5)
             try:  # a new request while draining: refused, never run

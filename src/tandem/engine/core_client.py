@@ -68,13 +68,10 @@ class EngineCoreClient:
         return self._decoder.decode(await self._output.recv())
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Ask the core to stop, then make sure it has: terminate, kill."""
+        """Ask the core to stop, then make sure it has (it ignores SIGTERM: SIGKILL)."""
         if self.process.is_alive():
             with contextlib.suppress(zmq.ZMQError):
                 self.send(Shutdown())
-            self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.terminate()
             self.process.join(timeout)
         if self.process.is_alive():
             self.process.kill()
@@ -90,6 +87,7 @@ class EngineCoreClient:
 
         def on_exit() -> None:
             loop.remove_reader(self.process.sentinel)
+            self.process.join(1)  # it has ended: reap it, so that exitcode is known
             callback()
 
         loop.add_reader(self.process.sentinel, on_exit)

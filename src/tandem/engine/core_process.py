@@ -152,8 +152,10 @@ def run_engine_core(
     config: EngineConfig, input_address: str, output_address: str, parent_pid: int
 ) -> None:
     """Entry point of the engine-core process (started with multiprocessing's spawn)."""
-    # Ctrl-C reaches the whole process group; the API process decides when the core stops.
+    # Ctrl-C and a SIGTERM to the process group (systemd, docker stop, kill -- -pgid) reach
+    # the core too; the API process decides when it stops, after draining the requests.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s core: %(message)s")
     context = zmq.Context()
     output = context.socket(zmq.PUSH)
