@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--max-request-bytes", type=parse_size, default="32MiB",
                        help="largest request body (413 above it)")  # fmt: skip
     serve.add_argument("--trust-request-chat-template", action="store_true",
-                       help="run chat templates that requests send (code run in the server)")  # fmt: skip
+                       help="run chat templates sent by requests (code in the server)")  # fmt: skip
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM")  # fmt: skip
     serve.add_argument("--disable-log-requests", action="store_true",

@@ -72,7 +72,12 @@ class _OutputCollector:
         self.error = error
         self.ready.set()
 
-    async def get(self) -> RequestOutput:
+    def close(self) -> None:
+        """Wake a waiting `get` with nothing: the request was cancelled."""
+        self.ready.set()
+
+    async def get(self) -> RequestOutput | None:
+        """The next output; None once closed with nothing left."""
         await self.ready.wait()
         if self.output is None and self.error is not None:
             raise self.error
@@ -102,14 +107,18 @@ class RequestStream:
         except BaseException:
             self.cancel()
             raise
+        if output is None:  # cancelled while waiting
+            raise StopAsyncIteration
         self.finished = output.finished
         return output
 
     def cancel(self) -> None:
-        """Abort the request unless it has finished."""
+        """Abort the request unless it has finished; a task waiting for its next output
+        gets the end of the stream."""
         if not self.finished:
             self.finished = True
             self.engine._abort(self.request_id)
+            self.collector.close()
 
     async def aclose(self) -> None:
         self.cancel()

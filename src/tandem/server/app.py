@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import tandem
-from tandem.engine.async_llm import AsyncLLM, EngineDeadError, merge_delta_outputs
+from tandem.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream, merge_delta_outputs
 from tandem.outputs import RequestOutput
 from tandem.server.metrics import PrometheusStatLogger
 from tandem.server.protocol import (
@@ -187,33 +187,27 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
 
 
 async def _stream_until_disconnect(
-    request: Request, chunks: AsyncIterator[str]
+    request: Request, chunks: AsyncIterator[str], streams: list[RequestStream]
 ) -> AsyncIterator[str]:
-    """Uvicorn (ASGI 2.4) reports a gone client only when a send fails; waiting for the first
-    token can take long, so watch for the disconnect ourselves and abort at once."""
+    """Uvicorn (ASGI 2.4) reports a gone client only when a send fails, and the first token
+    can be long in coming: watch for the disconnect ourselves. It cancels the engine requests
+    at once, which ends their streams and so these chunks; no task per chunk."""
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    next_chunk: asyncio.Future | None = None
+
+    def on_disconnect(task: asyncio.Future) -> None:
+        if not task.cancelled():
+            for stream in streams:
+                stream.cancel()
+
+    watcher.add_done_callback(on_disconnect)
     try:
-        while True:
-            next_chunk = asyncio.ensure_future(anext(chunks))
-            await asyncio.wait({next_chunk, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if not next_chunk.done():
-                next_chunk.cancel()
-                await asyncio.gather(next_chunk, return_exceptions=True)
+        async for chunk in chunks:
+            if watcher.done():
                 return
-            try:
-                yield next_chunk.result()
-            except StopAsyncIteration:
-                return
+            yield chunk
     finally:
         watcher.cancel()
-        if next_chunk is not None and not next_chunk.done():
-            # Cancelled from outside (Starlette saw the disconnect first) while a chunk was
-            # pending: the generators cannot be closed while that task runs them, but
-            # cancelling it unwinds them, which aborts the requests.
-            next_chunk.cancel()
-        else:
-            await chunks.aclose()
+        await chunks.aclose()
 
 
 _TOKENIZE_INLINE_BYTES = 16 << 10  # request bodies up to this are tokenized on the event loop
@@ -359,7 +353,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         jobs = await off_loop_if_large(request, completion_jobs, engine, body)
         check_capacity()  # again: the queue may have grown while this request was tokenized
         shaper = CompletionShaper(body, jobs, model_name)
-        outputs = merge_streams(start_jobs(engine, jobs, body.cache_salt))
+        streams = start_jobs(engine, jobs, body.cache_salt)
+        outputs = merge_streams(streams)
         if body.stream:
 
             async def chunks() -> AsyncIterator[tuple[BaseModel | None, list[float]]]:
@@ -368,7 +363,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
                 yield shaper.usage_chunk(), []
 
             return StreamingResponse(
-                _stream_until_disconnect(request, stream(chunks())),
+                _stream_until_disconnect(request, stream(chunks()), streams),
                 media_type="text/event-stream",
             )
         return await _cancel_on_disconnect(request, _collect(outputs, shaper.response))
@@ -381,7 +376,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         job = await off_loop_if_large(request, chat_job, engine, body)
         check_capacity()
         shaper = ChatShaper(body, job, model_name)
-        outputs = merge_streams(start_jobs(engine, [job], body.cache_salt))
+        streams = start_jobs(engine, [job], body.cache_salt)
+        outputs = merge_streams(streams)
         if body.stream:
 
             async def chunks() -> AsyncIterator[tuple[BaseModel | None, list[float]]]:
@@ -391,7 +387,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
                 yield shaper.usage_chunk(), []
 
             return StreamingResponse(
-                _stream_until_disconnect(request, stream(chunks())),
+                _stream_until_disconnect(request, stream(chunks()), streams),
                 media_type="text/event-stream",
             )
 

@@ -5,6 +5,7 @@ engine core's (the step loop), started by AsyncLLM."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -117,6 +118,11 @@ async def serve(
     if server.should_exit:  # the port could not be bound
         await engine.shutdown()
         return 1
+    # The tokenizer, the app and the imports are the bulk of this process's objects and live
+    # until it exits: out of the collector's sight, a full collection no longer walks them
+    # while tokens wait to be written.
+    gc.collect()
+    gc.freeze()
     logger.info(
         "ready in %.1f s (model loaded in %.1f s): http://%s:%d, model %s, "
         "%d KV blocks, max_model_len %d",
