@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from hf_models import make_hf_model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _tandem_cache_dir(tmp_path_factory) -> None:
+    """GGUF metadata caches of this session (its temporary GGUF files above all) go to a
+    folder of its own, not the user's ~/.cache; server processes inherit it."""
+    os.environ["TANDEM_CACHE_DIR"] = str(tmp_path_factory.mktemp("tandem-cache"))
+
 
 # (name, HF config class, kwargs): odd shapes on purpose (GQA 1/3/6, head_dim 32/64/128,
 # biases, q/k norm, tied embeddings, llama3 RoPE scaling, a non-default theta).
@@ -81,6 +90,8 @@ FAMILY_CONFIGS: list[tuple[str, str, dict]] = [
         ),
     ),
 ]
+
+
 @pytest.fixture(scope="session", params=FAMILY_CONFIGS, ids=[c[0] for c in FAMILY_CONFIGS])
 def family_checkpoint(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     """(folder written by save_pretrained, the HF model) for each family."""

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from tandem.config import ModelConfig, UnsupportedModelError, model_config_from_hf
+from tandem.models.gguf_cache import cached_json
 
 # GGUF general.architecture -> HF architecture name, and whether Q/K rows are permuted.
 GGUF_ARCHITECTURES = {
@@ -73,6 +74,11 @@ def _hf_architecture(reader: Any) -> tuple[str, str, bool]:
 
 
 def gguf_model_config(path: Path) -> ModelConfig:
+    return model_config_from_hf(cached_json(path, "config", lambda: _hf_config(path)))
+
+
+def _hf_config(path: Path) -> dict[str, Any]:
+    """The metadata as an HF config.json would say it."""
     reader = _reader(path)
     arch, hf_arch, _ = _hf_architecture(reader)
     tensor_names = {t.name for t in reader.tensors}
@@ -108,7 +114,7 @@ def gguf_model_config(path: Path) -> ModelConfig:
             "rope_type": scaling_type,
             "factor": float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)),
         }
-    return model_config_from_hf(hf)
+    return hf
 
 
 def hf_tensor_name(gguf_name: str) -> str:
