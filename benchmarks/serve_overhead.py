@@ -6,7 +6,8 @@ through the offline LLM, in one run, alternating.
 - Sampling to SSE write: every streamed token's time from its sampling in the engine core to its
   chunk being written by the API process (`tandem:token_delivery_seconds`; goal: p99 < 5 ms).
 - The API process's CPU seconds per output token, since on a 2-core machine it shares the cores
-  with the step loop.
+  with the step loop; and the load generator's, which shares them too (a real client would
+  not), so that the throughput ratio can be read for what it is.
 
     .venv/bin/python benchmarks/serve_overhead.py [--num-requests 32] [--max-tokens 128]
 """
@@ -152,14 +153,15 @@ def main() -> None:
         offline_round(llm, texts[:2], 4)  # warm-up
         asyncio.run(server_round(base_url, texts[:2], 4))
         offline_rates, server_rates = [], []
-        delivery_p50, delivery_p99, cpu_per_token = [], [], []
+        delivery_p50, delivery_p99, cpu_per_token, client_cpu_per_token = [], [], [], []
         for _ in range(args.rounds):
             elapsed, tokens = offline_round(llm, texts, args.max_tokens)
             offline_rates.append(tokens / elapsed)
             before = metric_samples(base_url)
-            cpu_before = api_cpu_seconds(server.pid)
+            cpu_before, client_cpu_before = api_cpu_seconds(server.pid), time.process_time()
             elapsed, tokens = asyncio.run(server_round(base_url, texts, args.max_tokens))
             cpu_per_token.append((api_cpu_seconds(server.pid) - cpu_before) / tokens)
+            client_cpu_per_token.append((time.process_time() - client_cpu_before) / tokens)
             after = metric_samples(base_url)
             server_rates.append(tokens / elapsed)
             name = "tandem:token_delivery_seconds"
@@ -183,7 +185,9 @@ def main() -> None:
           f"| {served:.1f} | {served / offline:.2f}× |")  # fmt: skip
     print(f"\nsampling → SSE write, upper bucket edge: p50 ≤ {max(delivery_p50) * 1e3:.2f} ms, "
           f"p99 ≤ {max(delivery_p99) * 1e3:.2f} ms (worst round)")  # fmt: skip
-    print(f"API process CPU per output token: {statistics.median(cpu_per_token) * 1e3:.3f} ms")
+    print(f"API process CPU per output token: {statistics.median(cpu_per_token) * 1e3:.3f} ms; "
+          "the load generator's (httpx, in this process, on the same cores): "
+          f"{statistics.median(client_cpu_per_token) * 1e3:.3f} ms")  # fmt: skip
 
 
 if __name__ == "__main__":
