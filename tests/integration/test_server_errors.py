@@ -312,3 +312,52 @@ def test_queue_over_max_waiting_is_503_with_retry_after(limited_server):
     response = httpx.post(f"{limited_server.url}/v1/completions", json=body, headers=headers,
                           timeout=120)  # fmt: skip
     assert response.status_code == 200, response.text
+
+
+# -- priority ------------------------------------------------------------------------------
+
+
+def test_priority_needs_priority_scheduling(http):
+    for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+        error = assert_openai_error(http.post(path, json={**body, "priority": 1}), 400, "priority")
+        assert "--scheduling-policy priority" in error["message"], error
+        assert http.post(path, json={**body, "priority": 0}).status_code == 200
+
+
+def test_priority_orders_the_queue(server_factory):
+    """One seat, held by a long request; a request with priority 5 arrives, then one with -1:
+    the -1 runs first when the seat frees (lower first, as vLLM), and both complete."""
+    server = server_factory.start(
+        "--scheduling-policy", "priority", "--max-num-seqs", "1", name="priority-server"
+    )
+    body = {**COMPLETION, "max_tokens": 8, "ignore_eos": True}
+
+    async def run() -> list[str]:
+        finished: list[str] = []
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+
+            async def send(name: str, priority: int, max_tokens: int) -> None:
+                payload = {**body, "priority": priority, "max_tokens": max_tokens}
+                response = await client.post("/v1/completions", json=payload)
+                assert response.status_code == 200, response.text
+                assert response.json()["usage"]["completion_tokens"] == max_tokens
+                finished.append(name)
+
+            holder = asyncio.create_task(send("holder", 0, 64))
+            while True:  # until the holder has the seat
+                metrics = parse_metrics((await client.get("/metrics")).text)
+                if metrics["tandem:num_requests_running"] == 1:
+                    break
+                await asyncio.sleep(0.02)
+            late = asyncio.create_task(send("priority 5", 5, 8))
+            while (
+                parse_metrics((await client.get("/metrics")).text)["tandem:num_requests_waiting"]
+                < 1
+            ):
+                await asyncio.sleep(0.02)
+            urgent = asyncio.create_task(send("priority -1", -1, 8))
+            await asyncio.gather(holder, late, urgent)
+        return finished
+
+    order = asyncio.run(run())
+    assert order.index("priority -1") < order.index("priority 5"), order

@@ -291,6 +291,15 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
             param="chat_template",
         )
 
+    def check_priority(body: CompletionRequest | ChatCompletionRequest) -> None:
+        if body.priority != 0 and engine.config.scheduler.scheduling_policy != "priority":
+            raise OpenAIError(
+                400,
+                "`priority` is set but this server schedules first come, first served: send "
+                "priority 0, or start the server with --scheduling-policy priority",
+                param="priority",
+            )
+
     def check_capacity() -> None:
         if engine.dead_error is not None:
             raise engine.dead_error
@@ -349,11 +358,12 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
+        check_priority(body)
         check_capacity()
         jobs = await off_loop_if_large(request, completion_jobs, engine, body)
         check_capacity()  # again: the queue may have grown while this request was tokenized
         shaper = CompletionShaper(body, jobs, model_name)
-        streams = start_jobs(engine, jobs, body.cache_salt)
+        streams = start_jobs(engine, jobs, body.cache_salt, body.priority)
         outputs = merge_streams(streams)
         if body.stream:
 
@@ -372,11 +382,12 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         check_chat_template(body)
+        check_priority(body)
         check_capacity()
         job = await off_loop_if_large(request, chat_job, engine, body)
         check_capacity()
         shaper = ChatShaper(body, job, model_name)
-        streams = start_jobs(engine, [job], body.cache_salt)
+        streams = start_jobs(engine, [job], body.cache_salt, body.priority)
         outputs = merge_streams(streams)
         if body.stream:
 

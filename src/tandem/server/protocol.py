@@ -69,7 +69,7 @@ _UNSUPPORTED = (
     # sampling and decoding
     "logprob_token_ids", "logits_processors", "use_beam_search", "length_penalty",
     "early_stopping", "watermarking", "return_tokens_as_token_ids", "repetition_detection",
-    "thinking_token_budget", "truncation_side", "priority",
+    "thinking_token_budget", "truncation_side",
     # structured outputs
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
@@ -287,6 +287,7 @@ class _Generation(_Request):
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     request_id: str | None = None
     return_token_ids: bool | None = False  # token_ids / prompt_token_ids in the response
+    priority: int = 0  # lower first; needs the server's --scheduling-policy priority (vLLM's)
     # accepted, no effect on the output
     user: str | None = None
     session_id: str | None = None
@@ -305,7 +306,6 @@ class _Generation(_Request):
     repetition_detection: dict[str, Any] | None = None
     thinking_token_budget: int | None = None
     truncation_side: Literal["left", "right"] | None = None
-    priority: int = 0
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None

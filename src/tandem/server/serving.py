@@ -131,7 +131,7 @@ def chat_job(engine: AsyncLLM, request: ChatCompletionRequest) -> PromptJob:
 
 
 def start_jobs(
-    engine: AsyncLLM, jobs: Sequence[PromptJob], cache_salt: str | None
+    engine: AsyncLLM, jobs: Sequence[PromptJob], cache_salt: str | None, priority: int = 0
 ) -> list[RequestStream]:
     """Queue every prompt as its own engine request, now (so they count against the waiting
     limit at once); if one is refused, those already queued are aborted."""
@@ -147,6 +147,7 @@ def start_jobs(
                     prompt=job.text,
                     output_kind=OutputKind.DELTA,
                     cache_salt=cache_salt,
+                    priority=priority,
                 )
             )
     except BaseException:
