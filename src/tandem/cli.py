@@ -79,6 +79,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help='JSON, e.g. \'{"temperature": 0.5}\'')  # fmt: skip
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="no periodic stats log line")  # fmt: skip
+    parser.add_argument("--step-log", default=None,
+                        help="append a JSON line per engine step (work, MFU, MBU)")  # fmt: skip
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="peak TFLOP/s for MFU (default: data sheet or probe)")  # fmt: skip
+    parser.add_argument("--peak-bandwidth-gbps", type=float, default=None,
+                        help="peak memory GB/s for MBU (default: data sheet or probe)")  # fmt: skip
     # vLLM's, accepted and logged where they change nothing (docs/coming-from-vllm.md).
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--swap-space", type=float, default=None)
@@ -122,6 +128,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization,
         swap_space=args.swap_space,
         enforce_eager=args.enforce_eager,
+        step_log=args.step_log,
+        peak_tflops=args.peak_tflops,
+        peak_bandwidth_gbps=args.peak_bandwidth_gbps,
     )
 
 
@@ -149,6 +158,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
         shutdown_timeout=args.shutdown_timeout,
         log_requests=not args.disable_log_requests,
     )
+
+
+def cmd_plot_steps(args: argparse.Namespace) -> None:
+    from tandem.bench.step_plots import plot_steps
+
+    for path in plot_steps(args.step_log, args.out):
+        print(path)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -287,6 +303,13 @@ def main(argv: list[str] | None = None) -> None:
     from tandem.bench.cli import add_bench_parser
 
     add_bench_parser(commands)
+
+    plot = commands.add_parser("plot", help="figures of an engine's step log")
+    plot_sub = plot.add_subparsers(dest="plot_command", required=True)
+    steps = plot_sub.add_parser("steps", help="roofline and step timeline of a --step-log file")
+    steps.add_argument("step_log", help="the JSONL file written with --step-log")
+    steps.add_argument("--out", default="step-plots", help="folder for the PNG figures")
+    steps.set_defaults(func=cmd_plot_steps)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -7,9 +7,10 @@ import os
 
 from transformers import AutoTokenizer
 
+from tandem.cache import cache_root
 from tandem.config import model_config_from_hf
 from tandem.engine.tokenizer import load_tokenizer
-from tandem.models.gguf_cache import cache_root, cached_json, entry_dir
+from tandem.models.gguf_cache import cached_json, entry_dir
 from tandem.models.gguf_loader import _hf_config, gguf_model_config
 from tandem.models.loader import resolve_model_path
 

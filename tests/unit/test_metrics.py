@@ -178,6 +178,19 @@ def test_each_step_is_observed_once(logger):
     assert bucket(logger, "tandem:step_time_seconds", 0.1) == 2
 
 
+def test_step_utilization_by_phase(logger):
+    steps = [step(512, 0, 0.5), step(0, 4, 0.01), step(0, 4, 0.01), step(64, 4, 0.05)]
+    for stats, mfu, mbu in zip(steps, (0.4, 0.01, 0.02, 0.1), (0.05, 0.6, 0.7, 0.3), strict=True):
+        stats.mfu, stats.mbu = mfu, mbu
+    logger.record_steps(scheduler_stats(), steps)
+    for name in ("tandem:step_mfu", "tandem:step_mbu"):
+        counts = [value(logger, name + "_count", phase=p) for p in ("prefill", "decode", "mixed")]
+        assert counts == [1, 2, 1]
+    assert value(logger, "tandem:step_mfu_sum", phase="decode") == pytest.approx(0.03)
+    assert value(logger, "tandem:step_mbu_sum", phase="prefill") == pytest.approx(0.05)
+    assert value(logger, "tandem:step_mbu_sum", phase="mixed") == pytest.approx(0.3)
+
+
 def test_a_state_only_report_observes_no_step(logger):
     logger.record_steps(scheduler_stats(num_running=2), [])
     assert value(logger, "tandem:step_time_seconds_count") == 0

@@ -25,7 +25,7 @@ PLAIN = FuncFormatter(lambda value, _: f"{value:g}")
 PLAIN_MINOR = FuncFormatter(lambda value, _: f"{value:g}" if str(f"{value:g}")[0] in "25" else "")
 
 
-def _save(fig, path: str | Path) -> Path:
+def save_figure(fig, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -57,7 +57,7 @@ def itl_timeline(run: dict, path: str | Path, title: str | None = None) -> Path:
     ax.set_title(title or f"Inter-token latency per stream: {run.get('label', '')}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: no data hidden
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _cdf(ax, values_ms: Sequence[float], label: str) -> None:
@@ -88,7 +88,7 @@ def latency_cdfs(runs: Sequence[dict], path: str | Path, title: str | None = Non
         ax.legend(fontsize=8, loc="best")
     if title:
         fig.suptitle(title)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def sweep_plot(
@@ -117,4 +117,4 @@ def sweep_plot(
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)

@@ -53,6 +53,10 @@ class EngineConfig:
     # vLLM's own defaults (generation_config="vllm"); plus override_generation_config.
     generation_config_path: Path | None = None
     override_generation_config: dict[str, Any] = field(default_factory=dict)
+    step_log: Path | None = None  # a JSON line per engine step is appended here
+    # The machine's ceilings for MFU / MBU; None: the data sheet (known GPUs) or a probe (CPU).
+    peak_tflops: float | None = None
+    peak_bandwidth_gbps: float | None = None
 
     @classmethod
     def create(
@@ -87,6 +91,9 @@ class EngineConfig:
         gpu_memory_utilization: float | None = None,
         swap_space: float | None = None,
         enforce_eager: bool | None = None,
+        step_log: str | Path | None = None,
+        peak_tflops: float | None = None,
+        peak_bandwidth_gbps: float | None = None,
     ) -> EngineConfig:
         """Validate every knob before anything heavy loads; raises ValueError/FileNotFoundError
         naming what to change. None for gpu_memory_utilization, swap_space and enforce_eager
@@ -96,6 +103,11 @@ class EngineConfig:
                 "trust_remote_code=True: tandem never runs code shipped with a checkpoint; the "
                 "architectures it supports need none, so leave trust_remote_code=False"
             )
+        for name, peak in (("peak_tflops", peak_tflops),
+                           ("peak_bandwidth_gbps", peak_bandwidth_gbps)):  # fmt: skip
+            if peak is not None and (isinstance(peak, bool) or not isinstance(peak, int | float)
+                                     or not 0 < peak < float("inf")):  # fmt: skip
+                raise ValueError(f"{name} must be a positive number, got {peak!r}")
         if tensor_parallel_size != 1:
             raise ValueError(
                 f"tensor_parallel_size={tensor_parallel_size}: tandem runs a model on one device, "
@@ -163,6 +175,9 @@ class EngineConfig:
             disable_log_stats=disable_log_stats,
             generation_config_path=_generation_config_path(generation_config, model_path),
             override_generation_config=dict(override_generation_config or {}),
+            step_log=None if step_log is None else Path(step_log),
+            peak_tflops=peak_tflops,
+            peak_bandwidth_gbps=peak_bandwidth_gbps,
         )
 
     @property

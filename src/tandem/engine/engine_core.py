@@ -4,6 +4,8 @@ stop strings and n > 1 live in the front end (llm_engine.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import random
 import time
@@ -15,7 +17,9 @@ import numpy as np
 import torch
 
 from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.roofline import ModelShape, place_step, step_work
 from tandem.core.scheduler import Scheduler, SchedulerOutput
+from tandem.engine.machine_peaks import machine_peaks
 from tandem.engine.stats import SchedulerStats, StepStats
 from tandem.outputs import Logprob
 from tandem.request import Request, RequestStatus
@@ -83,6 +87,25 @@ class EngineCore:
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_requests_received = 0
+        element_bytes = torch.empty((), dtype=self.runner.dtype).element_size()
+        self.model_shape = ModelShape.of(
+            self.runner.model_config, element_bytes, element_bytes, element_bytes
+        )
+        self.peaks = machine_peaks(
+            self.runner.device, self.runner.dtype, config.peak_tflops, config.peak_bandwidth_gbps
+        )
+        logger.info(
+            "machine peaks: %s: %.2f TFLOP/s (%s), %.1f GB/s; ridge point %.1f FLOP/byte",
+            self.peaks.name,
+            self.peaks.flops_per_second / 1e12,
+            str(self.runner.dtype).removeprefix("torch."),
+            self.peaks.bytes_per_second / 1e9,
+            self.peaks.ridge_point,
+        )
+        # Open for the engine's life, a line at a time, so a reader sees every finished step.
+        self.step_log = (
+            None if config.step_log is None else open(config.step_log, "a", buffering=1)  # noqa: SIM115
+        )
         max_tokens = self.kv_cache_manager.max_num_tokens
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens; max concurrency at max_model_len=%d: "
@@ -296,15 +319,24 @@ class EngineCore:
     def _record_stats(self, scheduled: SchedulerOutput, step_time: float) -> None:
         self.num_steps += 1
         self.num_preemptions += len(scheduled.preempted_request_ids)
-        self.step_stats.append(
-            StepStats(
-                num_prefill_tokens=scheduled.num_prefill_tokens,
-                num_decode_tokens=scheduled.num_decode_tokens,
-                num_seqs=len(scheduled.scheduled),
-                num_preempted=len(scheduled.preempted_request_ids),
-                step_time=step_time,
-                kv_usage=self.kv_cache_manager.usage,
-                num_waiting=self.scheduler.num_waiting,
-                num_running=self.scheduler.num_running,
-            )
+        work = step_work(self.model_shape, scheduled.scheduled)
+        roofline = place_step(work, step_time, self.peaks)
+        stats = StepStats(
+            num_prefill_tokens=scheduled.num_prefill_tokens,
+            num_decode_tokens=scheduled.num_decode_tokens,
+            num_seqs=len(scheduled.scheduled),
+            num_preempted=len(scheduled.preempted_request_ids),
+            step_time=step_time,
+            kv_usage=self.kv_cache_manager.usage,
+            num_waiting=self.scheduler.num_waiting,
+            num_running=self.scheduler.num_running,
+            flops=roofline.flops,
+            bytes=roofline.bytes,
+            mfu=roofline.mfu,
+            mbu=roofline.mbu,
+            bound=roofline.bound,
         )
+        self.step_stats.append(stats)
+        if self.step_log is not None:
+            record = {"step": self.num_steps, "time": time.time(), **dataclasses.asdict(stats)}
+            self.step_log.write(json.dumps(record) + "\n")

@@ -72,11 +72,15 @@ class LLM:
         num_kv_blocks: int | None = None,
         kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
         device: str | None = None,
+        step_log: str | Path | None = None,
+        peak_tflops: float | None = None,
+        peak_bandwidth_gbps: float | None = None,
         **vllm_kwargs: Any,
     ) -> None:
         """vLLM's arguments with vLLM's defaults, except: `batching_policy` (tandem's
         decode-first / prefill-first), `kv_cache_memory` / `num_kv_blocks` (the KV cache size;
-        `kv_cache_memory_bytes` is vLLM's name for the first), `device`; and
+        `kv_cache_memory_bytes` is vLLM's name for the first), `device`, the step telemetry's
+        `step_log` (a JSON line per step) and `peak_tflops` / `peak_bandwidth_gbps`; and
         gpu_memory_utilization, swap_space, enforce_eager default to None ("not given")."""
         check_vllm_only_args(vllm_kwargs)
         self.config = EngineConfig.create(
@@ -110,6 +114,9 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization,
             swap_space=swap_space,
             enforce_eager=enforce_eager,
+            step_log=step_log,
+            peak_tflops=peak_tflops,
+            peak_bandwidth_gbps=peak_bandwidth_gbps,
         )  # fmt: skip
         self.chat_template = chat_template
         self.tokenizer = (

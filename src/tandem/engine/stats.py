@@ -22,6 +22,20 @@ class StepStats:
     kv_usage: float  # fraction of KV blocks in use after the step
     num_waiting: int
     num_running: int
+    # Roofline (core/roofline.py): the step's counted work, where it sits against the
+    # machine's peaks, and the bound its arithmetic intensity puts it under.
+    flops: float = 0.0
+    bytes: float = 0.0
+    mfu: float = 0.0
+    mbu: float = 0.0
+    bound: str = ""  # "compute" or "memory"
+
+    @property
+    def phase(self) -> str:
+        """ "prefill", "decode" or "mixed": which kinds of tokens the step computed."""
+        if self.num_prefill_tokens and self.num_decode_tokens:
+            return "mixed"
+        return "prefill" if self.num_prefill_tokens else "decode"
 
 
 @dataclass

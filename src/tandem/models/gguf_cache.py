@@ -10,7 +10,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -18,18 +17,11 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from tandem.cache import cache_root
+
 logger = logging.getLogger(__name__)
 
 FORMAT = 1
-
-
-def cache_root() -> Path:
-    """$TANDEM_CACHE_DIR, else $XDG_CACHE_HOME/tandem, else ~/.cache/tandem."""
-    explicit = os.environ.get("TANDEM_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "tandem"
 
 
 def entry_dir(gguf_path: Path, kind: str) -> Path:

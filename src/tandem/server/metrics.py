@@ -49,6 +49,11 @@ REQUEST_TOKEN_BUCKETS = (
 # that had none of that kind (e.g. pure-decode steps for prefill tokens).
 STEP_TOKEN_BUCKETS = (0, *(2**i for i in range(15)))  # 0, 1, 2, 4, ..., 16384
 STEP_SEQ_BUCKETS = (0, *(2**i for i in range(11)))  # 0, 1, 2, 4, ..., 1024
+# A fraction of a peak: log-spaced below 10% (decode on a CPU sits there), linear above.
+UTILIZATION_BUCKETS = (
+    0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0,
+)  # fmt: skip
+STEP_PHASES = ("prefill", "decode", "mixed")
 # Sampling to SSE write: the serving path's own cost, fine below 10 ms (the goal is p99 < 5 ms).
 DELIVERY_BUCKETS = (
     0.00025, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02,
@@ -202,6 +207,14 @@ class PrometheusStatLogger:
             "Engine step time (schedule to update) in seconds.",
             STEP_TIME_BUCKETS,
         )
+        # Roofline, by phase mix: achieved over the machine's peaks (logged at start).
+        self.step_mfu = self._phase_histogram(
+            "step_mfu", "Model FLOPs utilization of each engine step (achieved / peak FLOP/s)."
+        )
+        self.step_mbu = self._phase_histogram(
+            "step_mbu",
+            "Memory bandwidth utilization of each engine step (achieved / peak bytes/s).",
+        )
 
         self.token_delivery = self._histogram(
             "token_delivery_seconds",
@@ -235,6 +248,8 @@ class PrometheusStatLogger:
             self.step_decode_tokens.observe(step.num_decode_tokens)
             self.step_seqs.observe(step.num_seqs)
             self.step_time.observe(step.step_time)
+            self.step_mfu[step.phase].observe(step.mfu)
+            self.step_mbu[step.phase].observe(step.mbu)
 
     def record_finished(self, finished: FinishedRequestStats) -> None:
         """Count the sequence and observe every interval it lived through (None: not reached)."""
@@ -284,6 +299,16 @@ class PrometheusStatLogger:
     def _counter(self, name: str, documentation: str) -> Counter:
         metric = Counter(PREFIX + name, documentation, ["model_name"], registry=self.registry)
         return metric.labels(self.model_name)
+
+    def _phase_histogram(self, name: str, documentation: str) -> dict[str, Histogram]:
+        metric = Histogram(
+            PREFIX + name,
+            documentation,
+            ["model_name", "phase"],
+            registry=self.registry,
+            buckets=UTILIZATION_BUCKETS,
+        )
+        return {phase: metric.labels(self.model_name, phase) for phase in STEP_PHASES}
 
     def _histogram(self, name: str, documentation: str, buckets: Sequence[float]) -> Histogram:
         metric = Histogram(

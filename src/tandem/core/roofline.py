@@ -1,0 +1,166 @@
+"""What a step asks of the machine, counted from the model's shape and the scheduled batch:
+floating-point operations and bytes moved. A step's arithmetic intensity (FLOPs per byte)
+against the machine's ridge point (peak FLOP/s over peak bytes/s) says which bound it is under:
+decode steps re-read every weight for a few tokens (memory), long prefill chunks reuse each
+weight for many (compute). Plain arithmetic, no torch: the scheduler may use it.
+
+Counted (a matmul of m x k by k x n is 2mkn FLOPs):
+- per new token, every projection (q, k, v, o, gate, up, down), in every layer;
+- attention: scores and the weighted sum over the token's context (positions before it and
+  itself), 4 * heads * head_dim FLOPs per context position per layer;
+- the LM head only at sampled rows.
+Bytes: every layer weight and the LM head once per step (the embedding only at the rows
+looked up), each request's KV over its context (keys and values, each layer), the new tokens'
+KV written, and per new token the activations a layer reads and writes between its matmuls.
+Norms, RoPE, softmax and biases are left out: well under 1% of either count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from tandem.config import ModelConfig
+
+# Tensors a layer reads or writes between its matmuls, per new token, in units of the hidden
+# size (input, normed input, q/k/v, attention output, o output, residual, normed, MLP output)
+# and of the intermediate size (gate, up, their product).
+_HIDDEN_ACTIVATIONS_PER_LAYER = 8
+_INTERMEDIATE_ACTIVATIONS_PER_LAYER = 3
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes the counts need, and how many bytes each kind of number takes."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    weight_bytes: float  # per weight: 4 fp32, 2 bf16, 0.5625 for Q4_1 packed
+    kv_bytes: int  # per cached key or value element
+    activation_bytes: int  # per activation element
+
+    @classmethod
+    def of(
+        cls, config: ModelConfig, weight_bytes: float, kv_bytes: int, activation_bytes: int
+    ) -> ModelShape:
+        return cls(
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            vocab_size=config.vocab_size,
+            weight_bytes=weight_bytes,
+            kv_bytes=kv_bytes,
+            activation_bytes=activation_bytes,
+        )
+
+    @property
+    def layer_weights(self) -> int:
+        """Weights of one decoder layer's projections."""
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attention = self.hidden_size * (2 * q_size + 2 * kv_size)  # q and o, k and v
+        return attention + 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def lm_head_weights(self) -> int:
+        return self.hidden_size * self.vocab_size
+
+
+@dataclass(frozen=True)
+class StepWork:
+    flops: float
+    bytes: float
+
+    @property
+    def intensity(self) -> float:
+        """FLOPs per byte moved."""
+        return self.flops / self.bytes if self.bytes else 0.0
+
+
+class ScheduledWork(Protocol):
+    """One request's part of a step (the scheduler's ScheduledRequest is one): tokens it had,
+    tokens it adds, whether it samples."""
+
+    num_computed_tokens: int
+    num_new_tokens: int
+    sample: bool
+
+
+def step_work(shape: ModelShape, batch: Iterable[ScheduledWork]) -> StepWork:
+    """The FLOPs and bytes of one forward over `batch` (see the module's docstring)."""
+    num_new = num_sampled = 0
+    attended = 0  # sum over new tokens of the positions each attends to
+    context_read = 0  # sum over requests of the positions whose KV the step reads
+    for work in batch:
+        before, new = work.num_computed_tokens, work.num_new_tokens
+        num_new += new
+        num_sampled += work.sample
+        attended += new * before + new * (new + 1) // 2
+        context_read += before + new
+    layers = shape.num_layers
+    kv_per_position = 2 * shape.num_kv_heads * shape.head_dim  # a key and a value
+    flops = (
+        2 * num_new * shape.layer_weights * layers
+        + 4 * shape.num_heads * shape.head_dim * attended * layers
+        + 2 * num_sampled * shape.lm_head_weights
+    )
+    activations_per_token = (
+        _HIDDEN_ACTIVATIONS_PER_LAYER * shape.hidden_size
+        + _INTERMEDIATE_ACTIVATIONS_PER_LAYER * shape.intermediate_size
+    ) * layers
+    num_bytes = (
+        shape.weight_bytes * (shape.layer_weights * layers + shape.lm_head_weights)
+        + shape.weight_bytes * num_new * shape.hidden_size  # embedding rows
+        + shape.kv_bytes * kv_per_position * layers * (context_read + num_new)  # read, write
+        + shape.activation_bytes * num_new * activations_per_token
+        + shape.activation_bytes * num_sampled * shape.vocab_size  # logits
+    )
+    return StepWork(float(flops), float(num_bytes))
+
+
+@dataclass(frozen=True)
+class MachinePeaks:
+    """What the machine can do at best: FLOP/s at the dtype the model runs in, and bytes/s."""
+
+    name: str
+    flops_per_second: float
+    bytes_per_second: float
+
+    @property
+    def ridge_point(self) -> float:
+        """The intensity above which a step is compute-bound."""
+        return self.flops_per_second / self.bytes_per_second
+
+
+@dataclass(frozen=True)
+class StepRoofline:
+    flops: float
+    bytes: float
+    flops_per_second: float  # achieved
+    bytes_per_second: float  # achieved
+    mfu: float  # achieved FLOP/s over the peak
+    mbu: float  # achieved bytes/s over the peak
+    bound: str  # "compute" or "memory"
+
+
+def place_step(work: StepWork, step_time: float, peaks: MachinePeaks) -> StepRoofline:
+    """Where a step that took `step_time` seconds sits against the machine's roofline."""
+    flop_rate = work.flops / step_time if step_time > 0 else 0.0
+    byte_rate = work.bytes / step_time if step_time > 0 else 0.0
+    return StepRoofline(
+        flops=work.flops,
+        bytes=work.bytes,
+        flops_per_second=flop_rate,
+        bytes_per_second=byte_rate,
+        mfu=flop_rate / peaks.flops_per_second,
+        mbu=byte_rate / peaks.bytes_per_second,
+        bound="compute" if work.intensity >= peaks.ridge_point else "memory",
+    )

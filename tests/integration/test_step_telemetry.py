@@ -1,0 +1,68 @@
+"""Every engine step's telemetry reaches StepStats and the JSONL step log, with the counted work
+of what the step computed and an MFU/MBU against the machine's peaks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tandem import LLM, SamplingParams
+from tandem.bench.step_plots import load_steps, machine_ceilings, step_phase
+from tandem.cli import main
+from tandem.core.roofline import ModelShape, step_work
+
+
+def test_step_log_has_every_step_with_its_roofline(tiny_llama, tmp_path):
+    folder, _ = tiny_llama
+    log = tmp_path / "steps.jsonl"
+    llm = LLM(folder, skip_tokenizer_init=True, step_log=log, peak_tflops=1.0,
+              peak_bandwidth_gbps=10.0)  # fmt: skip
+    prompt = {"prompt_token_ids": list(range(1, 21))}
+    llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    core = llm.llm_engine.core
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, core.num_steps + 1))
+    stats = list(core.step_stats)
+    assert len(stats) == len(records)
+    first = records[0]  # the whole prompt, and its first token sampled
+    assert first["num_prefill_tokens"] == 20 and first["num_decode_tokens"] == 0
+    shape = core.model_shape
+    assert isinstance(shape, ModelShape)
+
+    class Chunk:
+        num_computed_tokens, num_new_tokens, sample = 0, 20, True
+
+    expected = step_work(shape, [Chunk()])
+    assert first["flops"] == pytest.approx(expected.flops)
+    assert first["bytes"] == pytest.approx(expected.bytes)
+    for record in records:
+        assert record["bound"] in ("compute", "memory")
+        assert record["mfu"] == pytest.approx(record["flops"] / record["step_time"] / 1e12)
+        assert record["mbu"] == pytest.approx(record["bytes"] / record["step_time"] / 10e9)
+    assert len(records) == 4  # the prompt, then 3 decodes of one token
+    assert all(r["num_decode_tokens"] == 1 and r["bound"] == "memory" for r in records[1:])
+
+
+def test_plot_steps_draws_the_roofline_and_the_timeline(tiny_llama, tmp_path, capsys):
+    folder, _ = tiny_llama
+    log = tmp_path / "steps.jsonl"
+    llm = LLM(folder, skip_tokenizer_init=True, step_log=log, max_num_batched_tokens=16,
+              max_num_seqs=4)  # fmt: skip
+    prompts = [{"prompt_token_ids": list(range(1, 41))}, {"prompt_token_ids": [3, 4, 5]}]
+    llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+    steps = load_steps(log)
+    assert {"prefill", "decode"} <= {step_phase(s) for s in steps}
+    peak_flops, peak_bytes = machine_ceilings(steps)
+    assert peak_flops == pytest.approx(llm.llm_engine.core.peaks.flops_per_second)
+    assert peak_bytes == pytest.approx(llm.llm_engine.core.peaks.bytes_per_second)
+    main(["plot", "steps", str(log), "--out", str(tmp_path / "plots")])
+    printed = capsys.readouterr().out.split()
+    assert [Path(p).name for p in printed] == ["roofline.png", "steps_timeline.png"]
+    for path in printed:
+        assert Path(path).stat().st_size > 10_000  # a drawn figure, not an empty canvas
+    empty = tmp_path / "empty.jsonl"
+    empty.touch()
+    with pytest.raises(ValueError, match="no steps"):
+        load_steps(empty)
