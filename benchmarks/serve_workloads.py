@@ -97,11 +97,12 @@ def policy_flag() -> str:
     return "--batching-policy" if "--batching-policy" in text else "--scheduling-policy"
 
 
-def engines(names: list[str], out: Path) -> dict[str, list[str]]:
+def engines(names: list[str], out: Path, dtype: str) -> dict[str, list[str]]:
+    """Launch commands; tandem and vLLM at `dtype`, HF in float32 (as people run it on CPU)."""
     commands = {}
     for name in names:
         if name == "tandem":
-            commands[name] = tandem_serve_command(["--kv-cache-memory", KV_CACHE])
+            commands[name] = tandem_serve_command(["--kv-cache-memory", KV_CACHE, "--dtype", dtype])
         elif name == "hf":
             commands[name] = [sys.executable, str(PEERS / "hf_server.py"), "--port", "{port}"]
         elif name == "vllm":
@@ -113,7 +114,9 @@ def engines(names: list[str], out: Path) -> dict[str, list[str]]:
                     [sys.executable, str(PEERS / "export_hf_folder.py"), "--out", str(HF_FOLDER)],
                     check=True,
                 )
-            commands[name] = ["bash", str(PEERS / "serve_vllm.sh"), "{port}", str(HF_FOLDER)]
+            commands[name] = [
+                "bash", str(PEERS / "serve_vllm.sh"), "{port}", str(HF_FOLDER), "--dtype", dtype
+            ]  # fmt: skip
         else:
             raise SystemExit(f"unknown engine {name!r}: tandem, hf or vllm")
     return commands
@@ -145,10 +148,10 @@ def bench(
     return run
 
 
-def compare(names: list[str], sizes: dict, out: Path) -> list[str]:
+def compare(names: list[str], sizes: dict, out: Path, dtype: str) -> list[str]:
     by_workload: dict[str, list[dict]] = {name: [] for name in sizes}
     ready: list[str] = []
-    for engine, command in engines(names, out).items():
+    for engine, command in engines(names, out, dtype).items():
         print(f"{engine}:", flush=True)
         server = serve(command, out / f"{engine}.log")
         ready.append(f"{engine} {server.ready_seconds:.0f} s")
@@ -355,6 +358,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
     parser.add_argument("--skip-compare", action="store_true")
     parser.add_argument("--skip-experiments", action="store_true")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="for tandem and vLLM (bfloat16 pays with AMX)")  # fmt: skip
     args = parser.parse_args()
     out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -368,10 +373,12 @@ def main() -> None:
         "",
         f"Command: `{' '.join([Path(sys.executable).name, *sys.argv])}`",
         "",
+        f"tandem and vLLM run in {args.dtype}, HF transformers in float32.",
+        "",
     ]
     if not args.skip_compare:
         sizes = QUICK if args.quick else SIZES
-        lines += compare(args.engines.split(","), sizes, out)
+        lines += compare(args.engines.split(","), sizes, out, args.dtype)
     if not args.skip_experiments:
         lines += experiments(args.quick, out)
     lines.append(f"Total time: {(time.monotonic() - start) / 60:.1f} min")
