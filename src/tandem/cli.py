@@ -79,6 +79,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help='JSON, e.g. \'{"temperature": 0.5}\'')  # fmt: skip
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="no periodic stats log line")  # fmt: skip
+    parser.add_argument("--target-itl-ms", type=float, default=None,
+                        help="fit each step's prefill to this step time (ms)")  # fmt: skip
     parser.add_argument("--step-log", default=None,
                         help="append a JSON line per engine step (work, MFU, MBU)")  # fmt: skip
     parser.add_argument("--peak-tflops", type=float, default=None,
@@ -131,6 +133,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         step_log=args.step_log,
         peak_tflops=args.peak_tflops,
         peak_bandwidth_gbps=args.peak_bandwidth_gbps,
+        target_itl_ms=args.target_itl_ms,
     )
 
 

@@ -66,3 +66,20 @@ def test_plot_steps_draws_the_roofline_and_the_timeline(tiny_llama, tmp_path, ca
     empty.touch()
     with pytest.raises(ValueError, match="no steps"):
         load_steps(empty)
+
+
+def test_itl_target_changes_steps_not_outputs(tiny_llama, tmp_path):
+    """The same greedy tokens with and without --target-itl-ms; with it, long prompts go in
+    smaller chunks next to the decodes, and every step carries the cost model's forecast."""
+    folder, _ = tiny_llama
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 200 + 1 for j in range(n)]}
+               for i, n in enumerate((12, 150, 240, 200, 9, 230))]  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(folder, skip_tokenizer_init=True, max_num_batched_tokens=512)
+    targeted = LLM(folder, skip_tokenizer_init=True, max_num_batched_tokens=512, target_itl_ms=2.0)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in targeted.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    steps = list(targeted.llm_engine.core.step_stats)
+    assert all(s.predicted_step_time > 0 for s in steps)
+    assert len(steps) > len(plain.llm_engine.core.step_stats)  # smaller chunks: more steps

@@ -191,6 +191,15 @@ def test_step_utilization_by_phase(logger):
     assert value(logger, "tandem:step_mbu_sum", phase="mixed") == pytest.approx(0.3)
 
 
+def test_step_time_prediction_error(logger):
+    steps = [step(0, 4, 0.010), step(0, 4, 0.020), step(0, 4, 0.010)]
+    steps[0].predicted_step_time, steps[1].predicted_step_time = 0.012, 0.015
+    logger.record_steps(scheduler_stats(), steps)  # the third has no forecast
+    name = "tandem:step_time_prediction_error"
+    assert value(logger, name + "_count") == 2
+    assert value(logger, name + "_sum") == pytest.approx(0.2 + 0.25)
+
+
 def test_a_state_only_report_observes_no_step(logger):
     logger.record_steps(scheduler_stats(num_running=2), [])
     assert value(logger, "tandem:step_time_seconds_count") == 0

@@ -94,22 +94,59 @@ class ScheduledWork(Protocol):
     sample: bool
 
 
+@dataclass(frozen=True)
+class BatchSums:
+    """What a step's counts depend on, summed over its requests (so a plan can add and remove
+    requests one at a time): new tokens, the positions those tokens attend to, the positions
+    whose KV is read, and the rows sampled."""
+
+    num_new_tokens: int = 0
+    num_attended: int = 0
+    num_context: int = 0
+    num_sampled: int = 0
+
+    def __add__(self, other: BatchSums) -> BatchSums:
+        return BatchSums(
+            self.num_new_tokens + other.num_new_tokens,
+            self.num_attended + other.num_attended,
+            self.num_context + other.num_context,
+            self.num_sampled + other.num_sampled,
+        )
+
+    def __sub__(self, other: BatchSums) -> BatchSums:
+        return BatchSums(
+            self.num_new_tokens - other.num_new_tokens,
+            self.num_attended - other.num_attended,
+            self.num_context - other.num_context,
+            self.num_sampled - other.num_sampled,
+        )
+
+
+def request_sums(num_computed_tokens: int, num_new_tokens: int, sample: bool) -> BatchSums:
+    """One request's part: a token at position p attends to p + 1 positions."""
+    before, new = num_computed_tokens, num_new_tokens
+    return BatchSums(new, new * before + new * (new + 1) // 2, before + new, int(sample))
+
+
+def batch_sums(batch: Iterable[ScheduledWork]) -> BatchSums:
+    total = BatchSums()
+    for work in batch:
+        total += request_sums(work.num_computed_tokens, work.num_new_tokens, work.sample)
+    return total
+
+
 def step_work(shape: ModelShape, batch: Iterable[ScheduledWork]) -> StepWork:
     """The FLOPs and bytes of one forward over `batch` (see the module's docstring)."""
-    num_new = num_sampled = 0
-    attended = 0  # sum over new tokens of the positions each attends to
-    context_read = 0  # sum over requests of the positions whose KV the step reads
-    for work in batch:
-        before, new = work.num_computed_tokens, work.num_new_tokens
-        num_new += new
-        num_sampled += work.sample
-        attended += new * before + new * (new + 1) // 2
-        context_read += before + new
+    return sums_work(shape, batch_sums(batch))
+
+
+def sums_work(shape: ModelShape, sums: BatchSums) -> StepWork:
     layers = shape.num_layers
     kv_per_position = 2 * shape.num_kv_heads * shape.head_dim  # a key and a value
+    num_new, num_sampled = sums.num_new_tokens, sums.num_sampled
     flops = (
         2 * num_new * shape.layer_weights * layers
-        + 4 * shape.num_heads * shape.head_dim * attended * layers
+        + 4 * shape.num_heads * shape.head_dim * sums.num_attended * layers
         + 2 * num_sampled * shape.lm_head_weights
     )
     activations_per_token = (
@@ -119,7 +156,7 @@ def step_work(shape: ModelShape, batch: Iterable[ScheduledWork]) -> StepWork:
     num_bytes = (
         shape.weight_bytes * (shape.layer_weights * layers + shape.lm_head_weights)
         + shape.weight_bytes * num_new * shape.hidden_size  # embedding rows
-        + shape.kv_bytes * kv_per_position * layers * (context_read + num_new)  # read, write
+        + shape.kv_bytes * kv_per_position * layers * (sums.num_context + num_new)  # read, write
         + shape.activation_bytes * num_new * activations_per_token
         + shape.activation_bytes * num_sampled * shape.vocab_size  # logits
     )

@@ -22,10 +22,12 @@ import itertools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tandem.core.block_pool import KVCacheBlock
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.request_queue import SCHEDULING_POLICIES, SchedulingPolicy, make_request_queue
+from tandem.core.roofline import BatchSums, request_sums
 from tandem.core.scheduler_config import BATCHING_POLICIES, BatchingPolicy, SchedulerConfig
 from tandem.request import Request, RequestStatus
 
@@ -65,18 +67,37 @@ class SchedulerOutput:
     finished_request_ids: list[str]  # finished or aborted since the previous schedule()
 
 
+class StepCostPredictor(Protocol):
+    """Seconds a step of these sums will take (core/step_cost.py fits one online)."""
+
+    def predict(self, sums: BatchSums) -> float: ...
+
+
+# With an ITL target, a step whose decodes alone reach it still takes this many prompt tokens,
+# so that prompts always progress (no starvation under heavy decode load).
+MIN_PREFILL_TOKENS = 16
+
+
 @dataclass
 class _StepPlan:
-    """The step being built: request id -> (request, new tokens), in scheduling order."""
+    """The step being built: request id -> (request, new tokens), in scheduling order, and the
+    sums its cost is predicted from."""
 
     token_budget: int
     entries: dict[str, tuple[Request, int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
     admitted: set[str] = field(default_factory=set)
+    sums: BatchSums = field(default_factory=BatchSums)
+    entry_sums: dict[str, BatchSums] = field(default_factory=dict)
+    has_prefill: bool = False  # a prompt chunk was sized against the ITL target
 
     def add(self, request: Request, num_new_tokens: int) -> None:
         self.entries[request.request_id] = (request, num_new_tokens)
         self.token_budget -= num_new_tokens
+        before = request.num_computed_tokens
+        sums = request_sums(before, num_new_tokens, before + num_new_tokens == request.num_tokens)
+        self.entry_sums[request.request_id] = sums
+        self.sums += sums
 
     def num_new_tokens(self, request: Request) -> int:
         entry = self.entries.get(request.request_id)
@@ -86,6 +107,7 @@ class _StepPlan:
         entry = self.entries.pop(request.request_id, None)
         if entry is not None:
             self.token_budget += entry[1]
+            self.sums -= self.entry_sums.pop(request.request_id)
 
 
 class Scheduler:
@@ -94,8 +116,12 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
         clock: Callable[[], float] = time.monotonic,
+        cost_model: StepCostPredictor | None = None,
     ) -> None:
+        if config.target_step_time is not None and cost_model is None:
+            raise ValueError("an ITL target needs a step-cost model to size prefill chunks")
         self.config = config
+        self.cost_model = cost_model
         self.kv_cache_manager = kv_cache_manager
         self.clock = clock
         # A request may not outgrow the whole cache either: alone, it always fits.
@@ -212,7 +238,7 @@ class Scheduler:
         # 1. every decoding request its token, 2. in-flight prompts their chunks;
         limit = self.config.long_prefill_token_limit
         self._schedule_running_requests(plan, lambda r: r.is_prefill_done, limit)
-        self._schedule_running_requests(plan, lambda r: not r.is_prefill_done, limit)
+        self._schedule_running_requests(plan, lambda r: not r.is_prefill_done, limit, True)
         if plan.preempted:
             return  # blocks are short: admitting more would only preempt again
         # 3. new (and preempted) requests, in queue order.
@@ -228,9 +254,14 @@ class Scheduler:
             request = self.waiting.peek()
             computed_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_remaining = request.num_tokens - num_cached_tokens
-            num_new_tokens = min(
-                num_remaining, plan.token_budget, self.config.long_prefill_token_limit
+            num_new_tokens = self._within_target(
+                plan,
+                num_cached_tokens,
+                num_remaining,
+                min(num_remaining, plan.token_budget, self.config.long_prefill_token_limit),
             )
+            if num_new_tokens == 0:
+                break  # the step is as long as the ITL target allows
             if num_new_tokens < num_remaining and not self.config.enable_chunked_prefill:
                 break  # a whole prompt or nothing: it waits for a step with room (as vLLM)
             stays_partial = num_cached_tokens + num_new_tokens < request.num_prompt_tokens
@@ -270,9 +301,14 @@ class Scheduler:
     # -- mechanics ------------------------------------------------------------------------------
 
     def _schedule_running_requests(
-        self, plan: _StepPlan, wanted: Callable[[Request], bool], max_tokens_each: int
+        self,
+        plan: _StepPlan,
+        wanted: Callable[[Request], bool],
+        max_tokens_each: int,
+        prompt_chunks: bool = False,
     ) -> None:
-        """Schedule the `wanted` running requests, oldest first, while the budget lasts."""
+        """Schedule the `wanted` running requests, oldest first, while the budget lasts;
+        `prompt_chunks`: they are prompts, sized against the ITL target if there is one."""
         for request in list(self.running):
             if plan.token_budget == 0:
                 return
@@ -280,7 +316,48 @@ class Scheduler:
                 num_new_tokens = min(
                     request.num_uncomputed_tokens, plan.token_budget, max_tokens_each
                 )
+                if prompt_chunks:
+                    num_new_tokens = self._within_target(
+                        plan,
+                        request.num_computed_tokens,
+                        request.num_uncomputed_tokens,
+                        num_new_tokens,
+                    )
+                    if num_new_tokens == 0:
+                        return
                 self._schedule_running(request, num_new_tokens, plan)
+
+    def _within_target(
+        self, plan: _StepPlan, num_computed: int, num_remaining: int, num_tokens: int
+    ) -> int:
+        """The most of `num_tokens` prompt tokens (of `num_remaining` left, `num_computed`
+        before them) the step can take with its predicted time within the ITL target; all
+        of them without a target. The prediction grows with the chunk, so a bisection finds
+        it. The step's first chunk gets at least MIN_PREFILL_TOKENS, target or not."""
+        target = self.config.target_step_time
+        if target is None or num_tokens == 0:
+            return num_tokens
+        assert self.cost_model is not None
+
+        def fits(num_new: int) -> bool:
+            sums = request_sums(num_computed, num_new, num_new == num_remaining)
+            return self.cost_model.predict(plan.sums + sums) <= target
+
+        if fits(num_tokens):
+            chosen = num_tokens
+        else:
+            low, high = 0, num_tokens  # fits(low) or low == 0; never fits(high)
+            while high - low > 1:
+                middle = (low + high) // 2
+                if fits(middle):
+                    low = middle
+                else:
+                    high = middle
+            chosen = low
+            if chosen == 0 and not plan.has_prefill:
+                chosen = min(num_tokens, MIN_PREFILL_TOKENS)
+        plan.has_prefill = plan.has_prefill or chosen > 0
+        return chosen
 
     def _schedule_running(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> None:
         """Give a running request blocks for its tokens, preempting running requests from the

@@ -35,6 +35,9 @@ class SchedulerConfig:
     # False: a prompt is never cut into chunks; it waits until the step has room for all of it
     # (vLLM's semantics), so max_num_batched_tokens must be >= max_model_len.
     enable_chunked_prefill: bool = True
+    # ITL target (decode-first): each step's prefill is sized so the step's predicted time
+    # stays within this many seconds (the decodes always run). None: the fixed token budget.
+    target_step_time: float | None = None
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_FIELDS:
@@ -50,6 +53,16 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}), or running requests could not all decode in one step"
             )
+        if self.target_step_time is not None:
+            if not 0 < self.target_step_time < float("inf"):
+                raise ValueError(
+                    f"the ITL target must be a positive time, got {self.target_step_time} s"
+                )
+            if self.batching_policy != "decode-first" or not self.enable_chunked_prefill:
+                raise ValueError(
+                    "an ITL target sizes prefill chunks around decodes: it needs "
+                    "batching_policy='decode-first' and enable_chunked_prefill=True"
+                )
         if self.batching_policy not in BATCHING_POLICIES:
             raise ValueError(
                 f"batching_policy must be one of {', '.join(BATCHING_POLICIES)}, "

@@ -94,6 +94,7 @@ class EngineConfig:
         step_log: str | Path | None = None,
         peak_tflops: float | None = None,
         peak_bandwidth_gbps: float | None = None,
+        target_itl_ms: float | None = None,
     ) -> EngineConfig:
         """Validate every knob before anything heavy loads; raises ValueError/FileNotFoundError
         naming what to change. None for gpu_memory_utilization, swap_space and enforce_eager
@@ -104,7 +105,8 @@ class EngineConfig:
                 "architectures it supports need none, so leave trust_remote_code=False"
             )
         for name, peak in (("peak_tflops", peak_tflops),
-                           ("peak_bandwidth_gbps", peak_bandwidth_gbps)):  # fmt: skip
+                           ("peak_bandwidth_gbps", peak_bandwidth_gbps),
+                           ("target_itl_ms", target_itl_ms)):  # fmt: skip
             if peak is not None and (isinstance(peak, bool) or not isinstance(peak, int | float)
                                      or not 0 < peak < float("inf")):  # fmt: skip
                 raise ValueError(f"{name} must be a positive number, got {peak!r}")
@@ -159,6 +161,7 @@ class EngineConfig:
             batching_policy=batching_policy,
             scheduling_policy=scheduling_policy,
             enable_chunked_prefill=enable_chunked_prefill,
+            target_step_time=None if target_itl_ms is None else target_itl_ms / 1000,
         )
         return cls(
             model_path=model_path,

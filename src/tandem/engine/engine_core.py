@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from tandem.core.kv_cache_manager import KVCacheManager
-from tandem.core.roofline import ModelShape, place_step, step_work
+from tandem.core.roofline import ModelShape, batch_sums, place_step, sums_work
 from tandem.core.scheduler import Scheduler, SchedulerOutput
+from tandem.core.step_cost import StepCostModel
 from tandem.engine.machine_peaks import machine_peaks
 from tandem.engine.stats import SchedulerStats, StepStats
 from tandem.outputs import Logprob
@@ -76,7 +77,11 @@ class EngineCore:
             config.enable_prefix_caching,
             config.prefix_caching_hash_algo,
         )
-        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
+        self._init_telemetry(config)
+        self.cost_model = StepCostModel(self.model_shape, self.peaks)
+        self.scheduler = Scheduler(
+            scheduler_config, self.kv_cache_manager, cost_model=self.cost_model
+        )
         self.generators: dict[str, torch.Generator] = {}
         # Requests still owed prompt logprobs -> prompt positions whose logits have been scored
         # and sent (the logits at position p give the logprob of prompt token p + 1). A request
@@ -87,6 +92,20 @@ class EngineCore:
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_requests_received = 0
+        max_tokens = self.kv_cache_manager.max_num_tokens
+        logger.info(
+            "KV cache: %d blocks of %d tokens = %d tokens; max concurrency at max_model_len=%d: "
+            "%.2fx",
+            self.runner.num_kv_blocks,
+            runner_config.block_size,
+            max_tokens,
+            scheduler_config.max_model_len,
+            max_tokens / scheduler_config.max_model_len,
+        )
+
+    def _init_telemetry(self, config: EngineConfig) -> None:
+        """The model's shape and the machine's peaks for each step's roofline, and the step
+        log."""
         element_bytes = torch.empty((), dtype=self.runner.dtype).element_size()
         self.model_shape = ModelShape.of(
             self.runner.model_config, element_bytes, element_bytes, element_bytes
@@ -105,16 +124,6 @@ class EngineCore:
         # Open for the engine's life, a line at a time, so a reader sees every finished step.
         self.step_log = (
             None if config.step_log is None else open(config.step_log, "a", buffering=1)  # noqa: SIM115
-        )
-        max_tokens = self.kv_cache_manager.max_num_tokens
-        logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens; max concurrency at max_model_len=%d: "
-            "%.2fx",
-            self.runner.num_kv_blocks,
-            runner_config.block_size,
-            max_tokens,
-            scheduler_config.max_model_len,
-            max_tokens / scheduler_config.max_model_len,
         )
 
     def add_request(self, request: Request) -> None:
@@ -319,8 +328,10 @@ class EngineCore:
     def _record_stats(self, scheduled: SchedulerOutput, step_time: float) -> None:
         self.num_steps += 1
         self.num_preemptions += len(scheduled.preempted_request_ids)
-        work = step_work(self.model_shape, scheduled.scheduled)
-        roofline = place_step(work, step_time, self.peaks)
+        sums = batch_sums(scheduled.scheduled)
+        roofline = place_step(sums_work(self.model_shape, sums), step_time, self.peaks)
+        predicted = self.cost_model.predict(sums)
+        self.cost_model.observe(sums, step_time)
         stats = StepStats(
             num_prefill_tokens=scheduled.num_prefill_tokens,
             num_decode_tokens=scheduled.num_decode_tokens,
@@ -335,6 +346,7 @@ class EngineCore:
             mfu=roofline.mfu,
             mbu=roofline.mbu,
             bound=roofline.bound,
+            predicted_step_time=predicted,
         )
         self.step_stats.append(stats)
         if self.step_log is not None:

@@ -75,12 +75,14 @@ class LLM:
         step_log: str | Path | None = None,
         peak_tflops: float | None = None,
         peak_bandwidth_gbps: float | None = None,
+        target_itl_ms: float | None = None,
         **vllm_kwargs: Any,
     ) -> None:
         """vLLM's arguments with vLLM's defaults, except: `batching_policy` (tandem's
         decode-first / prefill-first), `kv_cache_memory` / `num_kv_blocks` (the KV cache size;
         `kv_cache_memory_bytes` is vLLM's name for the first), `device`, the step telemetry's
-        `step_log` (a JSON line per step) and `peak_tflops` / `peak_bandwidth_gbps`; and
+        `step_log` (a JSON line per step), `peak_tflops` / `peak_bandwidth_gbps`, and
+        `target_itl_ms` (decode-first sized to a step-time target); and
         gpu_memory_utilization, swap_space, enforce_eager default to None ("not given")."""
         check_vllm_only_args(vllm_kwargs)
         self.config = EngineConfig.create(
@@ -117,6 +119,7 @@ class LLM:
             step_log=step_log,
             peak_tflops=peak_tflops,
             peak_bandwidth_gbps=peak_bandwidth_gbps,
+            target_itl_ms=target_itl_ms,
         )  # fmt: skip
         self.chat_template = chat_template
         self.tokenizer = (

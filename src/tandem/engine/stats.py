@@ -29,6 +29,7 @@ class StepStats:
     mfu: float = 0.0
     mbu: float = 0.0
     bound: str = ""  # "compute" or "memory"
+    predicted_step_time: float = 0.0  # the step-cost model's forecast, before it saw this step
 
     @property
     def phase(self) -> str:

@@ -216,6 +216,13 @@ class PrometheusStatLogger:
             "Memory bandwidth utilization of each engine step (achieved / peak bytes/s).",
         )
 
+        self.step_time_prediction_error = self._histogram(
+            "step_time_prediction_error",
+            "Relative error of the step-cost model's forecast of each step's time, "
+            "|predicted - measured| / measured (the ITL target relies on it).",
+            UTILIZATION_BUCKETS,
+        )
+
         self.token_delivery = self._histogram(
             "token_delivery_seconds",
             "Time from a token's sampling in the engine core to its streamed (SSE) chunk being "
@@ -250,6 +257,9 @@ class PrometheusStatLogger:
             self.step_time.observe(step.step_time)
             self.step_mfu[step.phase].observe(step.mfu)
             self.step_mbu[step.phase].observe(step.mbu)
+            if step.step_time > 0 and step.predicted_step_time > 0:
+                error = abs(step.predicted_step_time - step.step_time) / step.step_time
+                self.step_time_prediction_error.observe(error)
 
     def record_finished(self, finished: FinishedRequestStats) -> None:
         """Count the sequence and observe every interval it lived through (None: not reached)."""

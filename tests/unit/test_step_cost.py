@@ -1,0 +1,163 @@
+"""The step-cost model recovers known coefficients from synthetic step timings, and the
+ITL-targeted scheduler, under a fake cost model, never plans a step over the target when the
+decodes alone fit, still finishes every prompt when they do not, and leaves outputs unchanged."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from test_scheduler import add, make_scheduler, run_to_completion, step
+
+from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.roofline import BatchSums, MachinePeaks, ModelShape, batch_sums, request_sums
+from tandem.core.scheduler import MIN_PREFILL_TOKENS, Scheduler, SchedulerConfig
+from tandem.core.step_cost import StepCostModel
+
+SHAPE = ModelShape(30, 576, 1536, 9, 3, 64, 49152, 4, 4, 4)
+PEAKS = MachinePeaks("test", 200e9, 20e9)
+# seconds = constant + per new token + per attended position + per KV position + per sample
+TRUE = np.array([2e-3, 1.5e-4, 2e-8, 3e-7, 5e-5])
+
+
+def true_seconds(sums: BatchSums) -> float:
+    values = (1, sums.num_new_tokens, sums.num_attended, sums.num_context, sums.num_sampled)
+    return float(np.dot(TRUE, values))
+
+
+def random_step(rng: random.Random) -> BatchSums:
+    """A realistic mix: some decodes over varied contexts, sometimes a prompt chunk."""
+    sums = BatchSums()
+    for _ in range(rng.randint(0, 16)):
+        sums += request_sums(rng.randint(10, 2000), 1, True)
+    if rng.random() < 0.5:
+        chunk = rng.randint(16, 512)
+        sums += request_sums(rng.randint(0, 1000), chunk, rng.random() < 0.5)
+    return sums if sums.num_new_tokens else request_sums(0, 32, True)
+
+
+def test_roofline_predicts_until_fitted():
+    model = StepCostModel(SHAPE, PEAKS, min_steps=32, refit_every=16)
+    sums = request_sums(0, 256, True)
+    assert model.coefficients is None
+    assert model.predict(sums) == pytest.approx(model.roofline_seconds(sums))
+    assert model.roofline_seconds(sums) > 0
+    # the least time the roofline leaves unexplained is added as per-step overhead
+    decode = request_sums(100, 1, True)
+    model.observe(decode, model.roofline_seconds(decode) + 0.004)
+    model.observe(sums, model.roofline_seconds(sums) + 0.003)
+    assert model.predict(decode) == pytest.approx(model.roofline_seconds(decode) + 0.003)
+
+
+def test_recovers_known_coefficients_from_noisy_timings():
+    rng = random.Random(0)
+    noise = np.random.default_rng(0)
+    model = StepCostModel(SHAPE, PEAKS, window=512, min_steps=32, refit_every=16)
+    for _ in range(512):
+        sums = random_step(rng)
+        model.observe(sums, true_seconds(sums) * (1 + 0.02 * noise.standard_normal()))
+    assert model.coefficients is not None
+    errors = []
+    for _ in range(200):
+        sums = random_step(rng)
+        errors.append(abs(model.predict(sums) - true_seconds(sums)) / true_seconds(sums))
+    assert np.median(errors) < 0.03 and np.quantile(errors, 0.9) < 0.06
+    # the two big terms come back within a few percent
+    assert model.coefficients[1] == pytest.approx(TRUE[1], rel=0.05)
+    assert model.coefficients[0] == pytest.approx(TRUE[0], rel=0.15)
+
+
+def test_follows_a_machine_that_slows_down():
+    rng = random.Random(1)
+    model = StepCostModel(SHAPE, PEAKS, window=128, min_steps=32, refit_every=8)
+    for factor in (1.0, 3.0):
+        for _ in range(256):
+            sums = random_step(rng)
+            model.observe(sums, factor * true_seconds(sums))
+    sums = random_step(rng)
+    assert model.predict(sums) == pytest.approx(3 * true_seconds(sums), rel=0.05)
+
+
+def test_no_coefficient_is_negative_even_when_a_feature_never_varies():
+    model = StepCostModel(SHAPE, PEAKS, min_steps=8, refit_every=8)
+    for context in range(8, 200, 8):  # decodes only: new tokens == sampled rows, collinear
+        sums = request_sums(context, 1, True) + request_sums(context + 3, 1, True)
+        model.observe(sums, 1e-3 + 2e-6 * context)
+    assert model.coefficients is not None and (model.coefficients >= 0).all()
+
+
+# -- the scheduler with a target ------------------------------------------------------------
+
+
+class FakeCost:
+    """A known linear cost: 10 ms per step, 1 ms per new token, 0.01 ms per KV position."""
+
+    def predict(self, sums: BatchSums) -> float:
+        return 0.010 + 0.001 * sums.num_new_tokens + 0.00001 * sums.num_context
+
+
+def targeted(target: float) -> Scheduler:
+    config = SchedulerConfig(
+        max_num_batched_tokens=256, max_num_seqs=16, max_model_len=512, target_step_time=target
+    )
+    return Scheduler(config, KVCacheManager(512, 4, False), cost_model=FakeCost())
+
+
+def test_config_needs_a_cost_model_and_decode_first():
+    with pytest.raises(ValueError, match="step-cost model"):
+        make_scheduler(target_step_time=0.05)
+    with pytest.raises(ValueError, match="decode-first"):
+        SchedulerConfig(target_step_time=0.05, batching_policy="prefill-first")
+    with pytest.raises(ValueError, match="positive"):
+        SchedulerConfig(target_step_time=0.0)
+
+
+def test_steps_stay_within_the_target_when_decodes_fit():
+    """Eight streams decoding; long prompts arrive: every step's predicted time is within the
+    target (50 ms: 10 ms + 8 decodes leave room for ~30 prompt tokens), and prompts still run."""
+    scheduler = targeted(0.050)
+    for index in range(8):
+        add(scheduler, f"stream{index}", 8, max_tokens=60, ignore_eos=True)
+    for _ in range(3):
+        step(scheduler)
+    add(scheduler, "long1", 300, max_tokens=2, ignore_eos=True)
+    add(scheduler, "long2", 200, max_tokens=2, ignore_eos=True)
+    outputs = run_to_completion(scheduler)
+    cost = FakeCost()
+    for output in outputs:
+        predicted = cost.predict(batch_sums(output.scheduled))
+        decodes = [s for s in output.scheduled if s.num_new_tokens == 1 and s.sample]
+        if cost.predict(batch_sums(decodes)) <= 0.050:
+            assert predicted <= 0.050 + 1e-12, (predicted, output.num_prefill_tokens)
+    prefill_steps = [o for o in outputs if o.num_prefill_tokens]
+    assert max(o.num_prefill_tokens for o in prefill_steps) > 16  # the room is used
+
+
+def test_prompts_progress_when_decodes_alone_exceed_the_target():
+    """A 15 ms target with eight decodes (predicted ~18 ms): each step still takes a small
+    prompt chunk, so the long prompt finishes."""
+    scheduler = targeted(0.015)
+    for index in range(8):
+        add(scheduler, f"stream{index}", 8, max_tokens=200, ignore_eos=True)
+    step(scheduler)
+    long_prompt = add(scheduler, "long", 100, max_tokens=1, ignore_eos=True)
+    outputs = run_to_completion(scheduler)
+    chunks = [s.num_new_tokens for o in outputs for s in o.scheduled if s.request_id == "long"]
+    assert sum(chunks) == 100 and max(chunks) <= MIN_PREFILL_TOKENS
+    assert long_prompt.num_output_tokens == 1
+
+
+def test_target_changes_steps_not_outputs():
+    """Batching invariance: the same tokens with and without a target."""
+
+    def run(target: float | None) -> dict[str, list[int]]:
+        scheduler = targeted(target) if target else make_scheduler(
+            num_blocks=512, block_size=4, max_num_batched_tokens=256, max_num_seqs=16,
+            max_model_len=256,
+        )  # fmt: skip
+        requests = [add(scheduler, f"r{i}", 20 + 37 * i, max_tokens=12) for i in range(6)]
+        run_to_completion(scheduler)
+        return {r.request_id: r.output_token_ids for r in requests}
+
+    assert run(0.030) == run(None)
