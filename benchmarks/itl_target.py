@@ -1,0 +1,153 @@
+"""ITL-targeted decode-first against fixed token budgets (issue 9), in one run on this machine:
+
+1. 8 streams decoding alone: their median inter-token gap is the decode step; the target is
+   1.5x it.
+2. The stutter scenario (8 streams, a 1,536-token prompt every 3 s) under decode-first with
+   budgets 256 / 512 / 2048, prefill-first (2048), and decode-first with --target-itl-ms:
+   the streams' p99 and max gap, and the long prompts' TTFT. Goal: max gap <= 1.25x the
+   target, long-prompt TTFT within 1.5x of prefill-first's.
+3. The telemetry's own cost per step (roofline count, forecast, model update) against the
+   median step time. Goal: under 1%.
+
+Each server starts alone; nothing else computes while one runs. Results (JSON, ITL plots, a
+Markdown summary) go to benchmarks/results/itl_target/.
+
+    .venv/bin/python benchmarks/itl_target.py [--long-prompts 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import time
+from pathlib import Path
+
+from serve_workloads import KV_CACHE, bench, policy_flag, serve, stream_figures
+from tandem.bench import plots
+from tandem.bench import workloads as w
+from tandem.bench.launch import tandem_serve_command
+from tandem.bench.runner import machine
+from tandem.core.roofline import MachinePeaks, ModelShape, batch_sums, place_step, sums_work
+from tandem.core.step_cost import StepCostModel
+from tandem.models.loader import load_model_config, resolve_model_path
+
+ROOT = Path(__file__).resolve().parents[1]
+STREAMS = 8
+
+
+def stutter(num_long: int) -> w.Workload:
+    return w.stutter_workload(
+        num_long, 1, streams=STREAMS, output_len=(160, 160), long_len=1536, long_start=2.0,
+        long_every=3.0,
+    )  # fmt: skip
+
+
+def run_server(args: list[str], label: str, workload: w.Workload, out: Path) -> dict:
+    server = serve(
+        tandem_serve_command(["--kv-cache-memory", KV_CACHE, *args]), out / f"{label}.log"
+    )
+    try:
+        run = bench(server, workload, None, label, out)
+    finally:
+        server.stop()
+    plots.itl_timeline(run, out / f"{label.replace(' ', '_')}_itl.png", f"Stutter, tandem {label}")
+    return run
+
+
+class _Work:
+    def __init__(self, computed: int, new: int, sample: bool) -> None:
+        self.num_computed_tokens, self.num_new_tokens, self.sample = computed, new, sample
+
+
+def telemetry_seconds_per_step() -> float:
+    """What the engine adds to each step for telemetry: sums, roofline placement, forecast and
+    model update, on a stutter-like batch (8 decodes over ~500 positions and a 256-token
+    chunk), averaged over many steps with the model refitting as it does in the engine."""
+    shape = ModelShape.of(load_model_config(resolve_model_path("default")), 4, 4, 4)
+    model = StepCostModel(shape, MachinePeaks("probe", 2e11, 2e10))
+    batch = [_Work(500 + i, 1, True) for i in range(STREAMS)] + [_Work(512, 256, False)]
+    num_steps = 5000
+    start = time.perf_counter()
+    for index in range(num_steps):
+        sums = batch_sums(batch)
+        place_step(sums_work(shape, sums), 0.1, model.peaks)
+        model.predict(sums)
+        model.observe(sums, 0.1 + 1e-4 * (index % 7))
+    return (time.perf_counter() - start) / num_steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--long-prompts", type=int, default=3)
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks/results/itl_target")
+    args = parser.parse_args()
+    out = args.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    flag = policy_flag()
+    info = machine()
+
+    alone = run_server([], "streams alone", stutter(0), out)
+    decode_step_ms = stream_figures(alone)["itl_p50"]
+    target_ms = 1.5 * decode_step_ms
+    print(f"streams alone: median gap {decode_step_ms:.1f} ms -> target {target_ms:.1f} ms")
+
+    setups = [
+        ("decode-first 256", [flag, "decode-first", "--max-num-batched-tokens", "256"]),
+        ("decode-first 512", [flag, "decode-first", "--max-num-batched-tokens", "512"]),
+        ("decode-first 2048", [flag, "decode-first", "--max-num-batched-tokens", "2048"]),
+        ("prefill-first 2048", [flag, "prefill-first", "--max-num-batched-tokens", "2048"]),
+        (
+            f"target {target_ms:.0f} ms",
+            [
+                flag,
+                "decode-first",
+                "--max-num-batched-tokens",
+                "2048",
+                "--target-itl-ms",
+                f"{target_ms:.1f}",
+            ],
+        ),
+    ]
+    figures = {}
+    for label, server_args in setups:
+        figures[label] = stream_figures(
+            run_server(server_args, label, stutter(args.long_prompts), out)
+        )
+        f = figures[label]
+        print(f"  {label}: p99 {f['itl_p99']:.0f} ms, max {f['itl_max']:.0f} ms, "
+              f"long TTFT {f['long_ttft']:.0f} ms", flush=True)  # fmt: skip
+
+    telemetry = telemetry_seconds_per_step()
+    prefill_first_ttft = figures["prefill-first 2048"]["long_ttft"]
+    lines = [
+        f"# ITL target vs fixed budgets, {datetime.date.today()}",
+        "",
+        f"Machine: {info.get('cpu')}, {info['cores']} cores. Command: "
+        f"`{' '.join([Path(sys.executable).name, *sys.argv])}`",
+        "",
+        f"{STREAMS} streams alone: median gap {decode_step_ms:.1f} ms; target "
+        f"{target_ms:.1f} ms (1.5x). Stutter: {args.long_prompts} prompts of 1,536 tokens, "
+        "one every 3 s.",
+        "",
+        "| setup | streams' ITL p50 | p99 | max | max / target | long prompt TTFT p50 "
+        "| TTFT / prefill-first's |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, f in figures.items():
+        lines.append(
+            f"| {label} | {f['itl_p50']:.0f} ms | {f['itl_p99']:.0f} ms | {f['itl_max']:.0f} ms "
+            f"| {f['itl_max'] / target_ms:.2f}x | {f['long_ttft']:.0f} ms "
+            f"| {f['long_ttft'] / prefill_first_ttft:.2f}x |"
+        )
+    lines += [
+        "",
+        f"Telemetry per step: {telemetry * 1e6:.1f} µs = {telemetry * 1e3 / decode_step_ms:.3%}"
+        f" of a {decode_step_ms:.0f} ms decode step (the shortest steps of the run).",
+    ]
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
