@@ -105,15 +105,16 @@ async def one_stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) ->
         "model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
     }  # fmt: skip
-    tokens = 0
+    # Read every byte as it comes but parse only the last event (the usage): the load
+    # generator shares the two cores with the server, and JSON-decoding 4,096 chunks per round
+    # would take CPU from the very processes being measured.
+    tail = b""
     async with client.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-    return tokens
+        async for data in response.aiter_raw():
+            tail = (tail + data)[-4096:]
+    events = [e for e in tail.split(b"\n\n") if e.startswith(b"data: {")]
+    return json.loads(events[-1][6:])["usage"]["completion_tokens"]
 
 
 async def server_round(base_url: str, texts: list[str], max_tokens: int) -> tuple[float, int]:

@@ -31,7 +31,7 @@ class StepCostModel:
         shape: ModelShape,
         peaks: MachinePeaks,
         window: int = 512,
-        min_steps: int = 32,
+        min_steps: int = 8,
         refit_every: int = 16,
     ) -> None:
         self.shape = shape
@@ -60,7 +60,9 @@ class StepCostModel:
         self._rows.append(features(sums))
         self._times.append(seconds)
         self._since_fit += 1
-        if len(self._rows) >= self.min_steps and self._since_fit >= self.refit_every:
+        # While the window is short every new step teaches a lot: refit more often.
+        every = self.refit_every if len(self._rows) >= 4 * self.refit_every else self.min_steps // 2
+        if len(self._rows) >= self.min_steps and self._since_fit >= max(1, every):
             self._fit()
 
     def _fit(self) -> None:
