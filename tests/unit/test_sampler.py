@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tandem.sampling_params import SamplingParams
+from tandem.worker import sampler
 from tandem.worker.logits_processors import apply_penalties, process_logits
 from tandem.worker.sampler import (
     LogprobsTensors,
@@ -530,3 +531,60 @@ def test_rows_without_the_new_knobs_are_left_alone() -> None:
         SamplingParams(top_k=2)], outputs=[[1, 2]] * 3)  # fmt: skip
     assert process_logits(logits, inputs) is logits
     assert torch.equal(logits, before)
+
+
+# -- top-k / top-p without a full sort: the sort-based floor is the oracle ----------------
+
+
+def _kept(logits: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    return logits >= floor
+
+
+def _adversarial_rows(vocab: int, generator: torch.Generator) -> torch.Tensor:
+    """Flat, peaked, heavy-tailed, tied, partly -inf, and rows whose mass is spread over far
+    more tokens than the candidates."""
+    flat = torch.zeros(vocab)
+    peaked = torch.randn(vocab, generator=generator) * 8
+    heavy = torch.randn(vocab, generator=generator) * 0.5
+    ties = torch.randint(0, 4, (vocab,), generator=generator).float()
+    masked = torch.randn(vocab, generator=generator) * 2
+    masked[torch.rand(vocab, generator=generator) < 0.7] = -math.inf
+    one_left = torch.full((vocab,), -math.inf)
+    one_left[7] = 0.0
+    return torch.stack([flat, peaked, heavy, ties, masked, one_left])
+
+
+@pytest.mark.parametrize("top_p", [0.01, 0.3, 0.5, 0.9, 0.999, 0.9999999, 1.0])
+@pytest.mark.parametrize("top_k", [0, 1, 5, 50, 300])
+def test_candidate_top_p_keeps_the_sorted_set(top_p, top_k):
+    generator = torch.Generator().manual_seed(top_k * 1000 + int(top_p * 1e6))
+    logits = _adversarial_rows(4096, generator)
+    rows = logits.shape[0]
+    k = torch.full((rows, 1), top_k) if top_k else None
+    p = torch.full((rows, 1), top_p if top_p < 1.0 else math.inf)
+    fast = sampler._top_k_top_p_floor(logits.clone(), k, p)
+    oracle = sampler._top_k_top_p_floor_sorted(logits.clone(), k, p)
+    for row in range(rows):
+        kept, expected = _kept(logits[row], fast[row]), _kept(logits[row], oracle[row])
+        if not torch.equal(kept, expected):
+            # only a token whose preceding mass is p up to float rounding may differ
+            probs = logits[row].softmax(-1).double()
+            order = probs.argsort(descending=True)
+            mass_before = probs[order].cumsum(0) - probs[order]
+            differing = (kept != expected).nonzero().squeeze(-1)
+            position = {int(t): i for i, t in enumerate(order.tolist())}
+            for token in differing.tolist():
+                assert abs(float(mass_before[position[token]]) - top_p) < 1e-5, (row, token)
+
+
+def test_mixed_rows_on_and_off_and_rows_past_the_candidates():
+    """Top-p off (inf) on some rows, on others a p whose set needs far more than the
+    candidates (a flat row of 4,096 tokens at p = 0.9 keeps ~3,687)."""
+    logits = torch.stack([torch.zeros(4096), torch.randn(4096) * 6, torch.zeros(4096)])
+    p = torch.tensor([[0.9], [0.5], [math.inf]])
+    k = torch.tensor([[0], [20], [3]])
+    fast = sampler._top_k_top_p_floor(logits.clone(), k, p)
+    oracle = sampler._top_k_top_p_floor_sorted(logits.clone(), k, p)
+    assert torch.equal(_kept(logits, fast), _kept(logits, oracle))
+    assert int(_kept(logits, fast)[0].sum()) == 4096  # flat row: ties at the floor stay
+    assert int(_kept(logits, fast)[2].sum()) == 4096  # top-k of 3 in a flat row keeps ties
