@@ -134,7 +134,7 @@ def _sample_random(
         floor = _kth_largest(logits.topk(int(k.max()), dim=-1).values, k)
     if floor is not None:
         logits.masked_fill_(logits < floor, -math.inf)
-    return _exponential_race(logits.softmax(dim=-1), generators)
+    return _inverse_cdf_draw(logits.softmax(dim=-1), generators)
 
 
 def _kth_largest(descending: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -199,19 +199,23 @@ def _top_k_top_p_floor_sorted(
     return floor if kth is None else torch.maximum(floor, kth)
 
 
-def _exponential_race(
+def _inverse_cdf_draw(
     probs: torch.Tensor, generators: list[torch.Generator | None]
 ) -> torch.Tensor:
-    """argmax(probs / q) with q ~ Exp(1) picks token i with probability probs[i]. Each seeded
-    row draws its whole q row from its own generator, so it advances the same way whatever
-    its position or batch mates."""
-    # q = -log(u), u ~ U[0, 1): three times faster than exponential_() on CPU, and never 0
-    # (u = 0 gives q = inf, a score of 0), so a token of probability 0 cannot score 0/0 = NaN.
-    u = torch.empty_like(probs).uniform_()
+    """One uniform u per row against the row's running mass: the first token whose cumulative
+    probability exceeds u times the total picks token i with probability probs[i], and a token
+    of probability 0 (filtered) is never picked. One random number per row instead of one per
+    vocabulary entry (an exponential race costs a draw, a log and a divide per entry). Each
+    seeded row draws its u from its own generator, so it advances the same way whatever its
+    position or batch mates."""
+    rows = probs.shape[0]
+    u = torch.rand(rows, 1, device=probs.device)
     for row, generator in enumerate(generators):
         if generator is not None:
-            u[row].uniform_(generator=generator)
-    return probs.div_(u.log_().neg_()).argmax(dim=-1)
+            u[row] = torch.rand(1, generator=generator, device=probs.device)
+    cdf = probs.cumsum_(dim=-1)
+    target = u.mul_(cdf[:, -1:])
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[1] - 1).squeeze(-1)
 
 
 @dataclass
