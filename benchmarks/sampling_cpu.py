@@ -96,8 +96,10 @@ def main() -> None:
         for name, fields in MIXES.items():
             params = SamplingParams(**fields)
             fast = sampler_ms(logits, params)
-            before = sampler._top_k_top_p_floor_sorted  # the sort-based floor (the oracle)
-            with mock.patch.object(sampler, "_top_k_top_p_floor", before):
+            def sorted_floor(logits, top, k, p):  # the sort-based floor (the oracle)
+                return sampler._top_k_top_p_floor_sorted(logits, k, p)
+
+            with mock.patch.object(sampler, "_top_k_top_p_floor", sorted_floor):
                 full = sampler_ms(logits, params)
             fast_share, full_share = (fast - greedy) / step, (full - greedy) / step
             print(f"| {batch} | {step:.1f} ms | {name} | {fast:.2f} ms | {fast_share:+.1%} | "

@@ -540,6 +540,12 @@ def _kept(logits: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
     return logits >= floor
 
 
+def _candidate_floor(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor:
+    num_candidates = max(sampler.TOP_P_CANDIDATES, 0 if k is None else int(k.max()))
+    top = logits.topk(min(logits.shape[1], num_candidates), dim=-1).values
+    return sampler._top_k_top_p_floor(logits.clone(), top, k, p)
+
+
 def _adversarial_rows(vocab: int, generator: torch.Generator) -> torch.Tensor:
     """Flat, peaked, heavy-tailed, tied, partly -inf, and rows whose mass is spread over far
     more tokens than the candidates."""
@@ -562,7 +568,7 @@ def test_candidate_top_p_keeps_the_sorted_set(top_p, top_k):
     rows = logits.shape[0]
     k = torch.full((rows, 1), top_k) if top_k else None
     p = torch.full((rows, 1), top_p if top_p < 1.0 else math.inf)
-    fast = sampler._top_k_top_p_floor(logits.clone(), k, p)
+    fast = _candidate_floor(logits, k, p)
     oracle = sampler._top_k_top_p_floor_sorted(logits.clone(), k, p)
     for row in range(rows):
         kept, expected = _kept(logits[row], fast[row]), _kept(logits[row], oracle[row])
@@ -583,8 +589,31 @@ def test_mixed_rows_on_and_off_and_rows_past_the_candidates():
     logits = torch.stack([torch.zeros(4096), torch.randn(4096) * 6, torch.zeros(4096)])
     p = torch.tensor([[0.9], [0.5], [math.inf]])
     k = torch.tensor([[0], [20], [3]])
-    fast = sampler._top_k_top_p_floor(logits.clone(), k, p)
+    fast = _candidate_floor(logits, k, p)
     oracle = sampler._top_k_top_p_floor_sorted(logits.clone(), k, p)
     assert torch.equal(_kept(logits, fast), _kept(logits, oracle))
     assert int(_kept(logits, fast)[0].sum()) == 4096  # flat row: ties at the floor stay
     assert int(_kept(logits, fast)[2].sum()) == 4096  # top-k of 3 in a flat row keeps ties
+
+
+def test_draws_among_candidates_match_the_filtered_distribution():
+    """Rows whose kept set lies within the candidates draw among them: the frequencies follow
+    the filtered, renormalized probabilities (and a row past the candidates in the same batch
+    still draws over the whole row)."""
+    generator = torch.Generator().manual_seed(5)
+    peaked = torch.randn(1000, generator=generator) * 4
+    flat = torch.zeros(1000)
+    params = [SamplingParams(temperature=1.0, top_p=0.8, top_k=20),
+              SamplingParams(temperature=1.0, top_p=0.9)]  # fmt: skip
+    draws = 20000
+    logits = torch.stack([peaked, flat]).repeat(draws, 1)
+    tokens = sampler._sample_random(logits.clone(), params * draws, [None] * 2 * draws, False)
+    floor = _candidate_floor(
+        torch.stack([peaked, flat]), torch.tensor([[20], [0]]), torch.tensor([[0.8], [0.9]])
+    )
+    expected = torch.stack([peaked, flat]).masked_fill(torch.stack([peaked, flat]) < floor,
+                                                       -math.inf).softmax(-1)  # fmt: skip
+    counts = torch.bincount(tokens[0::2], minlength=1000).double() / draws
+    assert set(tokens[0::2].tolist()) <= set((expected[0] > 0).nonzero().squeeze(-1).tolist())
+    assert (counts - expected[0].double()).abs().max() < 0.015
+    assert len(set(tokens[1::2].tolist())) > 600  # the flat row keeps ~900 tokens

@@ -91,16 +91,20 @@ def _pick_tokens(
     row picked from (the processed logits): as given for greedy rows, and after temperature and
     the cuts for drawn rows (those are written back only when a row wants them as logprobs)."""
     random_rows = [i for i, p in enumerate(params) if _draws(p)]
+    keep_filtered = any(_wants_processed(params[i]) for i in random_rows)
     if len(random_rows) == len(params):
-        return _sample_random(logits, params, generators)
+        return _sample_random(logits, params, generators, keep_filtered)
     tokens = logits.argmax(dim=-1)
     if random_rows:
         index = torch.tensor(random_rows, device=logits.device)
         drawn = logits[index]
         tokens[index] = _sample_random(
-            drawn, [params[i] for i in random_rows], [generators[i] for i in random_rows]
+            drawn,
+            [params[i] for i in random_rows],
+            [generators[i] for i in random_rows],
+            keep_filtered,
         )
-        if any(_wants_processed(params[i]) for i in random_rows):
+        if keep_filtered:
             logits[index] = drawn
     return tokens
 
@@ -109,10 +113,14 @@ def _sample_random(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    keep_filtered: bool = True,
 ) -> torch.Tensor:
     """Temperature, then min-p, top-k and top-p in vLLM's order (top-p weighs what min-p and
-    top-k left), then one draw per row; `logits` is left filtered. Each cut raises a per-row
-    logit floor, and a cut no row uses costs nothing."""
+    top-k left), then one draw per row. Each cut raises a per-row logit floor, and a cut no row
+    uses costs nothing. A row whose kept set lies within its top candidates draws among them
+    (no pass over the vocabulary), the others over the whole row; which one depends only on the
+    row itself, so seeded rows stay reproducible. `keep_filtered`: leave `logits` filtered
+    (processed logprobs need them), and draw every row over the whole row."""
     device, vocab = logits.device, logits.shape[1]
     temperatures = [p.temperature for p in params]
     if any(t != 1.0 for t in temperatures):
@@ -124,17 +132,35 @@ def _sample_random(
         logits.masked_fill_(logits < floor, -math.inf)
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]  # 0: off
     k = torch.tensor(top_k, device=device).unsqueeze(-1) if any(top_k) else None
-    floor = None
-    if any(p.top_p < 1.0 for p in params):
+    wants_top_p = any(p.top_p < 1.0 for p in params)
+    if k is None and not wants_top_p:
+        return _inverse_cdf_draw(logits.softmax(dim=-1), generators)
+    num_candidates = min(vocab, max(TOP_P_CANDIDATES, max(top_k)))
+    candidates = logits.topk(num_candidates, dim=-1)  # descending
+    if wants_top_p:
         # Off rows get p = inf: float rounding in the cumsum must not drop their tail.
         top_p = column([p.top_p if p.top_p < 1.0 else math.inf for p in params], device)
-        floor = _top_k_top_p_floor(logits, k, top_p)
-    elif k is not None:
-        # top-k alone needs only the k largest values, much cheaper than a full sort.
-        floor = _kth_largest(logits.topk(int(k.max()), dim=-1).values, k)
-    if floor is not None:
+        floor = _top_k_top_p_floor(logits, candidates.values.clone(), k, top_p)
+    else:
+        floor = _kth_largest(candidates.values, k)
+    # Every token at or above the floor is a candidate when the floor is above the last one.
+    within = (floor > candidates.values[:, -1:]).squeeze(-1)
+    if keep_filtered or not bool(within.any()):
         logits.masked_fill_(logits < floor, -math.inf)
-    return _inverse_cdf_draw(logits.softmax(dim=-1), generators)
+        return _inverse_cdf_draw(logits.softmax(dim=-1), generators)
+    tokens = torch.empty(len(params), dtype=torch.long, device=device)
+    rows = within.nonzero().squeeze(-1)
+    values = candidates.values[rows]
+    kept = values.masked_fill_(values < floor[rows], -math.inf)
+    picks = _inverse_cdf_draw(kept.softmax(dim=-1), [generators[i] for i in rows.tolist()])
+    tokens[rows] = candidates.indices[rows].gather(-1, picks.unsqueeze(-1)).squeeze(-1)
+    if not bool(within.all()):
+        rest = (~within).nonzero().squeeze(-1)
+        whole = logits[rest].masked_fill_(logits[rest] < floor[rest], -math.inf)
+        tokens[rest] = _inverse_cdf_draw(
+            whole.softmax(dim=-1), [generators[i] for i in rest.tolist()]
+        )
+    return tokens
 
 
 def _kth_largest(descending: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -150,17 +176,15 @@ TOP_P_CANDIDATES = 128
 
 
 def _top_k_top_p_floor(
-    logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor
+    logits: torch.Tensor, top: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor
 ) -> torch.Tensor:
     """Top-k and top-p as one per-row floor, without sorting the vocabulary: the cut is looked
     for among the row's top candidates (a topk, ~10x cheaper than a sort on CPU), with each
     candidate's probability taken against the whole row (or the top-k set), and only rows
     whose kept mass lies beyond the candidates fall back to the full sort. The kept set is the
-    sort's, up to float rounding of the running mass right at p."""
-    vocab = logits.shape[1]
-    max_k = int(k.max()) if k is not None else 0
-    num_candidates = min(vocab, max(TOP_P_CANDIDATES, max_k))
-    top = logits.topk(num_candidates, dim=-1).values  # descending
+    sort's, up to float rounding of the running mass right at p. `top`: the row's largest
+    logits, descending (at least TOP_P_CANDIDATES and k of them); it is overwritten."""
+    num_candidates = top.shape[1]
     normalizer = logits.logsumexp(dim=-1, keepdim=True)
     kth = None
     if k is not None:
