@@ -3,6 +3,7 @@ from collections.abc import Callable
 import pytest
 
 from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.roofline import batch_sums
 from tandem.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tandem.request import FinishReason, Request, RequestStatus
 from tandem.sampling_params import SamplingParams
@@ -52,6 +53,7 @@ def add(
 
 def step(scheduler: Scheduler, next_token: NextToken = model_token) -> SchedulerOutput:
     output = scheduler.schedule()
+    assert output.sums == batch_sums(output.scheduled)  # kept while planning, preemptions too
     sampled = {
         s.request_id: [next_token(s.request_id, s.token_ids)] for s in output.scheduled if s.sample
     }

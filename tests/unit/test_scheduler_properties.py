@@ -10,6 +10,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.roofline import batch_sums
 from tandem.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tandem.request import Request, RequestStatus
 from tandem.sampling_params import SamplingParams
@@ -267,6 +268,7 @@ def run(workload: Workload) -> tuple[Scheduler, list[Request], int]:
         assert output.scheduled or not had_work, "no progress with requests pending"
         check_step(scheduler, output, waiting_before, decoding_before, prompt_lens)
         check_queue_order(scheduler, output, queue_before, running_before)
+        assert output.sums == batch_sums(output.scheduled), "cost sums drifted while planning"
         sampled = runner.execute(output)
         aborts = [
             r.request_id

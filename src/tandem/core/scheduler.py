@@ -65,6 +65,7 @@ class SchedulerOutput:
     num_decode_tokens: int
     preempted_request_ids: list[str]
     finished_request_ids: list[str]  # finished or aborted since the previous schedule()
+    sums: BatchSums  # what the step's cost depends on (core/roofline.py), summed while planning
 
 
 class StepCostPredictor(Protocol):
@@ -472,4 +473,5 @@ class Scheduler:
             num_decode_tokens=num_decode_tokens,
             preempted_request_ids=[r.request_id for r in plan.preempted],
             finished_request_ids=finished_ids,
+            sums=plan.sums,
         )

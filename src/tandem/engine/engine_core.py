@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from tandem.core.kv_cache_manager import KVCacheManager
-from tandem.core.roofline import ModelShape, batch_sums, place_step, sums_work
+from tandem.core.roofline import ModelShape, place_step, sums_work
 from tandem.core.scheduler import Scheduler, SchedulerOutput
 from tandem.core.step_cost import StepCostModel
 from tandem.engine.machine_peaks import machine_peaks
@@ -328,7 +328,7 @@ class EngineCore:
     def _record_stats(self, scheduled: SchedulerOutput, step_time: float) -> None:
         self.num_steps += 1
         self.num_preemptions += len(scheduled.preempted_request_ids)
-        sums = batch_sums(scheduled.scheduled)
+        sums = scheduled.sums
         roofline = place_step(sums_work(self.model_shape, sums), step_time, self.peaks)
         predicted = self.cost_model.predict(sums)
         self.cost_model.observe(sums, step_time)
