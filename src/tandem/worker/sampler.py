@@ -146,21 +146,28 @@ def _sample_random(
     # Every token at or above the floor is a candidate when the floor is above the last one.
     within = (floor > candidates.values[:, -1:]).squeeze(-1)
     if keep_filtered or not bool(within.any()):
-        logits.masked_fill_(logits < floor, -math.inf)
-        return _inverse_cdf_draw(logits.softmax(dim=-1), generators)
+        return _draw_above(logits, floor, generators)
     tokens = torch.empty(len(params), dtype=torch.long, device=device)
     rows = within.nonzero().squeeze(-1)
-    values = candidates.values[rows]
-    kept = values.masked_fill_(values < floor[rows], -math.inf)
-    picks = _inverse_cdf_draw(kept.softmax(dim=-1), [generators[i] for i in rows.tolist()])
+    picks = _draw_above(
+        candidates.values[rows], floor[rows], [generators[i] for i in rows.tolist()]
+    )
     tokens[rows] = candidates.indices[rows].gather(-1, picks.unsqueeze(-1)).squeeze(-1)
-    if not bool(within.all()):
-        rest = (~within).nonzero().squeeze(-1)
-        whole = logits[rest].masked_fill_(logits[rest] < floor[rest], -math.inf)
-        tokens[rest] = _inverse_cdf_draw(
-            whole.softmax(dim=-1), [generators[i] for i in rest.tolist()]
+    rest = (~within).nonzero().squeeze(-1)
+    if len(rest):
+        tokens[rest] = _draw_above(
+            logits[rest], floor[rest], [generators[i] for i in rest.tolist()]
         )
     return tokens
+
+
+def _draw_above(
+    logits: torch.Tensor, floor: torch.Tensor, generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """One draw per row among the logits at or above its floor (the rest are set to -inf in
+    place); the index is into `logits`' columns."""
+    logits.masked_fill_(logits < floor, -math.inf)
+    return _inverse_cdf_draw(logits.softmax(dim=-1), generators)
 
 
 def _kth_largest(descending: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
