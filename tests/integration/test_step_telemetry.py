@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.bench.step_plots import load_steps, machine_ceilings, step_phase
+from tandem.bench.step_plots import load_steps, machine_ceilings
 from tandem.cli import main
 from tandem.core.roofline import ModelShape, step_work
 
@@ -53,7 +53,7 @@ def test_plot_steps_draws_the_roofline_and_the_timeline(tiny_llama, tmp_path, ca
     prompts = [{"prompt_token_ids": list(range(1, 41))}, {"prompt_token_ids": [3, 4, 5]}]
     llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
     steps = load_steps(log)
-    assert {"prefill", "decode"} <= {step_phase(s) for s in steps}
+    assert {"prefill", "decode"} <= {s["phase"] for s in steps}
     peak_flops, peak_bytes = machine_ceilings(steps)
     assert peak_flops == pytest.approx(llm.llm_engine.core.peaks.flops_per_second)
     assert peak_bytes == pytest.approx(llm.llm_engine.core.peaks.bytes_per_second)

@@ -30,12 +30,6 @@ def load_steps(path: str | Path) -> list[dict]:
     return steps
 
 
-def step_phase(step: dict) -> str:
-    if step["num_prefill_tokens"] and step["num_decode_tokens"]:
-        return "mixed"
-    return "prefill" if step["num_prefill_tokens"] else "decode"
-
-
 def machine_ceilings(steps: list[dict]) -> tuple[float, float]:
     """Peak FLOP/s and bytes/s, recovered from the steps (mfu = achieved / peak)."""
     for step in steps:
@@ -56,7 +50,7 @@ def roofline(steps: list[dict], path: str | Path, title: str | None = None) -> P
     ceilings = f"ceilings: {peak_flops / 1e12:.2f} TFLOP/s, {peak_bytes / 1e9:.0f} GB/s"
     ax.plot(x, np.minimum(peak_flops, x * peak_bytes), color="black", linewidth=2, label=ceilings)
     ax.axvline(peak_flops / peak_bytes, color="grey", linestyle=":", linewidth=1)
-    phases = np.array([step_phase(s) for s in steps])
+    phases = np.array([s["phase"] for s in steps])
     for phase, colour in PHASE_COLOURS.items():
         chosen = phases == phase
         if chosen.any():
@@ -87,7 +81,7 @@ def timeline(steps: list[dict], path: str | Path, title: str | None = None) -> P
     tokens_ax.set_ylabel("tokens in the step")
     tokens_ax.legend(loc="upper right", fontsize=9)
     tokens_ax.set_title(title or "Step composition and step time over the run")
-    colours = [PHASE_COLOURS[step_phase(s)] for s in steps]
+    colours = [PHASE_COLOURS[s["phase"]] for s in steps]
     time_ax.scatter(ends, width * 1e3, s=8, c=colours)
     time_ax.set_ylabel("step time (ms)")
     time_ax.set_xlabel("time since the first step began (s)")

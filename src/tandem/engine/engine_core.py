@@ -350,5 +350,10 @@ class EngineCore:
         )
         self.step_stats.append(stats)
         if self.step_log is not None:
-            record = {"step": self.num_steps, "time": time.time(), **dataclasses.asdict(stats)}
+            record = {
+                "step": self.num_steps,
+                "time": time.time(),
+                "phase": stats.phase,
+                **dataclasses.asdict(stats),
+            }
             self.step_log.write(json.dumps(record) + "\n")
