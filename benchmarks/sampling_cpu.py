@@ -96,6 +96,7 @@ def main() -> None:
         for name, fields in MIXES.items():
             params = SamplingParams(**fields)
             fast = sampler_ms(logits, params)
+
             def sorted_floor(logits, top, k, p):  # the sort-based floor (the oracle)
                 return sampler._top_k_top_p_floor_sorted(logits, k, p)
 

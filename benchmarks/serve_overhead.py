@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem import LLM, SamplingParams
+from tandem.bench.launch import free_port, wait_healthy
 
 TOPICS = [
     "the history of tea", "how bridges carry load", "why the sea is salty", "jazz harmony",
@@ -48,28 +48,14 @@ def prompts(count: int) -> list[str]:
     return [f"Write a short essay about {TOPICS[i % len(TOPICS)]}." for i in range(count)]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_server(port: int, log: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(port),
                "--disable-log-requests"]  # fmt: skip
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}: {log.read_text()}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("server not healthy within 120 s")
+    if wait_healthy(f"http://127.0.0.1:{port}", process, 120) is None:
+        process.kill()
+        raise RuntimeError(f"server not healthy within 120 s: {log.read_text()}")
+    return process
 
 
 def metric_samples(base_url: str) -> dict[str, float]:

@@ -9,7 +9,6 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from tandem.bench.launch import free_port, wait_healthy
 
 # Every test server gets a small CPU KV cache: a 2 GiB default per server (and per offline
 # reference LLM) only costs memory here, and 512 MiB holds ~11k tokens, plenty for these tests.
@@ -36,12 +37,6 @@ def _die_with_parent() -> None:
     """In the server's process before exec: SIGTERM when the test process dies, even by
     SIGKILL (a timeout), so no server outlives its test run (the engine core follows it)."""
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _alive(pid: int) -> bool:
@@ -131,19 +126,8 @@ class ServerProcess:
         raise RuntimeError(f"{self.name} did not become ready; its log:\n{log}")
 
     def _wait_ready(self) -> bool:
-        start = time.monotonic()
-        deadline = start + self.ready_timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                return False
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    self.ready_seconds = time.monotonic() - start
-                    return True
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        return False
+        self.ready_seconds = wait_healthy(self.url, self.process, self.ready_timeout)
+        return self.ready_seconds is not None
 
     def wait(self, timeout: float) -> int | None:
         """The exit code, or None if it is still running after `timeout` seconds."""

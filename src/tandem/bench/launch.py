@@ -37,6 +37,24 @@ def tandem_serve_command(args: Sequence[str] = (), port: int | str = "{port}") -
     ]
 
 
+def wait_healthy(
+    url: str, process: subprocess.Popen, timeout: float, interval: float = 0.2
+) -> float | None:
+    """Seconds until `url`/health answered 200; None if the process exited or `timeout`
+    seconds passed first."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if process.poll() is not None:
+            return None
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return time.monotonic() - start
+        except httpx.TransportError:
+            pass
+        time.sleep(interval)
+    return None
+
+
 class LaunchedServer:
     """`command` (a list; "{port}" in it is replaced by a free port) run in its own process
     group. Use as a context manager."""
@@ -74,17 +92,9 @@ class LaunchedServer:
                 env=self.env,
                 start_new_session=True,
             )
-        start = time.monotonic()
-        while time.monotonic() - start < self.ready_timeout:
-            if self.process.poll() is not None:
-                break
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    self.ready_seconds = time.monotonic() - start
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+        self.ready_seconds = wait_healthy(self.url, self.process, self.ready_timeout)
+        if self.ready_seconds is not None:
+            return self
         self.stop()
         tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-40:])
         raise RuntimeError(f"{self.command[0]} did not become ready; the end of its log:\n{tail}")
