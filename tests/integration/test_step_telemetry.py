@@ -11,7 +11,7 @@ import pytest
 from tandem import LLM, SamplingParams
 from tandem.bench.step_plots import load_steps, machine_ceilings
 from tandem.cli import main
-from tandem.core.roofline import ModelShape, step_work
+from tandem.core.roofline import ModelShape, request_sums, sums_work
 
 
 def test_step_log_has_every_step_with_its_roofline(tiny_llama, tmp_path):
@@ -31,10 +31,7 @@ def test_step_log_has_every_step_with_its_roofline(tiny_llama, tmp_path):
     shape = core.model_shape
     assert isinstance(shape, ModelShape)
 
-    class Chunk:
-        num_computed_tokens, num_new_tokens, sample = 0, 20, True
-
-    expected = step_work(shape, [Chunk()])
+    expected = sums_work(shape, request_sums(0, 20, True))
     assert first["flops"] == pytest.approx(expected.flops)
     assert first["bytes"] == pytest.approx(expected.bytes)
     for record in records:

@@ -9,7 +9,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tandem.core.roofline import MachinePeaks, ModelShape, place_step, step_work
+from tandem.core.roofline import (
+    MachinePeaks,
+    ModelShape,
+    StepWork,
+    batch_sums,
+    place_step,
+    sums_work,
+)
 from tandem.engine import machine_peaks as peaks_module
 from tandem.engine.machine_peaks import machine_peaks
 from tandem.engine.stats import StepStats
@@ -21,6 +28,10 @@ TINY = ModelShape(
     num_layers=2, hidden_size=4, intermediate_size=8, num_heads=2, num_kv_heads=1, head_dim=2,
     vocab_size=10, weight_bytes=4, kv_bytes=4, activation_bytes=4,
 )  # fmt: skip
+
+
+def step_work(shape: ModelShape, batch: list) -> StepWork:
+    return sums_work(shape, batch_sums(batch))
 
 
 @dataclass

@@ -135,12 +135,9 @@ def batch_sums(batch: Iterable[ScheduledWork]) -> BatchSums:
     return total
 
 
-def step_work(shape: ModelShape, batch: Iterable[ScheduledWork]) -> StepWork:
-    """The FLOPs and bytes of one forward over `batch` (see the module's docstring)."""
-    return sums_work(shape, batch_sums(batch))
-
-
 def sums_work(shape: ModelShape, sums: BatchSums) -> StepWork:
+    """The FLOPs and bytes of one forward over a batch with these sums (see the module's
+    docstring)."""
     layers = shape.num_layers
     kv_per_position = 2 * shape.num_kv_heads * shape.head_dim  # a key and a value
     num_new, num_sampled = sums.num_new_tokens, sums.num_sampled
