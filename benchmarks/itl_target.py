@@ -45,7 +45,8 @@ def stutter(num_long: int) -> w.Workload:
 
 def run_server(args: list[str], label: str, workload: w.Workload, out: Path) -> dict:
     server = serve(
-        tandem_serve_command(["--kv-cache-memory", KV_CACHE, *args]), out / f"{label}.log"
+        tandem_serve_command(["--kv-cache-memory", KV_CACHE, "--dtype", "float32", *args]),
+        out / f"{label}.log",
     )
     try:
         run = bench(server, workload, None, label, out)

@@ -34,7 +34,7 @@ def random_prompts(count: int, low: int, high: int, vocab: int, seed: int = 0) -
 
 
 def tandem_throughput(prompts: list[list[int]]) -> tuple[float, int]:
-    llm = LLM("default")
+    llm = LLM("default", dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # warm-up
     start = time.perf_counter()
@@ -70,7 +70,7 @@ def hf_throughput(prompts: list[list[int]]) -> tuple[float, int]:
 def stutter(policy: str, budget: int, vocab: int) -> tuple[float, float, float]:
     """(max inter-token gap of the 8 streams after the long prompt arrives, the gap they see
     without it, the long prompt's TTFT), in seconds."""
-    llm = LLM("default", batching_policy=policy, max_num_batched_tokens=budget,
+    llm = LLM("default", dtype="float32", batching_policy=policy, max_num_batched_tokens=budget,
               enable_prefix_caching=False)  # fmt: skip
     engine = llm.llm_engine
     streams = random_prompts(8, 32, 64, vocab, seed=1)

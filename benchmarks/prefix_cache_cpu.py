@@ -105,7 +105,7 @@ def main() -> None:
     )
     results = {}
     for caching in (True, False):
-        llm = LLM("default", enable_prefix_caching=caching)
+        llm = LLM("default", dtype="float32", enable_prefix_caching=caching)
         llm.generate(["warm-up"], SamplingParams(max_tokens=4), use_tqdm=False)
         results[caching] = (shared_prefix(llm), multi_turn(llm))
         if caching:

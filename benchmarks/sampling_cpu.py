@@ -81,7 +81,7 @@ def decode_step_ms(llm: LLM, batch: int) -> float:
 
 
 def main() -> None:
-    llm = LLM("default", max_num_seqs=256, max_num_batched_tokens=16384)
+    llm = LLM("default", dtype="float32", max_num_seqs=256, max_num_batched_tokens=16384)
     vocab = llm.llm_engine.core.runner.model_config.vocab_size
     real_logits = model_logits(llm)
     generator = torch.Generator().manual_seed(0)

@@ -54,7 +54,7 @@ def offline_llm():
     """The in-process engine whose greedy outputs the server must reproduce."""
     from tandem import LLM
 
-    return LLM("default", kv_cache_memory=KV_CACHE_MEMORY_BYTES)
+    return LLM("default", dtype="float32", kv_cache_memory=KV_CACHE_MEMORY_BYTES)
 
 
 def _servers(item: pytest.Item) -> list[ServerProcess]:

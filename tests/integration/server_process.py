@@ -79,7 +79,9 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         ready_timeout: float = READY_TIMEOUT,
     ) -> None:
-        self.args = ["--kv-cache-memory", KV_CACHE_MEMORY, *args]
+        # fp32 unless a test asks otherwise: the offline LLM it is compared with runs fp32.
+        dtype = [] if "--dtype" in args else ["--dtype", "float32"]
+        self.args = ["--kv-cache-memory", KV_CACHE_MEMORY, *dtype, *args]
         self.name = name
         self.log_path = Path(log_dir) / f"{name}.log"
         self.env = {**os.environ, **(env or {})}

@@ -103,7 +103,7 @@ def test_beam_width_is_bounded_by_max_logprobs(tiny):
 
 def test_beams_stop_at_max_model_len(tiny_llama):
     folder, _ = tiny_llama
-    llm = LLM(folder, skip_tokenizer_init=True, max_model_len=12)
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, max_model_len=12)
     params = BeamSearchParams(beam_width=2, max_tokens=8, ignore_eos=True)
     (output,) = llm.beam_search([{"prompt_token_ids": list(range(3, 13))}], params)
     assert all(len(s.tokens) == 12 for s in output.sequences)
@@ -111,7 +111,7 @@ def test_beams_stop_at_max_model_len(tiny_llama):
 
 @pytest.mark.slow
 def test_beam_search_text_on_smollm2():
-    llm = LLM("default", kv_cache_memory=256 << 20, max_model_len=1024)
+    llm = LLM("default", dtype="float32", kv_cache_memory=256 << 20, max_model_len=1024)
     prompt = "The capital of France is"
     (output,) = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6))
     (greedy,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)

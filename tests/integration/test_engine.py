@@ -13,7 +13,13 @@ from helpers import assert_equals_hf_until_tie, assert_same_until_tie, hf_greedy
 def test_greedy_equals_hf_generate_for_every_family(family_checkpoint):
     folder, hf_model = family_checkpoint
     prompts = random_prompts(16, hf_model.config.vocab_size, 3, 60)
-    llm = LLM(folder, skip_tokenizer_init=True, max_num_batched_tokens=64, max_num_seqs=16)
+    llm = LLM(
+        folder,
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_num_batched_tokens=64,
+        max_num_seqs=16,
+    )
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, output in zip(prompts, outputs, strict=True):
@@ -36,7 +42,7 @@ def reference_run(tiny_llama):
     folder, _ = tiny_llama
     prompts = random_prompts(12, 320, 5, 70, seed=1)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
-    llm = LLM(folder, skip_tokenizer_init=True, enable_prefix_caching=False)
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=False)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return prompts, params, [o.outputs[0] for o in outputs]
 
@@ -45,7 +51,7 @@ def reference_run(tiny_llama):
 def test_output_independent_of_batching(tiny_llama, reference_run, variant):
     folder, _ = tiny_llama
     prompts, params, reference = reference_run
-    llm = LLM(folder, skip_tokenizer_init=True, **variant)
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, **variant)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for output, expected in zip(outputs, reference, strict=True):
         assert_same_until_tie(output.outputs[0].token_ids, expected.token_ids, expected.logprobs)
@@ -64,7 +70,13 @@ def test_preemption_and_resume_keep_outputs(tiny_llama, reference_run):
     produce the same tokens."""
     folder, _ = tiny_llama
     prompts, params, reference = reference_run
-    llm = LLM(folder, skip_tokenizer_init=True, num_kv_blocks=14, enable_prefix_caching=False)
+    llm = LLM(
+        folder,
+        dtype="float32",
+        skip_tokenizer_init=True,
+        num_kv_blocks=14,
+        enable_prefix_caching=False,
+    )
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert sum(o.metrics.num_preemptions for o in outputs) > 0
     assert any(s.num_preempted for s in llm.step_stats)
@@ -75,7 +87,7 @@ def test_preemption_and_resume_keep_outputs(tiny_llama, reference_run):
 
 def test_seeded_sampling_independent_of_batch_mates(tiny_llama):
     folder, _ = tiny_llama
-    llm = LLM(folder, skip_tokenizer_init=True)
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True)
     target = {"prompt_token_ids": [5, 9, 200, 31, 7]}
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
     alone = llm.generate([target], seeded, use_tqdm=False)[0].outputs[0].token_ids
@@ -91,7 +103,7 @@ def test_seeded_sampling_independent_of_batch_mates(tiny_llama):
 
 def test_n_sequences_and_metrics(tiny_llama):
     folder, _ = tiny_llama
-    llm = LLM(folder, skip_tokenizer_init=True)
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True)
     params = SamplingParams(n=3, temperature=1.0, seed=0, max_tokens=10, ignore_eos=True)
     (output,) = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], params, use_tqdm=False)
     assert [c.index for c in output.outputs] == [0, 1, 2]
@@ -105,7 +117,7 @@ def test_n_sequences_and_metrics(tiny_llama):
 
 def test_stop_token_ids_min_tokens_and_logprobs(tiny_llama):
     folder, _ = tiny_llama
-    llm = LLM(folder, skip_tokenizer_init=True)
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True)
     prompt = {"prompt_token_ids": [11, 12, 13]}
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     (base,) = llm.generate([prompt], greedy, use_tqdm=False)
@@ -128,7 +140,7 @@ def test_stop_token_ids_min_tokens_and_logprobs(tiny_llama):
 
 def test_bad_requests_are_rejected_and_engine_goes_on(tiny_llama):
     folder, _ = tiny_llama
-    llm = LLM(folder, skip_tokenizer_init=True, max_model_len=64)
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, max_model_len=64)
     params = SamplingParams(temperature=0, max_tokens=4)
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([{"prompt_token_ids": [1] * 10}, {"prompt_token_ids": [1] * 100}], params,

@@ -35,7 +35,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("default", max_num_batched_tokens=256, max_num_seqs=16)
+    return LLM("default", dtype="float32", max_num_batched_tokens=256, max_num_seqs=16)
 
 
 @pytest.fixture(scope="module")

@@ -59,7 +59,7 @@ def tiny_folder(tiny_llama):
 @pytest.fixture(scope="module")
 def reference(tiny_folder):
     """Outputs with caching off, each prompt set in its own call; and the engine's counters."""
-    llm = LLM(tiny_folder, skip_tokenizer_init=True, enable_prefix_caching=False)
+    llm = LLM(tiny_folder, dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=False)
     outputs = generate(llm, PROMPTS), generate(llm, REPEATS)
     return outputs, llm.engine.core.kv_cache_manager
 
@@ -74,7 +74,13 @@ def test_caching_off_reports_no_hits(reference) -> None:
 def test_shared_prefix_hits_and_outputs_equal_uncached(tiny_folder, reference) -> None:
     (shared_ref, _), _ = reference
     # A small budget admits the prompts over several steps, so later ones find the prefix.
-    llm = LLM(tiny_folder, skip_tokenizer_init=True, max_num_batched_tokens=64, max_num_seqs=4)
+    llm = LLM(
+        tiny_folder,
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+    )
     kv = llm.engine.core.kv_cache_manager
     outputs = generate(llm, PROMPTS)
     assert_same_outputs(outputs, shared_ref)
@@ -94,7 +100,7 @@ def test_shared_prefix_hits_and_outputs_equal_uncached(tiny_folder, reference) -
 
 def test_outputs_equal_under_eviction_and_preemption(tiny_folder, reference) -> None:
     (shared_ref, repeat_ref), _ = reference
-    llm = LLM(tiny_folder, skip_tokenizer_init=True, num_kv_blocks=14)
+    llm = LLM(tiny_folder, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=14)
     kv = llm.engine.core.kv_cache_manager
     pool = kv.block_pool
     evicted = []
@@ -131,7 +137,13 @@ def test_hash_collisions_never_corrupt_outputs(tiny_folder, reference, monkeypat
     hash_fn = constant if collision == "constant" else tokens_only
     monkeypatch.setitem(BLOCK_HASH_FUNCTIONS, "xxhash", hash_fn)
     (shared_ref, repeat_ref), _ = reference
-    llm = LLM(tiny_folder, skip_tokenizer_init=True, max_num_batched_tokens=64, max_num_seqs=4)
+    llm = LLM(
+        tiny_folder,
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+    )
     assert_same_outputs(generate(llm, REPEATS), repeat_ref)
     assert_same_outputs(generate(llm, PROMPTS), shared_ref)
     again = generate(llm, REPEATS)
@@ -142,7 +154,7 @@ def test_hash_collisions_never_corrupt_outputs(tiny_folder, reference, monkeypat
 
 def test_reset_prefix_cache(tiny_folder, reference) -> None:
     (shared_ref, _), _ = reference
-    llm = LLM(tiny_folder, skip_tokenizer_init=True)
+    llm = LLM(tiny_folder, dtype="float32", skip_tokenizer_init=True)
     kv = llm.engine.core.kv_cache_manager
     generate(llm, PROMPTS[:1])
     assert kv.block_pool.num_cached_blocks > 0

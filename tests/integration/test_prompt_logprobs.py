@@ -78,7 +78,7 @@ def folder(tiny_llama):
 @pytest.fixture(scope="module")
 def reference(folder):
     """Each prompt computed in one step, caching off."""
-    llm = LLM(folder, skip_tokenizer_init=True, enable_prefix_caching=False)
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=False)
     return generate(llm, PROMPTS)
 
 
@@ -91,7 +91,7 @@ def test_equal_hf_log_softmax_with_ranks_and_top_k(tiny_llama, reference):
 
 def test_k_zero_gives_the_prompt_tokens_only_and_a_one_token_prompt_none(tiny_llama, folder):
     _, hf_model = tiny_llama
-    llm = LLM(folder, skip_tokenizer_init=True)
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True)
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0)
     prompt = PROMPTS[1]
     short, full = generate(llm, [[7], prompt], params)
@@ -120,7 +120,7 @@ def test_independent_of_chunking_and_batch_mates(folder, reference, variant):
     mates = random_prompts(5, VOCAB, 3, 50, seed=12)
     plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
     other_k = SamplingParams(temperature=0.8, seed=5, max_tokens=3, prompt_logprobs=1)
-    llm = LLM(folder, skip_tokenizer_init=True, **variant)
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, **variant)
     batch = [*PROMPTS[:3], *mates, *PROMPTS[3:]]
     params = [PARAMS] * 3 + [plain, other_k, plain, other_k, plain] + [PARAMS] * 3
     outputs = generate(llm, batch, params)
@@ -143,7 +143,9 @@ def test_independent_of_chunking_and_batch_mates(folder, reference, variant):
 def test_requests_without_prompt_logprobs_are_unaffected(folder):
     prompts = random_prompts(6, VOCAB, 5, 60, seed=13)
     plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
-    llm = LLM(folder, skip_tokenizer_init=True, max_num_batched_tokens=32, max_num_seqs=8)
+    llm = LLM(
+        folder, dtype="float32", skip_tokenizer_init=True, max_num_batched_tokens=32, max_num_seqs=8
+    )
     alone = generate(llm, prompts[:2], plain)
     mixed = generate(llm, prompts, [plain, plain] + [PARAMS] * 4)
     for output, expected in zip(mixed[:2], alone, strict=True):
@@ -155,8 +157,9 @@ def test_requests_without_prompt_logprobs_are_unaffected(folder):
 def test_preemption_mid_prompt_sends_each_position_once(folder, reference):
     """A cache too small for the batch: a request is preempted with its prompt partly scored;
     its recompute scores only the positions not sent yet."""
-    llm = LLM(folder, skip_tokenizer_init=True, num_kv_blocks=8, max_num_batched_tokens=16,
-              max_num_seqs=8, max_num_partial_prefills=4, enable_prefix_caching=False)  # fmt: skip
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=8,
+              max_num_batched_tokens=16, max_num_seqs=8, max_num_partial_prefills=4,
+              enable_prefix_caching=False)  # fmt: skip
     core = llm.engine.core
     long_params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=3)
     for index, prompt in enumerate(PROMPTS):
@@ -180,7 +183,9 @@ def test_preemption_mid_prompt_sends_each_position_once(folder, reference):
 
 
 def test_prefix_cache_hit_is_not_taken_and_the_result_complete(folder, reference):
-    llm = LLM(folder, skip_tokenizer_init=True, max_num_batched_tokens=64, max_num_seqs=4)
+    llm = LLM(
+        folder, dtype="float32", skip_tokenizer_init=True, max_num_batched_tokens=64, max_num_seqs=4
+    )
     prompt = PROMPTS[0]
     assert len(prompt) > 35
     warm = generate(llm, [[*prompt[:33], 1, 2]], SamplingParams(max_tokens=1))[0]
@@ -197,7 +202,9 @@ def test_prefix_cache_hit_is_not_taken_and_the_result_complete(folder, reference
 
 
 def test_n_sequences_share_one_list(folder, reference):
-    llm = LLM(folder, skip_tokenizer_init=True, max_num_batched_tokens=16, max_num_seqs=4)
+    llm = LLM(
+        folder, dtype="float32", skip_tokenizer_init=True, max_num_batched_tokens=16, max_num_seqs=4
+    )
     params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=5, prompt_logprobs=TOP_K)
     (output,) = generate(llm, [PROMPTS[0]], params)
     assert len(output.outputs) == 3
@@ -212,7 +219,9 @@ def test_n_sequences_share_one_list(folder, reference):
 def test_output_kinds(folder, reference, kind):
     """DELTA sends the list once, with the first output; CUMULATIVE with every output; FINAL_ONLY
     with the final one. Prompt chunks that only scored logprobs make no output."""
-    llm = LLM(folder, skip_tokenizer_init=True, max_num_batched_tokens=16, max_num_seqs=4)
+    llm = LLM(
+        folder, dtype="float32", skip_tokenizer_init=True, max_num_batched_tokens=16, max_num_seqs=4
+    )
     engine = llm.engine
     engine.add_request("r", PROMPTS[2], PARAMS, output_kind=kind)
     outputs = []
@@ -233,7 +242,9 @@ def test_core_sends_each_chunks_rows_once_in_msgpack_safe_outputs(folder):
     """The core's side: a prompt chunk that samples nothing still sends its rows (in an output
     without tokens), every position once, and the outputs cross a process boundary intact."""
     msgspec = pytest.importorskip("msgspec")
-    llm = LLM(folder, skip_tokenizer_init=True, max_num_batched_tokens=16, max_num_seqs=4)
+    llm = LLM(
+        folder, dtype="float32", skip_tokenizer_init=True, max_num_batched_tokens=16, max_num_seqs=4
+    )
     core = llm.engine.core
     prompt = PROMPTS[2]
     core.add_request(Request("r", prompt, PARAMS))
@@ -252,7 +263,7 @@ def test_core_sends_each_chunks_rows_once_in_msgpack_safe_outputs(folder):
 def test_logits_are_scored_in_slices_of_rows(folder, reference, monkeypatch):
     """A long chunk's logits are computed a few rows at a time (memory); same result."""
     monkeypatch.setattr(model_runner, "PROMPT_LOGITS_ROWS", 5)
-    llm = LLM(folder, skip_tokenizer_init=True, enable_prefix_caching=False)
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=False)
     for output, expected in zip(generate(llm, PROMPTS), reference, strict=True):
         assert_same_prompt_logprobs(output.prompt_logprobs, expected.prompt_logprobs)
 
@@ -263,7 +274,7 @@ def test_smollm2_equal_hf_with_decoded_tokens():
 
     from tandem.models.loader import resolve_model_path
 
-    llm = LLM("default", max_num_batched_tokens=64, max_num_seqs=4)
+    llm = LLM("default", dtype="float32", max_num_batched_tokens=64, max_num_seqs=4)
     text = "The capital of France is Paris. The capital of Italy is Rome, and of Spain"
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
     (output,) = llm.generate([text], params, use_tqdm=False)

@@ -23,7 +23,9 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM("default", max_num_batched_tokens=256, max_num_seqs=16, max_logprobs=-1)
+    return LLM(
+        "default", dtype="float32", max_num_batched_tokens=256, max_num_seqs=16, max_logprobs=-1
+    )
 
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:
@@ -171,7 +173,7 @@ PROMPT_IDS = [5, 77, 12, 190, 3, 41, 250, 9]
 @pytest.fixture(scope="module")
 def tiny(tiny_llama):
     folder, hf_model = tiny_llama
-    return LLM(folder, skip_tokenizer_init=True, max_logprobs=-1), hf_model
+    return LLM(folder, dtype="float32", skip_tokenizer_init=True, max_logprobs=-1), hf_model
 
 
 def generate_ids(llm: LLM, params: SamplingParams):

@@ -17,7 +17,7 @@ from tandem.core.roofline import ModelShape, request_sums, sums_work
 def test_step_log_has_every_step_with_its_roofline(tiny_llama, tmp_path):
     folder, _ = tiny_llama
     log = tmp_path / "steps.jsonl"
-    llm = LLM(folder, skip_tokenizer_init=True, step_log=log, peak_tflops=1.0,
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, step_log=log, peak_tflops=1.0,
               peak_bandwidth_gbps=10.0)  # fmt: skip
     prompt = {"prompt_token_ids": list(range(1, 21))}
     llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -45,8 +45,8 @@ def test_step_log_has_every_step_with_its_roofline(tiny_llama, tmp_path):
 def test_plot_steps_draws_the_roofline_and_the_timeline(tiny_llama, tmp_path, capsys):
     folder, _ = tiny_llama
     log = tmp_path / "steps.jsonl"
-    llm = LLM(folder, skip_tokenizer_init=True, step_log=log, max_num_batched_tokens=16,
-              max_num_seqs=4)  # fmt: skip
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, step_log=log,
+              max_num_batched_tokens=16, max_num_seqs=4)  # fmt: skip
     prompts = [{"prompt_token_ids": list(range(1, 41))}, {"prompt_token_ids": [3, 4, 5]}]
     llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
     steps = load_steps(log)
@@ -72,8 +72,14 @@ def test_itl_target_changes_steps_not_outputs(tiny_llama, tmp_path):
     prompts = [{"prompt_token_ids": [(7 * i + j) % 200 + 1 for j in range(n)]}
                for i, n in enumerate((12, 150, 240, 200, 9, 230))]  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    plain = LLM(folder, skip_tokenizer_init=True, max_num_batched_tokens=512)
-    targeted = LLM(folder, skip_tokenizer_init=True, max_num_batched_tokens=512, target_itl_ms=2.0)
+    plain = LLM(folder, dtype="float32", skip_tokenizer_init=True, max_num_batched_tokens=512)
+    targeted = LLM(
+        folder,
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_num_batched_tokens=512,
+        target_itl_ms=2.0,
+    )
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     got = [o.outputs[0].token_ids for o in targeted.generate(prompts, params, use_tqdm=False)]
     assert got == expected

@@ -51,7 +51,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 def test_llm_engine_and_separate_tokenizer(folder, tokenizer_folder):
-    llm = LLM(folder, tokenizer=tokenizer_folder)
+    llm = LLM(folder, dtype="float32", tokenizer=tokenizer_folder)
     assert isinstance(llm.llm_engine, LLMEngine) and llm.engine is llm.llm_engine
     (text,) = llm.generate("w5 w6 w7", GREEDY, use_tqdm=False)
     (tokens,) = llm.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]), GREEDY, use_tqdm=False)
@@ -62,18 +62,18 @@ def test_llm_engine_and_separate_tokenizer(folder, tokenizer_folder):
 
 def test_refused_and_unknown_arguments_fail_before_loading(folder):
     with pytest.raises(ValueError, match="trust_remote_code"):
-        LLM(folder, trust_remote_code=True)
+        LLM(folder, dtype="float32", trust_remote_code=True)
     with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
-        LLM(folder, tensor_parallel_size=2)
+        LLM(folder, dtype="float32", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="quantization='gptq' is not supported"):
-        LLM(folder, quantization="gptq")
+        LLM(folder, dtype="float32", quantization="gptq")
     with pytest.raises(TypeError, match="coming-from-vllm"):
-        LLM(folder, speculative_model="draft")
+        LLM(folder, dtype="float32", speculative_model="draft")
 
 
 def test_global_seed_repeats_unseeded_sampling(folder):
     def sample(seed: int | None) -> list[list[int]]:
-        llm = LLM(folder, skip_tokenizer_init=True, seed=seed)
+        llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, seed=seed)
         prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 320, 4, 12, seed=5)]
         params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -83,7 +83,7 @@ def test_global_seed_repeats_unseeded_sampling(folder):
 
 
 def test_max_logprobs_refuses_and_leaves_nothing(folder):
-    llm = LLM(folder, skip_tokenizer_init=True, max_logprobs=3)
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, max_logprobs=3)
     prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}]
     too_many = SamplingParams(max_tokens=2, logprobs=4)
     with pytest.raises(ValueError, match="logprobs=4 is more than max_logprobs=3"):
@@ -99,8 +99,10 @@ def test_max_logprobs_refuses_and_leaves_nothing(folder):
 def test_engine_wide_logprobs_mode(folder):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
     prompt = {"prompt_token_ids": [11, 12, 13]}
-    (raw,) = LLM(folder, skip_tokenizer_init=True).generate(prompt, params, use_tqdm=False)
-    logits_llm = LLM(folder, skip_tokenizer_init=True, logprobs_mode="raw_logits")
+    (raw,) = LLM(folder, dtype="float32", skip_tokenizer_init=True).generate(
+        prompt, params, use_tqdm=False
+    )
+    logits_llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, logprobs_mode="raw_logits")
     (logits,) = logits_llm.generate(prompt, params, use_tqdm=False)
     assert logits.outputs[0].token_ids == raw.outputs[0].token_ids
     for row_lp, row_logit in zip(raw.outputs[0].logprobs, logits.outputs[0].logprobs, strict=True):
@@ -119,10 +121,10 @@ def test_without_chunked_prefill_prompts_run_whole(folder):
     prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 320, 100, 100, seed=3)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
     knobs = dict(skip_tokenizer_init=True, max_num_batched_tokens=256, max_num_seqs=8)
-    chunked = LLM(folder, **knobs)
+    chunked = LLM(folder, dtype="float32", **knobs)
     reference = chunked.generate(prompts, params, use_tqdm=False)
     assert chunked.step_stats[0].num_prefill_tokens == 256  # 100 + 100 + a chunk of 56
-    whole = LLM(folder, enable_chunked_prefill=False, **knobs)
+    whole = LLM(folder, dtype="float32", enable_chunked_prefill=False, **knobs)
     outputs = whole.generate(prompts, params, use_tqdm=False)
     assert [s.num_prefill_tokens for s in whole.step_stats][:2] == [200, 100]
     for output, expected in zip(outputs, reference, strict=True):
@@ -132,7 +134,13 @@ def test_without_chunked_prefill_prompts_run_whole(folder):
 
 
 def test_priority_orders_admission(folder):
-    llm = LLM(folder, skip_tokenizer_init=True, scheduling_policy="priority", max_num_seqs=1)
+    llm = LLM(
+        folder,
+        dtype="float32",
+        skip_tokenizer_init=True,
+        scheduling_policy="priority",
+        max_num_seqs=1,
+    )
     prompts = [{"prompt_token_ids": [3 + i, 50, 60]} for i in range(4)]
     outputs = llm.generate(prompts, GREEDY, priority=[2, 0, 1, 0], use_tqdm=False)
     started = [o.metrics.first_scheduled_time for o in outputs]
@@ -146,10 +154,10 @@ def test_priority_decides_who_is_preempted(folder):
     prompts = [{"prompt_token_ids": p} for p in random_prompts(4, 320, 30, 30, seed=4)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
     knobs = dict(skip_tokenizer_init=True, num_kv_blocks=16, enable_prefix_caching=False)
-    by_priority = LLM(folder, scheduling_policy="priority", **knobs)
+    by_priority = LLM(folder, dtype="float32", scheduling_policy="priority", **knobs)
     outputs = by_priority.generate(prompts, params, priority=[5, 0, 0, 0], use_tqdm=False)
     assert [o.metrics.num_preemptions > 0 for o in outputs] == [True, False, False, False]
-    fcfs = LLM(folder, **knobs).generate(prompts, params, use_tqdm=False)
+    fcfs = LLM(folder, dtype="float32", **knobs).generate(prompts, params, use_tqdm=False)
     assert [o.metrics.num_preemptions > 0 for o in fcfs] == [False, False, False, True]
     for output, expected in zip(outputs, fcfs, strict=True):
         completion = expected.outputs[0]
@@ -158,12 +166,14 @@ def test_priority_decides_who_is_preempted(folder):
 
 
 def test_priority_needs_the_priority_policy(folder):
-    llm = LLM(folder, skip_tokenizer_init=True)
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True)
     prompts = [{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7, 8]}]
     with pytest.raises(ValueError, match="scheduling_policy='priority'"):
         llm.generate(prompts, GREEDY, priority=[0, 1], use_tqdm=False)
     llm.generate(prompts, GREEDY, priority=[0, 0], use_tqdm=False)  # all 0: fine under fcfs
-    priority_llm = LLM(folder, skip_tokenizer_init=True, scheduling_policy="priority")
+    priority_llm = LLM(
+        folder, dtype="float32", skip_tokenizer_init=True, scheduling_policy="priority"
+    )
     with pytest.raises(ValueError, match="got 1 priorities for 2 prompts"):
         priority_llm.generate(prompts, GREEDY, priority=[1], use_tqdm=False)
     assert_engine_empty(llm)
@@ -171,7 +181,7 @@ def test_priority_needs_the_priority_policy(folder):
 
 
 def test_prompt_shapes(folder, tokenizer_folder):
-    llm = LLM(folder, tokenizer=tokenizer_folder)
+    llm = LLM(folder, dtype="float32", tokenizer=tokenizer_folder)
     shapes = [
         "w5 w6",
         TextPrompt(prompt="w5 w6"),
@@ -189,7 +199,7 @@ def test_prompt_shapes(folder, tokenizer_folder):
 
 
 def test_bad_prompts_are_refused_before_anything_runs(folder, tokenizer_folder):
-    llm = LLM(folder, tokenizer=tokenizer_folder)  # max_model_len: the model's 256
+    llm = LLM(folder, dtype="float32", tokenizer=tokenizer_folder)  # max_model_len: the model's 256
     good = {"prompt_token_ids": [5, 6, 7]}
     cases = [
         ({"prompt_token_ids": []}, "prompt 1 is empty: give at least one token"),
@@ -212,8 +222,8 @@ def test_bad_prompts_are_refused_before_anything_runs(folder, tokenizer_folder):
 
 def test_get_metrics(folder):
     with pytest.raises(ValueError, match="disable_log_stats=False"):
-        LLM(folder, skip_tokenizer_init=True).get_metrics()
-    llm = LLM(folder, skip_tokenizer_init=True, disable_log_stats=False)
+        LLM(folder, dtype="float32", skip_tokenizer_init=True).get_metrics()
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, disable_log_stats=False)
     prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 320, 5, 20, seed=6)]
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     metrics = {(m.name, m.labels.get("finished_reason")): m for m in llm.get_metrics()}
@@ -237,12 +247,12 @@ def test_generation_config_defaults(folder, tmp_path):
         json.dumps({"temperature": 0.0, "max_new_tokens": 3})
     )
     prompt = {"prompt_token_ids": [5, 6, 7]}
-    llm = LLM(folder, skip_tokenizer_init=True, generation_config=tmp_path)
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, generation_config=tmp_path)
     assert llm.get_default_sampling_params().max_tokens == 3
     assert len(llm.generate(prompt, use_tqdm=False)[0].outputs[0].token_ids) <= 3
     explicit = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)  # not merged
     assert len(llm.generate(prompt, explicit, use_tqdm=False)[0].outputs[0].token_ids) == 5
-    plain = LLM(folder, skip_tokenizer_init=True, generation_config="vllm")
+    plain = LLM(folder, dtype="float32", skip_tokenizer_init=True, generation_config="vllm")
     assert plain.get_default_sampling_params() == SamplingParams()
 
 
@@ -251,7 +261,7 @@ def test_generation_config_defaults(folder, tmp_path):
 
 @pytest.fixture(scope="module")
 def smol():
-    return LLM("default", kv_cache_memory=256 << 20, max_model_len=2048)
+    return LLM("default", dtype="float32", kv_cache_memory=256 << 20, max_model_len=2048)
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ def test_defaults_are_vllms(folder):
     assert config.scheduler.batching_policy == "decode-first"
     assert config.scheduler.enable_chunked_prefill
     assert config.scheduler.max_num_batched_tokens == 2048
-    assert config.runner.dtype == "float32"  # auto on CPU
+    assert config.runner.dtype in ("float32", "bfloat16")  # auto on CPU: the probe's choice
     assert config.generation_config_path == config.model_path  # "auto"
     assert config.tokenizer_source == config.model_path
 
@@ -79,19 +79,18 @@ def test_dtype_names_as_vllm_reads_them(folder):
     assert dtype(torch.float16) == "float16"
 
 
-def test_auto_dtype_per_device(folder, monkeypatch, caplog):
-    model_config = EngineConfig.create(folder, device="cpu").model_config
+def test_auto_dtype_on_cuda(folder, monkeypatch):
+    """On CPU, auto follows the format probe (test_cpu_formats.py); on CUDA, the checkpoint."""
+    model_config = EngineConfig.create(folder, device="cpu", dtype="float32").model_config
     assert model_config.torch_dtype == "float32"  # save_pretrained of an fp32 model
-    with caplog.at_level(logging.INFO, logger="tandem.engine.config"):
-        assert resolve_dtype("auto", "cpu", model_config) == "float32"
-    assert "a per-machine probe" in caplog.text
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
-    assert resolve_dtype("auto", "cuda", model_config) == "bfloat16"  # fp32 checkpoints: bf16
-    assert resolve_dtype("auto", "cuda", replace(model_config, torch_dtype=None)) == "bfloat16"
+    assert resolve_dtype("auto", "cuda", model_config, folder) == ("bfloat16", 0)  # fp32: bf16
+    unknown = replace(model_config, torch_dtype=None)
+    assert resolve_dtype("auto", "cuda", unknown, folder) == ("bfloat16", 0)
     saved_fp16 = replace(model_config, torch_dtype="float16")
-    assert resolve_dtype("auto", "cuda", saved_fp16) == "float16"
+    assert resolve_dtype("auto", "cuda", saved_fp16, folder) == ("float16", 0)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
-    assert resolve_dtype("auto", "cuda:0", model_config) == "float16"
+    assert resolve_dtype("auto", "cuda:0", model_config, folder) == ("float16", 0)
 
 
 def test_knobs_without_effect_here_are_logged(folder, caplog):

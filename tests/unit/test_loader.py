@@ -181,3 +181,31 @@ def test_gguf_unsupported_quant_type_is_named(tmp_path):
 def test_bad_dtype_lists_choices():
     with pytest.raises(ValueError, match="float32"):
         parse_dtype("float8")
+
+
+@pytest.mark.parametrize("arch,config_class,extra", GGUF_FAMILIES)
+def test_packed_q4_weights_equal_the_dequantized_model(tmp_path, arch, config_class, extra):
+    """Q4_0 / Q4_1 matrices kept packed (dtype="auto"'s decode format): steps of a few tokens
+    give the dequantized fp32 model's logits within bf16 rounding, and use only the packed
+    weights (the dense ones are zeroed here to prove it); larger steps use the dense ones."""
+    source = make_hf_model(config_class, {**SMALL, **extra})
+    write_gguf(tmp_path / "m.gguf", source, arch, {"attn_": "Q4_0", "ffn_": "Q4_1"})
+    reference = ModelRunner(RunnerConfig(model=tmp_path / "m.gguf", num_kv_blocks=4))
+    packed = ModelRunner(
+        RunnerConfig(model=tmp_path / "m.gguf", dtype="bfloat16", packed_max_tokens=4,
+                     num_kv_blocks=4)
+    )  # fmt: skip
+    linears = [m for m in packed.model.modules() if hasattr(m, "packed") and m.packed]
+    assert len(linears) == 4 * packed.model_config.num_hidden_layers
+    with torch.no_grad():
+        for module in linears:
+            module.weight.zero_()
+    prompt = list(range(3, 23))
+    expected = all_token_logits(reference, [Slice(prompt, 0, len(prompt), [0, 1])])
+    chunks = [
+        all_token_logits(packed, [Slice(prompt[: start + 4], start, 4, [0, 1])])
+        for start in range(0, len(prompt), 4)
+    ]
+    assert relative_error(torch.cat(chunks), expected) <= 3e-2
+    whole = all_token_logits(packed, [Slice(prompt, 0, len(prompt), [0, 1])])
+    assert relative_error(whole, expected) > 0.5  # five or more tokens: the zeroed dense path

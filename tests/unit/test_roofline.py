@@ -3,6 +3,7 @@ step sits against the machine's peaks, and the peaks themselves (data sheet, pro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -75,6 +76,15 @@ def test_counts_add_up_over_requests_and_grow_with_context():
     longer = step_work(TINY, [Work(1000, 1, True)])
     assert longer.flops > alone[0].flops and longer.bytes > alone[0].bytes
     assert step_work(TINY, [Work(100, 1, False)]).flops == alone[0].flops - 2 * 40
+
+
+def test_steps_that_use_packed_weights_read_their_packed_bytes():
+    """All 288 layer weights also packed in 100 bytes, for steps of at most 2 new tokens: those
+    read 100 bytes for them instead of 4 x 288; larger steps read the dense ones."""
+    packed = dataclasses.replace(TINY, packed_weights=288, packed_bytes=100, packed_max_tokens=2)
+    for batch, saved in (([Work(5, 1, True)], 4 * 288 - 100), ([Work(0, 3, True)], 0)):
+        assert step_work(TINY, batch).bytes - step_work(packed, batch).bytes == saved
+        assert step_work(TINY, batch).flops == step_work(packed, batch).flops
 
 
 def test_decode_is_memory_bound_and_a_long_prefill_compute_bound():

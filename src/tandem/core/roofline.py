@@ -41,14 +41,25 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
-    weight_bytes: float  # per weight: 4 fp32, 2 bf16, 0.5625 for Q4_1 packed
+    weight_bytes: float  # per dense weight: 4 fp32, 2 bf16
     kv_bytes: int  # per cached key or value element
     activation_bytes: int  # per activation element
+    # Layer weights also kept packed (models/packed.py): steps of at most packed_max_tokens
+    # new tokens read these packed_weights (of all layers) as packed_bytes instead.
+    packed_weights: int = 0
+    packed_bytes: int = 0
+    packed_max_tokens: int = 0
 
     @classmethod
     def of(
-        cls, config: ModelConfig, weight_bytes: float, kv_bytes: int, activation_bytes: int
+        cls,
+        config: ModelConfig,
+        weight_bytes: float,
+        kv_bytes: int,
+        activation_bytes: int,
+        packed: tuple[int, int, int] = (0, 0, 0),
     ) -> ModelShape:
+        """`packed`: (packed_weights, packed_bytes, packed_max_tokens)."""
         return cls(
             num_layers=config.num_hidden_layers,
             hidden_size=config.hidden_size,
@@ -60,6 +71,9 @@ class ModelShape:
             weight_bytes=weight_bytes,
             kv_bytes=kv_bytes,
             activation_bytes=activation_bytes,
+            packed_weights=packed[0],
+            packed_bytes=packed[1],
+            packed_max_tokens=packed[2],
         )
 
     @property
@@ -150,8 +164,12 @@ def sums_work(shape: ModelShape, sums: BatchSums) -> StepWork:
         _HIDDEN_ACTIVATIONS_PER_LAYER * shape.hidden_size
         + _INTERMEDIATE_ACTIVATIONS_PER_LAYER * shape.intermediate_size
     ) * layers
+    dense_weights = shape.layer_weights * layers + shape.lm_head_weights
+    weight_bytes = shape.weight_bytes * dense_weights
+    if num_new <= shape.packed_max_tokens:
+        weight_bytes += shape.packed_bytes - shape.weight_bytes * shape.packed_weights
     num_bytes = (
-        shape.weight_bytes * (shape.layer_weights * layers + shape.lm_head_weights)
+        weight_bytes
         + shape.weight_bytes * num_new * shape.hidden_size  # embedding rows
         + shape.kv_bytes * kv_per_position * layers * (sums.num_context + num_new)  # read, write
         + shape.activation_bytes * num_new * activations_per_token

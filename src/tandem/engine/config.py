@@ -20,6 +20,7 @@ import torch
 from tandem.config import ModelConfig
 from tandem.core.scheduler import SchedulerConfig
 from tandem.generation_config import SAMPLING_KEYS, generation_config_defaults
+from tandem.models.gguf_loader import gguf_has_packable_weights
 from tandem.models.loader import DEFAULT_MODEL, load_model_config, resolve_model_path
 from tandem.sampling_params import LOGPROBS_MODES, SamplingParams, num_top_logprobs
 from tandem.worker.model_runner import DEFAULT_KV_CACHE_MEMORY, DTYPES, RunnerConfig
@@ -144,9 +145,11 @@ class EngineConfig:
             max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
             if not enable_chunked_prefill:
                 max_num_batched_tokens = max(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+        dtype_name, packed_max_tokens = resolve_dtype(dtype, device, model_config, model_path)
         runner = RunnerConfig(
             model=model_path,
-            dtype=resolve_dtype(dtype, device, model_config),
+            dtype=dtype_name,
+            packed_max_tokens=packed_max_tokens,
             device=device,
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
@@ -233,36 +236,39 @@ class EngineConfig:
                 )
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: str, model_config: ModelConfig) -> str:
-    """vLLM's dtype names to one of DTYPES. "auto": float32 on CPU (for now: a per-machine probe
-    of bf16 vs fp32 matmul speed will choose later); on CUDA the checkpoint's own dtype, with
-    float32 (or unknown, e.g. GGUF) checkpoints run in bfloat16 (float16 without bf16)."""
+def resolve_dtype(
+    dtype: str | torch.dtype, device: str, model_config: ModelConfig, model_path: Path
+) -> tuple[str, int]:
+    """vLLM's dtype names to one of DTYPES, and the largest step (in tokens) that multiplies
+    packed 4-bit weights (0: none). "auto" on CPU: what the CPU format probe measures fastest
+    here (engine/cpu_formats.py); on CUDA the checkpoint's own dtype, with float32 (or unknown,
+    e.g. GGUF) checkpoints run in bfloat16 (float16 without bf16). An explicit dtype runs the
+    dense weights only: float32 stays the reference."""
     if isinstance(dtype, torch.dtype):
         names: dict[torch.dtype, str] = {}
         for name, value in DTYPES.items():
             names.setdefault(value, name)  # the long name ("float16", not "fp16")
         if dtype not in names:
             raise ValueError(f"dtype {dtype} is not supported; choose one of {DTYPE_CHOICES}")
-        return names[dtype]
+        return names[dtype], 0
     if not isinstance(dtype, str) or dtype not in DTYPE_CHOICES:
         raise ValueError(f"dtype {dtype!r} is not supported; choose one of {DTYPE_CHOICES}")
     if dtype != "auto":
-        return DTYPE_ALIASES.get(dtype, dtype)
+        return DTYPE_ALIASES.get(dtype, dtype), 0
     saved = model_config.torch_dtype
     if not device.startswith("cuda"):
-        logger.info(
-            "dtype='auto' on %s: float32 (checkpoint saved in %s); a per-machine probe of bf16 "
-            "vs fp32 speed will choose here later",
-            device,
-            saved or "an unstated dtype",
-        )
-        return "float32"
+        from tandem.engine.cpu_formats import cpu_formats
+
+        packable = model_path.suffix == ".gguf" and gguf_has_packable_weights(model_path)
+        formats = cpu_formats(model_config, packable)
+        logger.info("dtype='auto' on %s: %s", device, formats.describe())
+        return formats.dtype, formats.packed_max_tokens
     if saved in ("bfloat16", "float16"):
         chosen = saved
     else:
         chosen = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     logger.info("dtype='auto' on %s: %s (checkpoint saved in %s)", device, chosen, saved)
-    return chosen
+    return chosen, 0
 
 
 def resolve_tokenizer_path(tokenizer: str | Path) -> Path:

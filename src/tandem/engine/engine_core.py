@@ -108,8 +108,9 @@ class EngineCore:
         log."""
         element_bytes = torch.empty((), dtype=self.runner.dtype).element_size()
         self.model_shape = ModelShape.of(
-            self.runner.model_config, element_bytes, element_bytes, element_bytes
-        )
+            self.runner.model_config, element_bytes, element_bytes, element_bytes,
+            self.runner.packed_weights(),
+        )  # fmt: skip
         self.peaks = machine_peaks(
             self.runner.device, self.runner.dtype, config.peak_tflops, config.peak_bandwidth_gbps
         )

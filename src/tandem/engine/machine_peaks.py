@@ -65,7 +65,7 @@ def _gpu_peaks(device: torch.device, dtype: torch.dtype) -> MachinePeaks:
 
 
 def _cpu_peaks(dtype: torch.dtype) -> MachinePeaks:
-    name = f"{_cpu_name()} x{os.cpu_count()}"
+    name = f"{cpu_name()} x{os.cpu_count()}"
     key = f"{name}|{dtype}|{torch.get_num_threads()} threads|torch {torch.__version__}"
     path = cache_root() / "machine-peaks.json"
     try:
@@ -87,7 +87,7 @@ def _cpu_peaks(dtype: torch.dtype) -> MachinePeaks:
     return peaks
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:

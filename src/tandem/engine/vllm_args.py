@@ -31,7 +31,8 @@ NOOP_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
     "limit_mm_per_prompt": ((None,), _TEXT_ONLY),
     "quantization": (
         (None,),
-        "GGUF files are dequantized at load; other quantized checkpoints are not read yet",
+        "GGUF files are read as they are (dense, and Q4 matrices packed for small steps under "
+        "dtype='auto' on CPU); other quantized checkpoints are not read yet",
     ),
     "kv_cache_dtype": (("auto",), "the KV cache holds the model's dtype"),
     "revision": ((None,), _LOCAL_ONLY),

@@ -17,6 +17,7 @@ import torch
 
 from tandem.config import ModelConfig, UnsupportedModelError, model_config_from_hf
 from tandem.models.gguf_cache import cached_json
+from tandem.models.packed import PACKED_QUANT_TYPES, Int4Codes, unpack_q4_blocks
 
 # GGUF general.architecture -> HF architecture name, and whether Q/K rows are permuted.
 GGUF_ARCHITECTURES = {
@@ -75,6 +76,16 @@ def _hf_architecture(reader: Any) -> tuple[str, str, bool]:
 
 def gguf_model_config(path: Path) -> ModelConfig:
     return model_config_from_hf(cached_json(path, "config", lambda: _hf_config(path)))
+
+
+def gguf_has_packable_weights(path: Path) -> bool:
+    """Whether any matrix of the file is Q4_0 / Q4_1 (kept packed under dtype="auto")."""
+    types = cached_json(
+        path,
+        "tensor-types",
+        lambda: {"types": sorted({t.tensor_type.name for t in _reader(path).tensors})},
+    )["types"]
+    return any(t in PACKED_QUANT_TYPES for t in types)
 
 
 def _hf_config(path: Path) -> dict[str, Any]:
@@ -137,6 +148,31 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
+def _rope_row_heads(name: str, config: ModelConfig, permuted_qk: bool) -> int | None:
+    """Heads whose rows llama.cpp interleaved in this tensor (None: rows as HF has them)."""
+    if permuted_qk and ".q_proj." in name:
+        return config.num_attention_heads
+    if permuted_qk and ".k_proj." in name:
+        return config.num_key_value_heads
+    return None
+
+
+def iter_gguf_q4_codes(path: Path, config: ModelConfig) -> Iterator[tuple[str, Int4Codes]]:
+    """The Q4_0 / Q4_1 matrices of the file, by HF name, as 4-bit codes (models/packed.py)."""
+    reader = _reader(path)
+    _, _, permuted_qk = _hf_architecture(reader)
+    for tensor in reader.tensors:
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        if tensor.tensor_type.name not in PACKED_QUANT_TYPES or len(shape) != 2:
+            continue
+        name = hf_tensor_name(tensor.name)
+        codes = unpack_q4_blocks(tensor.data, tensor.tensor_type.name, shape)
+        heads = _rope_row_heads(name, config, permuted_qk)
+        if heads is not None:
+            codes = codes.permute_rows(lambda rows, h=heads: unpermute_rope_rows(rows, h))
+        yield name, codes
+
+
 def iter_gguf_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
@@ -152,8 +188,7 @@ def iter_gguf_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, to
         name = hf_tensor_name(tensor.name)
         shape = tuple(int(d) for d in reversed(tensor.shape))
         array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-        if permuted_qk and ".q_proj." in name:
-            array = unpermute_rope_rows(array, config.num_attention_heads)
-        elif permuted_qk and ".k_proj." in name:
-            array = unpermute_rope_rows(array, config.num_key_value_heads)
+        heads = _rope_row_heads(name, config, permuted_qk)
+        if heads is not None:
+            array = unpermute_rope_rows(array, heads)
         yield name, torch.from_numpy(np.array(array))  # a copy: the memmap is read-only

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.config import RopeConfig
+from tandem.models.packed import PackedWeight
 
 
 class CheckpointMismatchError(ValueError):
@@ -34,28 +35,40 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
-class MergedLinear(nn.Module):
+class Linear(nn.Module):
+    """x·Wᵀ + b. The weight may also be kept packed (models/packed.py): steps of at most
+    `packed.max_tokens` rows (decodes) multiply that instead, reading a fraction of the bytes."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed: PackedWeight | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self.packed
+        if packed is not None and x.shape[0] <= packed.max_tokens:
+            return packed.matmul(x, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
     """One matmul for several projections of the same input (QKV, gate/up), fused at load:
     each checkpoint tensor is copied into its row range by `load_shard`."""
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool) -> None:
-        super().__init__()
+        super().__init__(in_features, sum(shard_sizes.values()), bias)
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         offset = 0
         for shard_id, size in shard_sizes.items():
             self.shard_offsets[shard_id] = (offset, size)
             offset += size
-        self.weight = nn.Parameter(torch.empty(offset, in_features))
-        self.bias = nn.Parameter(torch.empty(offset)) if bias else None
 
     def load_shard(
         self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str, name: str
     ) -> None:
         offset, size = self.shard_offsets[shard_id]
         default_weight_loader(param.data[offset : offset + size], loaded, name)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:

@@ -14,6 +14,7 @@ from tandem.attention.metadata import get_attn_metadata
 from tandem.attention.torch_backend import paged_attention
 from tandem.config import ModelConfig
 from tandem.models.layers import (
+    Linear,
     MergedLinear,
     RMSNorm,
     RotaryEmbedding,
@@ -35,7 +36,7 @@ class Attention(nn.Module):
             {"q": config.q_size, "k": config.kv_size, "v": config.kv_size},
             config.qkv_bias,
         )
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = Linear(config.q_size, config.hidden_size, config.o_bias)
         self.qk_norm = config.qk_norm
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -69,7 +70,7 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedLinear(
             config.hidden_size, {"gate": size, "up": size}, config.mlp_bias
         )
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = Linear(size, config.hidden_size, config.mlp_bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from tandem.config import ModelConfig, model_config_from_hf
-from tandem.models.layers import CheckpointMismatchError, default_weight_loader
+from tandem.models.layers import CheckpointMismatchError, Linear, default_weight_loader
+from tandem.models.packed import Int4Codes, PackedWeight
 from tandem.models.registry import model_class_for
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -69,9 +73,14 @@ def load_model_config(path: Path) -> ModelConfig:
 
 
 def load_model(
-    model: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    model: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    packed_max_tokens: int = 0,
 ) -> torch.nn.Module:
-    """Build the model for the checkpoint at `model` and fill its weights."""
+    """Build the model for the checkpoint at `model` and fill its weights. `packed_max_tokens`
+    > 0 (CPU, GGUF): also keep the Q4_0 / Q4_1 matrices packed, multiplied natively in steps
+    of at most that many tokens (models/packed.py)."""
     path = resolve_model_path(model)
     config = load_model_config(path)
     with torch.device("meta"):
@@ -82,6 +91,10 @@ def load_model(
         from tandem.models.gguf_loader import iter_gguf_tensors
 
         load_weights(net, iter_gguf_tensors(path, config))
+        if packed_max_tokens > 0 and torch.device(device).type == "cpu":
+            from tandem.models.gguf_loader import iter_gguf_q4_codes
+
+            attach_packed_weights(net, iter_gguf_q4_codes(path, config), packed_max_tokens)
     else:
         load_weights(net, iter_safetensors(path))
     return net.eval()
@@ -150,3 +163,34 @@ def load_weights(net: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tensor
         raise CheckpointMismatchError(
             f"the checkpoint lacks {len(missing)} tensor(s) the model needs: {shown}"
         )
+
+
+def attach_packed_weights(
+    net: torch.nn.Module, matrices: Iterator[tuple[str, Int4Codes]], max_tokens: int
+) -> int:
+    """Give each linear layer whose every shard came as 4-bit codes its packed weight (fused
+    shards concatenated in row order); returns the packed bytes. Layers with a shard in another
+    format (e.g. a Q6_K V projection) stay dense only."""
+    shards: dict[str, dict[str, Int4Codes]] = {}
+    for name, codes in matrices:
+        parent, _, leaf = name.removesuffix(".weight").rpartition(".")
+        fused_name, shard_id = PACKED_MODULES.get(leaf, (leaf, None))
+        shards.setdefault(f"{parent}.{fused_name}".lstrip("."), {})[shard_id] = codes
+    packed_bytes = 0
+    for module_name, parts in shards.items():
+        module = net.get_submodule(module_name)
+        if not isinstance(module, Linear):
+            continue
+        order = list(getattr(module, "shard_offsets", {None: None}))
+        if any(shard_id not in parts for shard_id in order):
+            continue
+        module.packed = PackedWeight.from_codes(
+            Int4Codes.cat([parts[shard_id] for shard_id in order]), max_tokens
+        )
+        packed_bytes += module.packed.nbytes
+    logger.info(
+        "4-bit GGUF weights kept packed (%.1f MB) for steps of at most %d tokens",
+        packed_bytes / 1e6,
+        max_tokens,
+    )
+    return packed_bytes

@@ -13,6 +13,7 @@ import torch
 
 from tandem.attention.metadata import RequestSlice, build_batch, forward_context
 from tandem.config import ModelConfig
+from tandem.models.layers import Linear
 from tandem.models.llama import CausalLM
 from tandem.models.loader import load_model
 from tandem.worker.sampler import LogprobsTensors, token_logprobs
@@ -65,6 +66,8 @@ class RunnerConfig:
     model: str | Path = "default"
     dtype: str | torch.dtype = "float32"
     device: str = "cpu"
+    # Steps of at most this many tokens multiply the GGUF's 4-bit weights packed (CPU; 0: never).
+    packed_max_tokens: int = 0
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides the size computed from kv_cache_memory
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY  # bytes for the cache on CPU
@@ -89,12 +92,30 @@ class ModelRunner:
         self.block_size = config.block_size
         if self.device.type == "cpu":
             keep_freed_memory_in_heap()
-        self.model = model or load_model(config.model, self.dtype, self.device)
+        self.model = model or load_model(
+            config.model, self.dtype, self.device, config.packed_max_tokens
+        )
         self.model_config: ModelConfig = self.model.config
         bytes_per_block = kv_cache_bytes_per_block(self.model_config, self.block_size, self.dtype)
         budget_blocks = max(1, config.kv_cache_memory // bytes_per_block)
         self.num_kv_blocks = config.num_kv_blocks or budget_blocks
         self.kv_caches = self._allocate_kv_cache()
+
+    def packed_weights(self) -> tuple[int, int, int]:
+        """(weights kept packed, their packed bytes, the largest step that uses them), for the
+        roofline's byte count."""
+        packed = [
+            (module.weight.numel(), module.packed.nbytes)
+            for module in self.model.modules()
+            if isinstance(module, Linear) and module.packed is not None
+        ]
+        if not packed:
+            return 0, 0, 0
+        return (
+            sum(weights for weights, _ in packed),
+            sum(nbytes for _, nbytes in packed),
+            self.config.packed_max_tokens,
+        )
 
     def _allocate_kv_cache(self) -> list[torch.Tensor]:
         cfg = self.model_config

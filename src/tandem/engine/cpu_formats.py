@@ -1,0 +1,175 @@
+"""What dtype="auto" means on a CPU, decided by measurement on the machine it runs on.
+
+CPUs differ more than GPUs: with AMX, a bf16 GEMM is 3-5x an fp32 one; on an AVX2-only part it
+is several times slower. And the two phases want different things: prefill is compute-bound
+(the fastest dense GEMM wins), decode is memory-bound (the fewest bytes per weight win, if the
+kernel keeps up). So a short probe over the model's own layer shapes times, once per machine and
+model shape (cached), a prefill-sized matmul in fp32 and bf16, and decode-sized ones (1, 2,
+4, ... rows) of the chosen dense format against the packed 4-bit kernel (models/packed.py,
+for GGUF Q4 weights). The result: the model's dtype, and up to how many tokens a step uses the
+packed weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from tandem.cache import cache_root
+from tandem.config import ModelConfig
+from tandem.engine.machine_peaks import cpu_name
+from tandem.models.packed import GROUP_SIZE
+
+logger = logging.getLogger(__name__)
+
+PREFILL_PROBE_TOKENS = 256
+DECODE_PROBE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+# Decode-sized matmuls stream their weights from memory, not from cache: the probe's set of
+# layers is at least this large in fp32 (or all of the model's layers, if smaller).
+DECODE_PROBE_BYTES = 256 << 20
+PROBE_REPEATS = 3
+
+
+@dataclass(frozen=True)
+class CpuFormats:
+    dtype: str  # the dense weights' (and activations') dtype: "float32" or "bfloat16"
+    packed_max_tokens: int  # steps of at most this many tokens use packed 4-bit weights; 0: never
+    # What was measured (ms for the probe's layer set), for the log.
+    prefill_ms: dict[str, float]
+    decode_ms: dict[str, dict[int, float]]
+
+    def describe(self) -> str:
+        packed = (
+            f"packed 4-bit weights for steps of at most {self.packed_max_tokens} tokens"
+            if self.packed_max_tokens
+            else "no packed weights"
+        )
+        return f"{self.dtype}, {packed} (probe, ms: prefill {self.prefill_ms}, decode " + (
+            f"{self.decode_ms})"
+        )
+
+
+def cpu_formats(config: ModelConfig, packable: bool) -> CpuFormats:
+    """The probe's choice for a model of `config`'s shapes on this CPU; `packable`: the
+    checkpoint has 4-bit GGUF weights the packed kernel can multiply."""
+    key = "|".join(
+        (
+            f"{cpu_name()} x{os.cpu_count()}",
+            f"{torch.get_num_threads()} threads",
+            f"torch {torch.__version__}",
+            f"layer {_layer_shapes(config)} x{config.num_hidden_layers}",
+            f"packable {packable}",
+        )
+    )
+    path = cache_root() / "cpu-formats.json"
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if key in cached:
+        entry = cached[key]
+        entry["decode_ms"] = {
+            name: {int(m): ms for m, ms in by_rows.items()}
+            for name, by_rows in entry["decode_ms"].items()
+        }
+        return CpuFormats(**entry)
+    started = time.perf_counter()
+    formats = probe_cpu_formats(config, packable)
+    logger.info("CPU format probe took %.2f s", time.perf_counter() - started)
+    cached[key] = asdict(formats)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_suffix(f".{os.getpid()}.tmp")
+        staging.write_text(json.dumps(cached, indent=1))
+        staging.replace(path)
+    except OSError as error:
+        logger.warning("cannot cache the CPU format probe in %s (%s)", path, error)
+    return formats
+
+
+def _layer_shapes(config: ModelConfig) -> list[tuple[int, int]]:
+    """(out, in) of one decoder layer's matmuls: fused QKV, O, fused gate/up, down."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    return [
+        (config.q_size + 2 * config.kv_size, hidden),
+        (hidden, config.q_size),
+        (2 * inter, hidden),
+        (hidden, inter),
+    ]
+
+
+def probe_cpu_formats(config: ModelConfig, packable: bool) -> CpuFormats:
+    shapes = _layer_shapes(config)
+    layer_bytes = 4 * sum(rows * cols for rows, cols in shapes)
+    num_layers = max(1, min(config.num_hidden_layers, -(-DECODE_PROBE_BYTES // layer_bytes)))
+    fp32 = [torch.zeros(shape) for _ in range(num_layers) for shape in shapes]
+    one_layer = fp32[: len(shapes)]
+    prefill_ms = {
+        "float32": _matmul_ms(one_layer, PREFILL_PROBE_TOKENS, torch.float32, _dense),
+        "bfloat16": _matmul_ms(
+            [w.bfloat16() for w in one_layer], PREFILL_PROBE_TOKENS, torch.bfloat16, _dense
+        ),
+    }
+    dtype = min(prefill_ms, key=prefill_ms.__getitem__)
+    dense = fp32 if dtype == "float32" else [w.bfloat16() for w in fp32]
+    del fp32
+    decode_ms: dict[str, dict[int, float]] = {dtype: {}}
+    packed_max_tokens = 0
+    if packable:
+        packed = [_packed_zeros(shape) for _ in range(num_layers) for shape in shapes]
+        decode_ms["packed"] = {}
+        for rows in DECODE_PROBE_TOKENS:
+            dense_ms = _matmul_ms(dense, rows, getattr(torch, dtype), _dense)
+            packed_ms = _matmul_ms(packed, rows, torch.bfloat16, _packed)
+            decode_ms[dtype][rows], decode_ms["packed"][rows] = dense_ms, packed_ms
+            if packed_ms >= dense_ms:
+                break
+            packed_max_tokens = rows
+    return CpuFormats(dtype, packed_max_tokens, prefill_ms, decode_ms)
+
+
+def _dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(x, weight)
+
+
+def _packed(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight[0], GROUP_SIZE, weight[1])
+
+
+def _packed_zeros(shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = shape
+    codes = torch.full(shape, 8, dtype=torch.int32)
+    weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    return weight, torch.zeros(cols // GROUP_SIZE, rows, 2, dtype=torch.bfloat16)
+
+
+def _matmul_ms(weights: list, rows: int, dtype: torch.dtype, matmul: Callable) -> float:
+    """Best of a few passes of `rows` activations through every weight in `weights`."""
+    inputs = {
+        in_features: torch.randn(rows, in_features).to(dtype)
+        for in_features in {_in_features(weight) for weight in weights}
+    }
+
+    def one_pass() -> None:
+        for weight in weights:
+            matmul(inputs[_in_features(weight)], weight)
+
+    one_pass()  # warm-up: first touch, kernel selection
+    best = float("inf")
+    for _ in range(PROBE_REPEATS):
+        start = time.perf_counter()
+        one_pass()
+        best = min(best, time.perf_counter() - start)
+    return round(best * 1e3, 3)
+
+
+def _in_features(weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> int:
+    if isinstance(weight, tuple):  # packed: scales_zeros is [in / GROUP_SIZE, out, 2]
+        return weight[1].shape[0] * GROUP_SIZE
+    return weight.shape[1]

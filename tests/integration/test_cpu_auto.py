@@ -1,0 +1,54 @@
+"""dtype="auto" on CPU with the probe's fast formats (bf16 dense weights for prefill, the GGUF's
+Q4 weights packed for decode steps), forced here so every machine runs the same path: greedy
+output equals the fp32 reference's up to near-ties."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem import LLM, SamplingParams
+from tandem.engine import cpu_formats as formats_module
+from tandem.engine.cpu_formats import CpuFormats
+from tandem.models.layers import Linear
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "List three uses of copper:",
+]
+MAX_TOKENS = 32
+NEAR_TIE = 0.25  # nats between fp32's two most likely tokens
+
+
+def test_auto_greedy_equals_fp32_up_to_near_ties(monkeypatch):
+    chosen = CpuFormats("bfloat16", 8, {}, {})
+    monkeypatch.setattr(formats_module, "cpu_formats", lambda config, packable: chosen)
+    auto = LLM("default", kv_cache_memory=256 << 20)
+    runner = auto.engine.core.runner
+    assert runner.config.dtype == "bfloat16" and runner.config.packed_max_tokens == 8
+    packed = [m for m in runner.model.modules() if isinstance(m, Linear) and m.packed]
+    assert len(packed) == 4 * runner.model_config.num_hidden_layers
+    reference = LLM("default", dtype="float32", kv_cache_memory=256 << 20)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    ours = auto.generate(PROMPTS, params, use_tqdm=False)
+    theirs = reference.generate(PROMPTS, params, use_tqdm=False)
+    num_agreed = 0  # tokens before the first difference, over all prompts
+    for mine, expected in zip(ours, theirs, strict=True):
+        tokens, expected_tokens = mine.outputs[0].token_ids, expected.outputs[0].token_ids
+        pairs = enumerate(zip(tokens, expected_tokens, strict=True))
+        diverged = next((i for i, (a, b) in pairs if a != b), None)
+        num_agreed += len(tokens) if diverged is None else diverged
+        if diverged is None:
+            continue
+        # Where they part, fp32 itself nearly could not choose between the two tokens.
+        top = expected.outputs[0].logprobs[diverged]
+        ours_token, fp32_token = tokens[diverged], expected_tokens[diverged]
+        assert ours_token in top, f"prompt {mine.prompt!r}: token {diverged} not fp32's top 2"
+        margin = top[fp32_token].logprob - top[ours_token].logprob
+        assert margin <= NEAR_TIE, (
+            f"prompt {mine.prompt!r} diverged at token {diverged} with fp32 margin {margin}"
+        )
+    assert num_agreed >= len(PROMPTS) * MAX_TOKENS // 4

@@ -1,0 +1,94 @@
+"""dtype="auto" on CPU: a probe measures the formats once per machine and model shape, its choice
+is cached and logged, and an explicit dtype always wins."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from tandem.cache import cache_root
+from tandem.config import model_config_from_hf
+from tandem.engine import cpu_formats as formats_module
+from tandem.engine.config import EngineConfig, resolve_dtype
+from tandem.engine.cpu_formats import DECODE_PROBE_TOKENS, CpuFormats, cpu_formats
+
+TINY = model_config_from_hf(
+    {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 512,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+)
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_probe_measures_both_phases_and_is_cached(fresh_cache, monkeypatch):
+    chosen = cpu_formats(TINY, packable=True)
+    assert chosen.dtype in ("float32", "bfloat16")
+    assert set(chosen.prefill_ms) == {"float32", "bfloat16"}
+    assert chosen.prefill_ms[chosen.dtype] == min(chosen.prefill_ms.values())
+    decode = chosen.decode_ms
+    assert set(decode) == {chosen.dtype, "packed"}
+    # Packed for every size up to its cut, where it beat the dense format; not at the next one.
+    assert chosen.packed_max_tokens in (0, *DECODE_PROBE_TOKENS)
+    for rows, packed_ms in decode["packed"].items():
+        faster = packed_ms < decode[chosen.dtype][rows]
+        assert faster == (rows <= chosen.packed_max_tokens)
+    assert (cache_root() / "cpu-formats.json").exists()
+
+    def no_second_probe(*args):
+        raise AssertionError("the cached result should have been used")
+
+    monkeypatch.setattr(formats_module, "probe_cpu_formats", no_second_probe)
+    assert cpu_formats(TINY, packable=True) == chosen
+
+
+def test_an_unpackable_model_never_gets_packed_weights(fresh_cache):
+    chosen = cpu_formats(TINY, packable=False)
+    assert chosen.packed_max_tokens == 0 and set(chosen.decode_ms) == {chosen.dtype}
+
+
+def test_a_corrupt_cache_is_probed_again(fresh_cache):
+    (fresh_cache / "cpu-formats.json").write_text("{not json")
+    assert cpu_formats(TINY, packable=False).dtype in ("float32", "bfloat16")
+    assert json.loads((fresh_cache / "cpu-formats.json").read_text())
+
+
+def fake_choice(monkeypatch, dtype: str, packed_max_tokens: int) -> None:
+    choice = CpuFormats(dtype, packed_max_tokens, {"float32": 2.0, "bfloat16": 1.0}, {})
+    monkeypatch.setattr(formats_module, "cpu_formats", lambda config, packable: choice)
+
+
+def test_auto_follows_the_probe_and_says_so(monkeypatch, caplog, tmp_path):
+    fake_choice(monkeypatch, "bfloat16", 8)
+    gguf = tmp_path / "model.gguf"
+    monkeypatch.setattr("tandem.engine.config.gguf_has_packable_weights", lambda path: True)
+    with caplog.at_level(logging.INFO, logger="tandem.engine.config"):
+        assert resolve_dtype("auto", "cpu", TINY, gguf) == ("bfloat16", 8)
+    assert "steps of at most 8 tokens" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float", "bfloat16", "half"])
+def test_an_explicit_dtype_wins_and_keeps_weights_dense(monkeypatch, tmp_path, dtype):
+    fake_choice(monkeypatch, "bfloat16", 8)
+    expected = {"float": "float32", "half": "float16"}.get(dtype, dtype)
+    assert resolve_dtype(dtype, "cpu", TINY, tmp_path / "model.gguf") == (expected, 0)
+
+
+def test_engine_config_carries_the_choice_to_the_runner(monkeypatch, tiny_llama):
+    fake_choice(monkeypatch, "bfloat16", 4)
+    config = EngineConfig.create(tiny_llama[0], device="cpu")
+    assert (config.runner.dtype, config.runner.packed_max_tokens) == ("bfloat16", 4)
+    pinned = EngineConfig.create(tiny_llama[0], device="cpu", dtype="float32")
+    assert (pinned.runner.dtype, pinned.runner.packed_max_tokens) == ("float32", 0)
