@@ -185,11 +185,14 @@ def test_bad_dtype_lists_choices():
 
 @pytest.mark.parametrize("arch,config_class,extra", GGUF_FAMILIES)
 def test_packed_q4_weights_equal_the_dequantized_model(tmp_path, arch, config_class, extra):
-    """Q4_0 / Q4_1 matrices kept packed (dtype="auto"'s decode format): steps of a few tokens
-    give the dequantized fp32 model's logits within bf16 rounding, and use only the packed
-    weights (the dense ones are zeroed here to prove it); larger steps use the dense ones."""
+    """Q4_0 / Q4_1 / Q8_0 matrices kept packed (dtype="auto"'s decode format): steps of a few
+    tokens give the dequantized fp32 model's logits within bf16 rounding, and use only the
+    packed weights (the dense ones are zeroed here to prove it); larger steps use the dense
+    ones. The LM head (tied or not) is Q8_0 here."""
     source = make_hf_model(config_class, {**SMALL, **extra})
-    write_gguf(tmp_path / "m.gguf", source, arch, {"attn_": "Q4_0", "ffn_": "Q4_1"})
+    qtypes = {"attn_": "Q4_0", "ffn_up": "Q4_1", "ffn_gate": "Q4_1", "ffn_down": "Q8_0",
+              "token_embd": "Q8_0", "output.": "Q8_0"}  # fmt: skip
+    write_gguf(tmp_path / "m.gguf", source, arch, qtypes)
     reference = ModelRunner(RunnerConfig(model=tmp_path / "m.gguf", num_kv_blocks=4))
     packed = ModelRunner(
         RunnerConfig(model=tmp_path / "m.gguf", dtype="bfloat16", packed_max_tokens=4,
@@ -197,9 +200,13 @@ def test_packed_q4_weights_equal_the_dequantized_model(tmp_path, arch, config_cl
     )  # fmt: skip
     linears = [m for m in packed.model.modules() if hasattr(m, "packed") and m.packed]
     assert len(linears) == 4 * packed.model_config.num_hidden_layers
+    assert packed.model.lm_head_packed is not None
+    assert packed.model.lm_head_packed.input_copies == 2  # Q8_0
     with torch.no_grad():
         for module in linears:
             module.weight.zero_()
+        if not packed.model_config.tie_word_embeddings:
+            packed.model.lm_head.weight.zero_()
     prompt = list(range(3, 23))
     expected = all_token_logits(reference, [Slice(prompt, 0, len(prompt), [0, 1])])
     chunks = [

@@ -45,7 +45,7 @@ class ModelShape:
     kv_bytes: int  # per cached key or value element
     activation_bytes: int  # per activation element
     # Layer weights also kept packed (models/packed.py): steps of at most packed_max_tokens
-    # new tokens read these packed_weights (of all layers) as packed_bytes instead.
+    # new tokens read these packed_weights (layers' and LM head's) as packed_bytes instead.
     packed_weights: int = 0
     packed_bytes: int = 0
     packed_max_tokens: int = 0

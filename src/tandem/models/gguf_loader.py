@@ -17,7 +17,7 @@ import torch
 
 from tandem.config import ModelConfig, UnsupportedModelError, model_config_from_hf
 from tandem.models.gguf_cache import cached_json
-from tandem.models.packed import PACKED_QUANT_TYPES, Int4Codes, unpack_q4_blocks
+from tandem.models.packed import PACKED_QUANT_TYPES, Int4Codes, unpack_blocks
 
 # GGUF general.architecture -> HF architecture name, and whether Q/K rows are permuted.
 GGUF_ARCHITECTURES = {
@@ -79,7 +79,7 @@ def gguf_model_config(path: Path) -> ModelConfig:
 
 
 def gguf_has_packable_weights(path: Path) -> bool:
-    """Whether any matrix of the file is Q4_0 / Q4_1 (kept packed under dtype="auto")."""
+    """Whether any matrix of the file is Q4_0 / Q4_1 / Q8_0 (kept packed under dtype="auto")."""
     types = cached_json(
         path,
         "tensor-types",
@@ -157,8 +157,9 @@ def _rope_row_heads(name: str, config: ModelConfig, permuted_qk: bool) -> int | 
     return None
 
 
-def iter_gguf_q4_codes(path: Path, config: ModelConfig) -> Iterator[tuple[str, Int4Codes]]:
-    """The Q4_0 / Q4_1 matrices of the file, by HF name, as 4-bit codes (models/packed.py)."""
+def iter_gguf_packable(path: Path, config: ModelConfig) -> Iterator[tuple[str, Int4Codes]]:
+    """The Q4_0 / Q4_1 / Q8_0 matrices of the file, by HF name, as 4-bit codes
+    (models/packed.py)."""
     reader = _reader(path)
     _, _, permuted_qk = _hf_architecture(reader)
     for tensor in reader.tensors:
@@ -166,7 +167,7 @@ def iter_gguf_q4_codes(path: Path, config: ModelConfig) -> Iterator[tuple[str, I
         if tensor.tensor_type.name not in PACKED_QUANT_TYPES or len(shape) != 2:
             continue
         name = hf_tensor_name(tensor.name)
-        codes = unpack_q4_blocks(tensor.data, tensor.tensor_type.name, shape)
+        codes = unpack_blocks(tensor.data, tensor.tensor_type.name, shape)
         heads = _rope_row_heads(name, config, permuted_qk)
         if heads is not None:
             codes = codes.permute_rows(lambda rows, h=heads: unpermute_rope_rows(rows, h))

@@ -21,6 +21,7 @@ from tandem.models.layers import (
     apply_rotary,
     silu_and_mul,
 )
+from tandem.models.packed import PackedWeight
 
 
 class Attention(nn.Module):
@@ -117,6 +118,8 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(config)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # The head's weight kept packed (models/packed.py), for a few sampled rows at a time.
+        self.lm_head_packed: PackedWeight | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -124,10 +127,18 @@ class CausalLM(nn.Module):
             return self.model.embed_tokens.weight
         return self.lm_head.weight
 
+    @property
+    def lm_head_checkpoint_name(self) -> str:
+        """The checkpoint tensor (without ".weight") the head multiplies by."""
+        return "model.embed_tokens" if self.config.tie_word_embeddings else "lm_head"
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        packed = self.lm_head_packed
+        if packed is not None and hidden.shape[0] <= packed.max_tokens:
+            return packed.matmul(hidden).float()
         return F.linear(hidden, self.lm_head_weight).float()
 
     def attention_layers(self) -> list[Attention]:

@@ -92,9 +92,9 @@ def load_model(
 
         load_weights(net, iter_gguf_tensors(path, config))
         if packed_max_tokens > 0 and torch.device(device).type == "cpu":
-            from tandem.models.gguf_loader import iter_gguf_q4_codes
+            from tandem.models.gguf_loader import iter_gguf_packable
 
-            attach_packed_weights(net, iter_gguf_q4_codes(path, config), packed_max_tokens)
+            attach_packed_weights(net, iter_gguf_packable(path, config), packed_max_tokens)
     else:
         load_weights(net, iter_safetensors(path))
     return net.eval()
@@ -168,9 +168,11 @@ def load_weights(net: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tensor
 def attach_packed_weights(
     net: torch.nn.Module, matrices: Iterator[tuple[str, Int4Codes]], max_tokens: int
 ) -> int:
-    """Give each linear layer whose every shard came as 4-bit codes its packed weight (fused
-    shards concatenated in row order); returns the packed bytes. Layers with a shard in another
-    format (e.g. a Q6_K V projection) stay dense only."""
+    """Give each linear layer whose every shard came as codes of one kind (Q4 or Q8_0) its
+    packed weight (fused shards concatenated in row order), and the LM head its own; returns
+    the packed bytes. Layers with a shard in another format (e.g. a Q6_K V projection) stay
+    dense only."""
+    head_name = getattr(net, "lm_head_checkpoint_name", None)
     shards: dict[str, dict[str, Int4Codes]] = {}
     for name, codes in matrices:
         parent, _, leaf = name.removesuffix(".weight").rpartition(".")
@@ -178,18 +180,23 @@ def attach_packed_weights(
         shards.setdefault(f"{parent}.{fused_name}".lstrip("."), {})[shard_id] = codes
     packed_bytes = 0
     for module_name, parts in shards.items():
+        if module_name == head_name:
+            net.lm_head_packed = PackedWeight.from_codes(parts[None], max_tokens)
+            packed_bytes += net.lm_head_packed.nbytes
+            continue
         module = net.get_submodule(module_name)
         if not isinstance(module, Linear):
             continue
         order = list(getattr(module, "shard_offsets", {None: None}))
         if any(shard_id not in parts for shard_id in order):
             continue
-        module.packed = PackedWeight.from_codes(
-            Int4Codes.cat([parts[shard_id] for shard_id in order]), max_tokens
-        )
+        codes = Int4Codes.cat([parts[shard_id] for shard_id in order])
+        if codes is None:
+            continue
+        module.packed = PackedWeight.from_codes(codes, max_tokens)
         packed_bytes += module.packed.nbytes
     logger.info(
-        "4-bit GGUF weights kept packed (%.1f MB) for steps of at most %d tokens",
+        "GGUF weights kept packed (%.1f MB) for steps of at most %d tokens",
         packed_bytes / 1e6,
         max_tokens,
     )

@@ -109,6 +109,8 @@ class ModelRunner:
             for module in self.model.modules()
             if isinstance(module, Linear) and module.packed is not None
         ]
+        if self.model.lm_head_packed is not None:
+            packed.append((self.model.lm_head_weight.numel(), self.model.lm_head_packed.nbytes))
         if not packed:
             return 0, 0, 0
         return (
