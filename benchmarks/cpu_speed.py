@@ -54,12 +54,13 @@ def random_tokens(count: int, length: int, seed: int) -> list[list[int]]:
 
 
 class Tandem:
-    def __init__(self, dtype: str) -> None:
-        self.name = f"tandem {dtype}"
+    def __init__(self, dtype: str, compilation_level: int = 0) -> None:
+        self.name = f"tandem {dtype}" + (" compiled" if compilation_level else "")
         # No prefix caching: the same prompts run every round.
         self.llm = LLM(
-            "default", dtype=dtype, kv_cache_memory=KV_CACHE, enable_prefix_caching=False
-        )
+            "default", dtype=dtype, kv_cache_memory=KV_CACHE, enable_prefix_caching=False,
+            compilation_config=compilation_level,
+        )  # fmt: skip
 
     def _generate(self, prompts: list[list[int]], max_tokens: int) -> float:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -148,9 +149,15 @@ def offline_rows(engines: list) -> dict[str, float]:
     return rates
 
 
-def startup_seconds(dtype: str) -> tuple[float, float]:
-    """Wall time of a fresh process to a ready LLM: with an empty tandem cache, then again."""
-    code = f"from tandem import LLM; LLM('default', dtype={dtype!r}, kv_cache_memory={KV_CACHE})"
+def startup_seconds(dtype: str, compilation_level: int = 0) -> tuple[float, float]:
+    """Wall time of a fresh process to a ready LLM: with an empty tandem cache, then again.
+    Compiled: until a prefill and a decode step have run (torch.compile compiles lazily)."""
+    code = (
+        f"from tandem import LLM, SamplingParams; llm = LLM('default', dtype={dtype!r}, "
+        f"kv_cache_memory={KV_CACHE}, compilation_config={compilation_level})"
+    )
+    if compilation_level:
+        code += "; llm.generate('Hello ' * 20, SamplingParams(max_tokens=2), use_tqdm=False)"
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "TANDEM_CACHE_DIR": cache}
         times = []
@@ -279,6 +286,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--offline", action="store_true", help="also the 64-prompt workload")
     parser.add_argument("--quality-tokens", type=int, default=3000)
+    parser.add_argument("--compile", action="store_true",
+                        help="also dtype='auto' with compilation_config=3")  # fmt: skip
     args = parser.parse_args()
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
@@ -294,6 +303,8 @@ def main() -> None:
     )
 
     engines = [HF(), *(Tandem(dtype) for dtype in TANDEM_DTYPES)]
+    if args.compile:
+        engines.append(Tandem("auto", compilation_level=3))
     speed = speed_rows(engines, args.rounds)
     hf = speed[HF.name]
     print(f"\n## Speed (best of {args.rounds} alternated rounds)")
@@ -329,6 +340,8 @@ def main() -> None:
     del engines
 
     startup = {dtype: startup_seconds(dtype) for dtype in TANDEM_DTYPES}
+    if args.compile:
+        startup["auto compiled (to a first prefill and decode)"] = startup_seconds("auto", 3)
     print("\n## Start-up to a ready LLM (fresh process), s")
     print("| dtype | first start (empty cache) | second start |")
     print("|---|---:|---:|")

@@ -91,6 +91,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--swap-space", type=float, default=None)
     parser.add_argument("--enforce-eager", action="store_true", default=None)
+    parser.add_argument("--compilation-config", type=json.loads, default=None,
+                        help="a level (0 eager, 1-3 torch.compile of the layers, CPU) or "
+                        '{"level": n}')  # fmt: skip
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -130,6 +133,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization,
         swap_space=args.swap_space,
         enforce_eager=args.enforce_eager,
+        compilation_config=args.compilation_config,
         step_log=args.step_log,
         peak_tflops=args.peak_tflops,
         peak_bandwidth_gbps=args.peak_bandwidth_gbps,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tandem.cli import add_engine_args, engine_kwargs
-from tandem.engine.config import EngineConfig, resolve_dtype
+from tandem.engine.config import EngineConfig, compile_layers, resolve_dtype
 from tandem.engine.messages import AddRequest
 from tandem.engine.vllm_args import check_vllm_only_args
 from tandem.request import Request
@@ -197,3 +197,23 @@ def test_priority_crosses_the_process_boundary():
     assert decoded.priority == -3
     with pytest.raises(ValueError, match="priority must be an int"):
         Request("r", [1], priority=1.5)
+
+
+@pytest.mark.parametrize(
+    "value,expected",
+    [(None, False), (0, False), (3, True), ({"level": 1}, True), ({"mode": 0}, False)],
+)
+def test_compilation_config_levels(value, expected):
+    assert compile_layers(value, "cpu") is expected
+
+
+@pytest.mark.parametrize("value", [4, -1, True, "3", {"level": 9}, {"backend": "inductor"}])
+def test_compilation_config_refuses_what_it_cannot_do(value):
+    with pytest.raises(ValueError, match="compilation_config"):
+        compile_layers(value, "cpu")
+
+
+def test_compilation_on_cuda_is_logged_as_no_effect(caplog):
+    with caplog.at_level(logging.WARNING, logger="tandem.engine.config"):
+        assert compile_layers(3, "cuda") is False
+    assert "no effect on CUDA" in caplog.text

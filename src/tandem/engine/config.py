@@ -92,6 +92,7 @@ class EngineConfig:
         gpu_memory_utilization: float | None = None,
         swap_space: float | None = None,
         enforce_eager: bool | None = None,
+        compilation_config: int | dict[str, Any] | None = None,
         step_log: str | Path | None = None,
         peak_tflops: float | None = None,
         peak_bandwidth_gbps: float | None = None,
@@ -147,6 +148,7 @@ class EngineConfig:
                 max_num_batched_tokens = max(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
         dtype_name, packed_max_tokens = resolve_dtype(dtype, device, model_config, model_path)
         runner = RunnerConfig(
+            compile_layers=compile_layers(compilation_config, device),
             model=model_path,
             dtype=dtype_name,
             packed_max_tokens=packed_max_tokens,
@@ -298,6 +300,40 @@ def _generation_config_path(source: str | Path, model_path: Path) -> Path | None
             "the folder holding generation_config.json"
         )
     return path
+
+
+COMPILATION_LEVELS = (0, 1, 2, 3)  # vLLM's: 0 eager, 1-3 kinds of torch.compile
+
+
+def compile_layers(compilation_config: int | dict[str, Any] | None, device: str) -> bool:
+    """Whether vLLM's `compilation_config` (a level, or a dict with "level" or "mode") asks
+    for torch.compile: any level above 0 compiles each layer's halves around attention
+    (CausalLM.compile_layers) on CPU. None is eager here (vLLM's default compiles: a
+    departure, for start-up time)."""
+    level = compilation_config
+    if isinstance(compilation_config, dict):
+        unknown = sorted(set(compilation_config) - {"level", "mode"})
+        if unknown:
+            raise ValueError(
+                f"compilation_config keys {unknown} are not supported: tandem reads only "
+                '"level" (or "mode"), 0 for eager, 1-3 to torch.compile the layers'
+            )
+        level = compilation_config.get("level", compilation_config.get("mode", 0))
+    if level is None:
+        return False
+    if isinstance(level, bool) or level not in COMPILATION_LEVELS:
+        raise ValueError(
+            f"compilation_config={compilation_config!r} is not supported: give a level in "
+            f"{COMPILATION_LEVELS} (0 eager, 1-3 torch.compile of the layers), or "
+            '{"level": n}'
+        )
+    if level and device.startswith("cuda"):
+        logger.warning(
+            "compilation_config level %s has no effect on CUDA yet: the layers run eagerly",
+            level,
+        )
+        return False
+    return level > 0
 
 
 def _note_no_effect(

@@ -47,7 +47,6 @@ NOOP_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
     "structured_outputs_config": ((None,), "guided decoding is not built yet"),
     "profiler_config": ((None,), "use torch.profiler around generate()"),
     "attention_config": ((None,), "tandem picks its attention backend per device"),
-    "compilation_config": ((None, 0), "torch.compile and CUDA graphs are not built yet"),
     "logits_processors": ((None, []), "like vLLM v1, no per-request Python logits processors"),
     "pipeline_parallel_size": ((1,), _ONE_DEVICE),
     "data_parallel_size": ((1,), _ONE_DEVICE),

@@ -5,6 +5,7 @@ for requests that ask, the logprobs of their prompt tokens in this step's chunk)
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 
 from tandem.attention.metadata import RequestSlice, build_batch, forward_context
+from tandem.cache import cache_root
 from tandem.config import ModelConfig
 from tandem.models.layers import Linear
 from tandem.models.llama import CausalLM
@@ -68,6 +70,7 @@ class RunnerConfig:
     device: str = "cpu"
     # Steps of at most this many tokens multiply the GGUF's 4-bit weights packed (CPU; 0: never).
     packed_max_tokens: int = 0
+    compile_layers: bool = False  # torch.compile each layer's halves around attention
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides the size computed from kv_cache_memory
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY  # bytes for the cache on CPU
@@ -95,6 +98,11 @@ class ModelRunner:
         self.model = model or load_model(
             config.model, self.dtype, self.device, config.packed_max_tokens
         )
+        if config.compile_layers:
+            # Inductor's kernels are cached beside tandem's other caches: a second start reuses
+            # them (it still re-traces the graphs).
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+            self.model.compile_layers(min_tokens=config.packed_max_tokens + 1)
         self.model_config: ModelConfig = self.model.config
         bytes_per_block = kv_cache_bytes_per_block(self.model_config, self.block_size, self.dtype)
         budget_blocks = max(1, config.kv_cache_memory // bytes_per_block)
