@@ -159,7 +159,9 @@ def startup_seconds(dtype: str, compilation_level: int = 0) -> tuple[float, floa
     if compilation_level:
         code += "; llm.generate('Hello ' * 20, SamplingParams(max_tokens=2), use_tqdm=False)"
     with tempfile.TemporaryDirectory() as cache:
+        # Inductor's cache lives in tandem's (unless set): this process's must not leak in.
         env = {**os.environ, "TANDEM_CACHE_DIR": cache}
+        env.pop("TORCHINDUCTOR_CACHE_DIR", None)
         times = []
         for _ in range(2):
             start = time.perf_counter()
