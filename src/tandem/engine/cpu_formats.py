@@ -12,7 +12,6 @@ packed weights.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -21,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from tandem.cache import cache_root
+from tandem.cache import cached_measurement
 from tandem.config import ModelConfig
 from tandem.engine.machine_peaks import cpu_name
 from tandem.models.packed import GROUP_SIZE
@@ -67,30 +66,19 @@ def cpu_formats(config: ModelConfig, packable: bool) -> CpuFormats:
             f"packable {packable}",
         )
     )
-    path = cache_root() / "cpu-formats.json"
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    if key in cached:
-        entry = cached[key]
-        entry["decode_ms"] = {
-            name: {int(m): ms for m, ms in by_rows.items()}
-            for name, by_rows in entry["decode_ms"].items()
-        }
-        return CpuFormats(**entry)
-    started = time.perf_counter()
-    formats = probe_cpu_formats(config, packable)
-    logger.info("CPU format probe took %.2f s", time.perf_counter() - started)
-    cached[key] = asdict(formats)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staging = path.with_suffix(f".{os.getpid()}.tmp")
-        staging.write_text(json.dumps(cached, indent=1))
-        staging.replace(path)
-    except OSError as error:
-        logger.warning("cannot cache the CPU format probe in %s (%s)", path, error)
-    return formats
+
+    def measure() -> dict:
+        started = time.perf_counter()
+        formats = probe_cpu_formats(config, packable)
+        logger.info("CPU format probe took %.2f s", time.perf_counter() - started)
+        return asdict(formats)
+
+    entry = dict(cached_measurement("cpu-formats.json", key, measure))
+    entry["decode_ms"] = {  # JSON keys are strings
+        name: {int(rows): ms for rows, ms in by_rows.items()}
+        for name, by_rows in entry["decode_ms"].items()
+    }
+    return CpuFormats(**entry)
 
 
 def _layer_shapes(config: ModelConfig) -> list[tuple[int, int]]:

@@ -5,7 +5,6 @@ version. Flags override either figure."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import platform
@@ -13,7 +12,7 @@ import time
 
 import torch
 
-from tandem.cache import cache_root
+from tandem.cache import cached_measurement
 from tandem.core.roofline import MachinePeaks
 
 logger = logging.getLogger(__name__)
@@ -67,24 +66,13 @@ def _gpu_peaks(device: torch.device, dtype: torch.dtype) -> MachinePeaks:
 def _cpu_peaks(dtype: torch.dtype) -> MachinePeaks:
     name = f"{cpu_name()} x{os.cpu_count()}"
     key = f"{name}|{dtype}|{torch.get_num_threads()} threads|torch {torch.__version__}"
-    path = cache_root() / "machine-peaks.json"
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    if key in cached:
-        flops, bandwidth = cached[key]
-        return MachinePeaks(f"{name} (probed)", flops, bandwidth)
-    peaks = _probe(torch.device("cpu"), dtype, name)
-    cached[key] = [peaks.flops_per_second, peaks.bytes_per_second]
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staging = path.with_suffix(f".{os.getpid()}.tmp")
-        staging.write_text(json.dumps(cached, indent=1))
-        staging.replace(path)
-    except OSError as error:
-        logger.warning("cannot cache the machine's peaks in %s (%s)", path, error)
-    return peaks
+
+    def measure() -> list[float]:
+        peaks = _probe(torch.device("cpu"), dtype, name)
+        return [peaks.flops_per_second, peaks.bytes_per_second]
+
+    flops, bandwidth = cached_measurement("machine-peaks.json", key, measure)
+    return MachinePeaks(f"{name} (probed)", flops, bandwidth)
 
 
 def cpu_name() -> str:
