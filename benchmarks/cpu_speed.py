@@ -34,6 +34,7 @@ import tandem.engine.engine_core as engine_core_module
 import tandem.worker.model_runner as runner_module
 from tandem import LLM, SamplingParams
 from tandem.attention.metadata import build_batch, forward_context
+from tandem.core.scheduler import ScheduledRequest
 from tandem.engine.config import EngineConfig
 from tandem.engine.tokenizer import load_tokenizer
 from tandem.models.loader import resolve_model_path
@@ -225,7 +226,7 @@ def teacher_forced(runner: ModelRunner, tokens: list[int], chunk: int) -> tuple:
     with torch.inference_mode():
         for start in range(0, len(tokens) - 1, chunk):
             end = min(start + chunk, len(tokens) - 1)
-            request = _Slice(tokens[:end], start, end - start, block_ids)
+            request = ScheduledRequest("text", tokens[:end], start, end - start, block_ids, True)
             batch = build_batch([request], runner.block_size, runner.device)
             with forward_context(batch.attn_metadata):
                 hidden = runner.model(batch.input_ids, batch.positions)
@@ -235,14 +236,6 @@ def teacher_forced(runner: ModelRunner, tokens: list[int], chunk: int) -> tuple:
             )
             argmax.append(rows.argmax(dim=-1))
     return torch.cat(logprobs), torch.cat(argmax)
-
-
-class _Slice:
-    def __init__(self, token_ids, num_computed_tokens, num_new_tokens, block_ids) -> None:
-        self.token_ids = token_ids
-        self.num_computed_tokens = num_computed_tokens
-        self.num_new_tokens = num_new_tokens
-        self.block_ids = block_ids
 
 
 def quality_rows(num_tokens: int) -> tuple[dict[str, dict[str, float]], dict]:

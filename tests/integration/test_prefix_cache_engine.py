@@ -71,16 +71,15 @@ def test_caching_off_reports_no_hits(reference) -> None:
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (0, 0)
 
 
+def small_budget_llm(folder) -> LLM:
+    """A small budget admits the prompts over several steps, so later ones find the prefix."""
+    return LLM(folder, dtype="float32", skip_tokenizer_init=True, max_num_batched_tokens=64,
+               max_num_seqs=4)  # fmt: skip
+
+
 def test_shared_prefix_hits_and_outputs_equal_uncached(tiny_folder, reference) -> None:
     (shared_ref, _), _ = reference
-    # A small budget admits the prompts over several steps, so later ones find the prefix.
-    llm = LLM(
-        tiny_folder,
-        dtype="float32",
-        skip_tokenizer_init=True,
-        max_num_batched_tokens=64,
-        max_num_seqs=4,
-    )
+    llm = small_budget_llm(tiny_folder)
     kv = llm.engine.core.kv_cache_manager
     outputs = generate(llm, PROMPTS)
     assert_same_outputs(outputs, shared_ref)
@@ -137,13 +136,7 @@ def test_hash_collisions_never_corrupt_outputs(tiny_folder, reference, monkeypat
     hash_fn = constant if collision == "constant" else tokens_only
     monkeypatch.setitem(BLOCK_HASH_FUNCTIONS, "xxhash", hash_fn)
     (shared_ref, repeat_ref), _ = reference
-    llm = LLM(
-        tiny_folder,
-        dtype="float32",
-        skip_tokenizer_init=True,
-        max_num_batched_tokens=64,
-        max_num_seqs=4,
-    )
+    llm = small_budget_llm(tiny_folder)
     assert_same_outputs(generate(llm, REPEATS), repeat_ref)
     assert_same_outputs(generate(llm, PROMPTS), shared_ref)
     again = generate(llm, REPEATS)

@@ -6,8 +6,8 @@ is several times slower. And the two phases want different things: prefill is co
 kernel keeps up). So a short probe over the model's own layer shapes times, once per machine and
 model shape (cached), a prefill-sized matmul in fp32 and bf16, and decode-sized ones (1, 2,
 4, ... rows) of the chosen dense format against the packed 4-bit kernel (models/packed.py,
-for GGUF Q4 weights). The result: the model's dtype, and up to how many tokens a step uses the
-packed weights.
+for GGUF Q4_0 / Q4_1 / Q8_0 weights). The result: the model's dtype, and up to how many
+tokens a step uses the packed weights.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 from tandem.cache import cached_measurement
 from tandem.config import ModelConfig
 from tandem.engine.machine_peaks import cpu_name
-from tandem.models.packed import GROUP_SIZE
+from tandem.models.packed import GROUP_SIZE, Int4Codes, PackedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -126,15 +127,15 @@ def _dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight)
 
 
-def _packed(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight[0], GROUP_SIZE, weight[1])
+def _packed(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    return weight.matmul(x)
 
 
-def _packed_zeros(shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _packed_zeros(shape: tuple[int, int]) -> PackedWeight:
     rows, cols = shape
-    codes = torch.full(shape, 8, dtype=torch.int32)
-    weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-    return weight, torch.zeros(cols // GROUP_SIZE, rows, 2, dtype=torch.bfloat16)
+    affine = np.zeros((rows, cols // GROUP_SIZE), dtype=np.float32)
+    codes = Int4Codes(np.full(shape, 8, dtype=np.uint8), affine, affine)
+    return PackedWeight.from_codes(codes, max_tokens=0)
 
 
 def _matmul_ms(weights: list, rows: int, dtype: torch.dtype, matmul: Callable) -> float:
@@ -157,7 +158,7 @@ def _matmul_ms(weights: list, rows: int, dtype: torch.dtype, matmul: Callable) -
     return round(best * 1e3, 3)
 
 
-def _in_features(weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> int:
-    if isinstance(weight, tuple):  # packed: scales_zeros is [in / GROUP_SIZE, out, 2]
-        return weight[1].shape[0] * GROUP_SIZE
+def _in_features(weight: torch.Tensor | PackedWeight) -> int:
+    if isinstance(weight, PackedWeight):  # scales_zeros is [in / GROUP_SIZE, out, 2]
+        return weight.scales_zeros.shape[0] * GROUP_SIZE
     return weight.shape[1]

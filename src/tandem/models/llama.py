@@ -6,6 +6,9 @@ SmolLM2; the differences are flags in `ModelConfig`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -163,19 +166,19 @@ class CausalLM(nn.Module):
         object, so they share the compiled graphs. Smaller steps (those that multiply packed
         weights) stay eager: compiled, they measured no faster."""
         for layer in self.model.layers:
-            compiled_inputs = torch.compile(layer.attention_inputs, dynamic=True)
-            compiled_outputs = torch.compile(layer.attention_outputs, dynamic=True)
-            eager_inputs, eager_outputs = layer.attention_inputs, layer.attention_outputs
-
-            def attention_inputs(rope, hidden, eager=eager_inputs, compiled=compiled_inputs):
-                return (compiled if hidden.shape[0] >= min_tokens else eager)(rope, hidden)
-
-            def attention_outputs(hidden, attended, eager=eager_outputs,
-                                  compiled=compiled_outputs):  # fmt: skip
-                return (compiled if hidden.shape[0] >= min_tokens else eager)(hidden, attended)
-
-            layer.attention_inputs = attention_inputs
-            layer.attention_outputs = attention_outputs
+            layer.attention_inputs = _compiled_from(layer.attention_inputs, min_tokens)
+            layer.attention_outputs = _compiled_from(layer.attention_outputs, min_tokens)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
+
+
+def _compiled_from(method: Callable[..., Any], min_tokens: int) -> Callable[..., Any]:
+    """`method` torch.compiled for calls whose last argument (a `[T, ...]` tensor) has at least
+    `min_tokens` rows; eager below that."""
+    compiled = torch.compile(method, dynamic=True)
+
+    def run(*args: Any) -> Any:
+        return (compiled if args[-1].shape[0] >= min_tokens else method)(*args)
+
+    return run

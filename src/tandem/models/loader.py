@@ -79,7 +79,7 @@ def load_model(
     packed_max_tokens: int = 0,
 ) -> torch.nn.Module:
     """Build the model for the checkpoint at `model` and fill its weights. `packed_max_tokens`
-    > 0 (CPU, GGUF): also keep the Q4_0 / Q4_1 matrices packed, multiplied natively in steps
+    > 0 (CPU, GGUF): also keep the Q4_0 / Q4_1 / Q8_0 matrices packed, multiplied natively in steps
     of at most that many tokens (models/packed.py)."""
     path = resolve_model_path(model)
     config = load_model_config(path)
