@@ -59,6 +59,7 @@ def run_server(args: list[str], label: str, workload: w.Workload, out: Path) -> 
 class _Work:
     def __init__(self, computed: int, new: int, sample: bool) -> None:
         self.num_computed_tokens, self.num_new_tokens, self.sample = computed, new, sample
+        self.draft_token_ids: tuple[int, ...] = ()
 
 
 def telemetry_seconds_per_step() -> float:

@@ -87,6 +87,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="peak TFLOP/s for MFU (default: data sheet or probe)")  # fmt: skip
     parser.add_argument("--peak-bandwidth-gbps", type=float, default=None,
                         help="peak memory GB/s for MBU (default: data sheet or probe)")  # fmt: skip
+    parser.add_argument("--speculative-config", type=json.loads, default=None,
+                        help='speculative decoding, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\'')  # fmt: skip
     # vLLM's, accepted and logged where they change nothing (docs/coming-from-vllm.md).
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--swap-space", type=float, default=None)
@@ -138,6 +141,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         peak_tflops=args.peak_tflops,
         peak_bandwidth_gbps=args.peak_bandwidth_gbps,
         target_itl_ms=args.target_itl_ms,
+        speculative_config=args.speculative_config,
     )
 
 

@@ -30,6 +30,9 @@ class RequestMetrics:
     token_times: list[float] = field(default_factory=list)  # one per output token
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    # Speculative decoding: draft tokens verified for this sequence, and those accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def queue_time(self) -> float | None:

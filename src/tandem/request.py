@@ -76,6 +76,16 @@ class Request:
     first_token_time: float | None = field(init=False, default=None)
     token_times: list[float] = field(init=False, default_factory=list)  # one per output token
     finished_time: float | None = field(init=False, default=None)
+    # Speculative decoding: the proposer's guesses of the tokens after the last one (the
+    # scheduler verifies some or all of them in the next step), and what verification did
+    # with this request's drafts so far (the scheduler estimates its acceptance rate from them).
+    spec_token_ids: list[int] = field(init=False, default_factory=list)
+    num_draft_tokens: int = field(init=False, default=0)
+    num_accepted_tokens: int = field(init=False, default=0)
+    # Accepted drafts and rejections (a verification rejects at most one), decayed so that
+    # the estimate follows the request's recent text: the scheduler's acceptance estimate.
+    recent_accepted: float = field(init=False, default=0.0)
+    recent_rejections: float = field(init=False, default=0.0)
 
     def __post_init__(self) -> None:
         if self.cache_salt is not None and (

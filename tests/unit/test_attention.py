@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 import torch
 
@@ -90,7 +89,26 @@ def test_build_batch_positions_and_slots():
     ]  # fmt: skip
     assert batch.attn_metadata.seq_lens_cpu.tolist() == [30, 5]
     assert batch.logits_indices.tolist() == [7]
-    assert np.array_equal(batch.attn_metadata.decode_indices_cpu, [])
+    # A request with a few new tokens after its first step is attended to token by token.
+    metadata = batch.attn_metadata
+    assert metadata.decode_token_indices_cpu.tolist() == [0, 1, 2]
+    assert metadata.decode_token_requests_cpu.tolist() == [0, 0, 0]
+    assert metadata.decode_token_seq_lens_cpu.tolist() == [28, 29, 30]
+    assert metadata.prefill_indices_cpu.tolist() == [1]
+
+
+def test_build_batch_draft_tokens_and_their_logits_rows():
+    """Drafts follow a request's known tokens; a sampled request gets logits at its last
+    known token and every draft."""
+    slices = [Slice([1, 2, 3], 2, 3, [0]), Slice([7, 8], 1, 1, [1]), Slice([4, 5], 1, 2, [2])]
+    batch = build_batch(slices, 16, torch.device("cpu"), draft_token_ids=[[40, 41], [], [50]])
+    assert batch.input_ids.tolist() == [3, 40, 41, 8, 5, 50]
+    assert batch.positions.tolist() == [2, 3, 4, 1, 1, 2]
+    assert batch.logits_indices.tolist() == [0, 1, 2, 3, 4, 5]
+    masked = build_batch(
+        slices, 16, torch.device("cpu"), [True, False, True], None, [[40, 41], [], [50]]
+    )
+    assert masked.logits_indices.tolist() == [0, 1, 2, 4, 5]
 
 
 def test_build_batch_prompt_logits_rows_and_targets():

@@ -40,6 +40,7 @@ class Work:
     num_computed_tokens: int
     num_new_tokens: int
     sample: bool
+    draft_token_ids: tuple[int, ...] = ()
 
 
 def test_layer_and_head_weights():

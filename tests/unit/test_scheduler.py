@@ -431,17 +431,6 @@ def test_request_cannot_outgrow_the_whole_cache() -> None:
     assert request.status is RequestStatus.FINISHED_LENGTH
 
 
-def test_several_sampled_tokens_stop_at_the_first_stop() -> None:
-    scheduler = make_scheduler()
-    request = add(scheduler, "a", 4, max_tokens=10, stop_token_ids=[77])
-    output = scheduler.schedule()
-    updated = scheduler.update_from_output(output, {"a": [5, 77, 6, 7]})
-    assert updated == [request]
-    assert request.output_token_ids == [5, 77]
-    assert request.status is RequestStatus.FINISHED_STOPPED
-    assert len(request.token_times) == 2
-
-
 def test_missing_sampled_token_is_an_error() -> None:
     scheduler = make_scheduler()
     add(scheduler, "a", 4)

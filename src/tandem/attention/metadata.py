@@ -34,9 +34,13 @@ class AttentionMetadata:
     query_start_loc_cpu: np.ndarray
     seq_lens_cpu: np.ndarray
     num_computed_tokens_cpu: np.ndarray
-    # Requests with exactly one query token: attended to in one batched call.
-    decode_indices_cpu: np.ndarray
-    prefill_indices_cpu: np.ndarray
+    # Query tokens attended to in batched calls, each over its own context (the positions up
+    # to its own): decode tokens, and the few tokens of a request verifying drafts. Every
+    # other request is a prefill chunk, attended to whole.
+    decode_token_indices_cpu: np.ndarray  # [D] rows of the batch
+    decode_token_requests_cpu: np.ndarray  # [D] the request of each
+    decode_token_seq_lens_cpu: np.ndarray  # [D] context length at each: position + 1
+    prefill_indices_cpu: np.ndarray  # requests
     block_size: int
     # Index tensors a backend derives once per step and every layer reuses.
     backend_plan: object | None = None
@@ -60,20 +64,32 @@ class BatchInputs:
     prompt_logits: PromptLogitsInputs | None = None
 
 
+# A request with at most this many query tokens (after the first step) is attended to token by
+# token in the batched decode calls: draft verification, not worth a call of its own.
+MAX_DECODE_QUERY = 16
+
+
 def build_batch(
     requests: Sequence[RequestSlice],
     block_size: int,
     device: torch.device,
     sample_mask: Sequence[bool] | None = None,
     prompt_logits_ranges: Sequence[tuple[int, int]] | None = None,
+    draft_token_ids: Sequence[Sequence[int]] | None = None,
 ) -> BatchInputs:
     """Flatten the scheduled requests into one batch. `sample_mask` picks the requests whose
     last new token gets logits (default: all). `prompt_logits_ranges`: per request, the
     positions [start, end) among its new tokens that also get logits, for prompt logprobs
-    ((0, 0): none); each must have a known next token."""
+    ((0, 0): none); each must have a known next token. `draft_token_ids`: per request, guessed
+    tokens after its known ones, the last of its new tokens; a sampled request gets logits at
+    its last known token and at each draft, in order."""
     num_reqs = len(requests)
     num_new = np.fromiter((r.num_new_tokens for r in requests), np.int64, num_reqs)
     num_computed = np.fromiter((r.num_computed_tokens for r in requests), np.int64, num_reqs)
+    if draft_token_ids is None:
+        num_drafts = np.zeros(num_reqs, dtype=np.int64)
+    else:
+        num_drafts = np.fromiter((len(d) for d in draft_token_ids), np.int64, num_reqs)
     query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
     np.cumsum(num_new, out=query_start_loc[1:])
     num_tokens = int(query_start_loc[-1])
@@ -83,12 +99,17 @@ def build_batch(
     positions = num_computed[req_of_token] + offset_in_req
     seq_lens = num_computed + num_new
 
-    input_ids = np.concatenate(
-        [
+    if draft_token_ids is None:
+        parts = [
             np.asarray(r.token_ids[c : c + n], dtype=np.int64)
             for r, c, n in zip(requests, num_computed, num_new, strict=True)
         ]
-    )
+    else:
+        parts = [
+            np.asarray([*r.token_ids[c : c + n - len(d)], *d], dtype=np.int64)
+            for r, c, n, d in zip(requests, num_computed, num_new, draft_token_ids, strict=True)
+        ]
+    input_ids = np.concatenate(parts)
     if len(input_ids) != num_tokens:
         raise ValueError("a request has fewer known token ids than it asks to compute")
 
@@ -105,9 +126,19 @@ def build_batch(
     )
 
     ends = query_start_loc[1:] - 1
+    sampled_drafts = num_drafts
     if sample_mask is not None:
-        ends = ends[np.asarray(sample_mask, dtype=bool)]
-    is_decode = num_new == 1
+        mask = np.asarray(sample_mask, dtype=bool)
+        ends, sampled_drafts = ends[mask], num_drafts[mask]
+    logits_indices = ends
+    if sampled_drafts.any():
+        counts = sampled_drafts + 1
+        first = np.repeat(ends - sampled_drafts, counts)
+        logits_indices = (
+            first + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        )
+    is_decode = (num_new == 1) | ((num_computed > 0) & (num_new <= MAX_DECODE_QUERY))
+    decode_tokens = np.flatnonzero(is_decode[req_of_token])
 
     def to_device(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(device, non_blocking=True)
@@ -120,7 +151,9 @@ def build_batch(
         query_start_loc_cpu=query_start_loc,
         seq_lens_cpu=seq_lens,
         num_computed_tokens_cpu=num_computed,
-        decode_indices_cpu=np.flatnonzero(is_decode),
+        decode_token_indices_cpu=decode_tokens,
+        decode_token_requests_cpu=req_of_token[decode_tokens],
+        decode_token_seq_lens_cpu=positions[decode_tokens] + 1,
         prefill_indices_cpu=np.flatnonzero(~is_decode),
         block_size=block_size,
     )
@@ -134,7 +167,7 @@ def build_batch(
         input_ids=to_device(input_ids),
         positions=to_device(positions),
         attn_metadata=metadata,
-        logits_indices=to_device(ends),
+        logits_indices=to_device(logits_indices),
         prompt_logits=prompt_logits,
     )
 

@@ -1,8 +1,9 @@
 """Reference paged attention in plain torch: the CPU path and the oracle for other backends.
 
-Decode requests (one query token) are attended to together in one batched call over their
-gathered block tables; prefill chunks (few per step) go one request at a time through SDPA, with
-a causal mask offset by the tokens already in the cache.
+Decode tokens (a request's one query token, or each of the few tokens of a request verifying
+draft tokens) are attended to together in batched calls, each over its own context gathered
+through its request's block table; prefill chunks (few per step) go one request at a time
+through SDPA, with a causal mask offset by the tokens already in the cache.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ class _PrefillSlice:
 
 @dataclass
 class _DecodeGroup:
-    """Decodes of similar context length, attended to in one call (padding to the group's
-    longest context, not the batch's)."""
+    """Decode tokens of similar context length, attended to in one call (padding to the
+    group's longest context, not the batch's)."""
 
     token_indices: torch.Tensor
     block_table: torch.Tensor  # [group size, blocks covering the group's longest context]
@@ -65,16 +66,17 @@ def _group_decodes(num_blocks: np.ndarray) -> list[np.ndarray]:
     return [np.asarray(group) for group in groups]
 
 
-def _decode_group(md: AttentionMetadata, requests: np.ndarray) -> _DecodeGroup:
+def _decode_group(md: AttentionMetadata, rows: np.ndarray) -> _DecodeGroup:
+    """The decode tokens `rows` (indices into the metadata's decode token arrays)."""
     device = md.slot_mapping.device
-    lens = md.seq_lens_cpu[requests]
+    lens = md.decode_token_seq_lens_cpu[rows]
     num_blocks = int(-(-lens.max() // md.block_size))
-    requests_dev = torch.from_numpy(requests).to(device)
+    requests = torch.from_numpy(md.decode_token_requests_cpu[rows]).to(device)
     key_positions = torch.arange(num_blocks * md.block_size, device=device)
     key_mask = key_positions[None, :] < torch.from_numpy(lens).to(device)[:, None]
     return _DecodeGroup(
-        token_indices=md.query_start_loc[requests_dev],
-        block_table=md.block_table[requests_dev, :num_blocks],
+        token_indices=torch.from_numpy(md.decode_token_indices_cpu[rows]).to(device),
+        block_table=md.block_table[requests, :num_blocks],
         key_mask=key_mask[:, None, None, :],
     )
 
@@ -87,9 +89,8 @@ def _make_plan(md: AttentionMetadata) -> _Plan:
     store_token_indices = None if all_valid else torch.nonzero(valid).squeeze(1)
     store_slots = md.slot_mapping if all_valid else md.slot_mapping[store_token_indices]
 
-    decodes = md.decode_indices_cpu
-    decode_blocks = -(-md.seq_lens_cpu[decodes] // block_size)
-    decode_groups = [_decode_group(md, decodes[g]) for g in _group_decodes(decode_blocks)]
+    decode_blocks = -(-md.decode_token_seq_lens_cpu // block_size)
+    decode_groups = [_decode_group(md, group) for group in _group_decodes(decode_blocks)]
 
     prefills = []
     for req in md.prefill_indices_cpu:

@@ -223,6 +223,19 @@ class KVCacheManager:
             parent_key = chain_key(cached)
         self._req_next_parent[request_id] = parent_key
 
+    def free_tail(self, request: Request, num_tokens: int) -> None:
+        """Release the request's blocks past the first `num_tokens` tokens (those that held
+        only rejected draft tokens). They are past its computed tokens, so never cached."""
+        request_id = request.request_id
+        blocks = self._req_to_blocks.get(request_id)
+        num_kept = self.blocks_needed(num_tokens)
+        if not blocks or len(blocks) <= num_kept:
+            return
+        tail = blocks[num_kept:]
+        del blocks[num_kept:]
+        del self._req_to_block_ids[request_id][num_kept:]
+        self.block_pool.free_blocks(reversed(tail))
+
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache. Refused (False, nothing changed) while any block is held by
         a request; True once every cached block is forgotten."""

@@ -17,7 +17,7 @@ Norms, RoPE, softmax and biases are left out: well under 1% of either count.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -101,11 +101,12 @@ class StepWork:
 
 class ScheduledWork(Protocol):
     """One request's part of a step (the scheduler's ScheduledRequest is one): tokens it had,
-    tokens it adds, whether it samples."""
+    tokens it adds, whether it samples, the drafts among its new tokens."""
 
     num_computed_tokens: int
     num_new_tokens: int
     sample: bool
+    draft_token_ids: Sequence[int]
 
 
 @dataclass(frozen=True)
@@ -136,16 +137,22 @@ class BatchSums:
         )
 
 
-def request_sums(num_computed_tokens: int, num_new_tokens: int, sample: bool) -> BatchSums:
-    """One request's part: a token at position p attends to p + 1 positions."""
+def request_sums(
+    num_computed_tokens: int, num_new_tokens: int, sample: bool, num_draft_tokens: int = 0
+) -> BatchSums:
+    """One request's part: a token at position p attends to p + 1 positions. A request that
+    verifies draft tokens (counted in its new tokens) samples one row more per draft."""
     before, new = num_computed_tokens, num_new_tokens
-    return BatchSums(new, new * before + new * (new + 1) // 2, before + new, int(sample))
+    num_sampled = (1 + num_draft_tokens) if sample else 0
+    return BatchSums(new, new * before + new * (new + 1) // 2, before + new, num_sampled)
 
 
 def batch_sums(batch: Iterable[ScheduledWork]) -> BatchSums:
     total = BatchSums()
     for work in batch:
-        total += request_sums(work.num_computed_tokens, work.num_new_tokens, work.sample)
+        total += request_sums(
+            work.num_computed_tokens, work.num_new_tokens, work.sample, len(work.draft_token_ids)
+        )
     return total
 
 

@@ -53,6 +53,9 @@ class ScheduledRequest:
     num_new_tokens: int
     block_ids: list[int]  # the request's whole block table (the live list, not a copy)
     sample: bool  # this step reaches the last known token, so a new token is sampled
+    # Guessed tokens after the last known one, computed (and counted in num_new_tokens) to be
+    # verified: the step samples at the last known token and at every draft.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -66,6 +69,7 @@ class SchedulerOutput:
     preempted_request_ids: list[str]
     finished_request_ids: list[str]  # finished or aborted since the previous schedule()
     sums: BatchSums  # what the step's cost depends on (core/roofline.py), summed while planning
+    num_draft_tokens: int = 0  # of the decode tokens, those that verify guesses
 
 
 class StepCostPredictor(Protocol):
@@ -77,6 +81,11 @@ class StepCostPredictor(Protocol):
 # With an ITL target, a step whose decodes alone reach it still takes this many prompt tokens,
 # so that prompts always progress (no starvation under heavy decode load).
 MIN_PREFILL_TOKENS = 16
+# Acceptance estimates: a request's own counts are blended with the engine-wide rate as if it
+# had this many verifications of that rate, and decay by this factor at each verification (and
+# each step a low estimate keeps it from drafting, so it tries again later).
+ACCEPTANCE_PRIOR_WEIGHT = 2.0
+ACCEPTANCE_DECAY = 0.9
 
 
 @dataclass
@@ -92,13 +101,25 @@ class _StepPlan:
     entry_sums: dict[str, BatchSums] = field(default_factory=dict)
     has_prefill: bool = False  # a prompt chunk was sized against the ITL target
 
-    def add(self, request: Request, num_new_tokens: int) -> None:
-        self.entries[request.request_id] = (request, num_new_tokens)
+    drafts: dict[str, int] = field(default_factory=dict)  # request id -> draft tokens
+
+    def add(self, request: Request, num_new_tokens: int, num_drafts: int = 0) -> None:
+        """Schedule the request's tokens (a request already planned is replanned in place,
+        keeping its place in the order)."""
+        request_id = request.request_id
+        if request_id in self.entries:
+            self.token_budget += self.entries[request_id][1]
+            self.sums -= self.entry_sums[request_id]
+            self.drafts.pop(request_id, None)
+        self.entries[request_id] = (request, num_new_tokens)
         self.token_budget -= num_new_tokens
         before = request.num_computed_tokens
-        sums = request_sums(before, num_new_tokens, before + num_new_tokens == request.num_tokens)
+        sample = before + num_new_tokens - num_drafts == request.num_tokens
+        sums = request_sums(before, num_new_tokens, sample, num_drafts)
         self.entry_sums[request.request_id] = sums
         self.sums += sums
+        if num_drafts:
+            self.drafts[request.request_id] = num_drafts
 
     def num_new_tokens(self, request: Request) -> int:
         entry = self.entries.get(request.request_id)
@@ -109,6 +130,7 @@ class _StepPlan:
         if entry is not None:
             self.token_budget += entry[1]
             self.sums -= self.entry_sums.pop(request.request_id)
+            self.drafts.pop(request.request_id, None)
 
 
 class Scheduler:
@@ -135,6 +157,9 @@ class Scheduler:
         self.waiting = make_request_queue(config.scheduling_policy, self.priority_key)
         self.running: list[Request] = []  # in admission order
         self._finished_request_ids: list[str] = []
+        # Verified drafts since start: the prior of every request's acceptance estimate.
+        self.num_accepted_tokens = 0
+        self.num_draft_rejections = 0
 
     @property
     def num_waiting(self) -> int:
@@ -197,24 +222,39 @@ class Scheduler:
         now = self.clock()
         updated: list[Request] = []
         any_finished = False
+        kv = self.kv_cache_manager
         for scheduled in scheduler_output.scheduled:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted after it was scheduled
-            request.num_computed_tokens += scheduled.num_new_tokens
-            self.kv_cache_manager.cache_blocks(request)
             if not scheduled.sample:
+                request.num_computed_tokens += scheduled.num_new_tokens
+                kv.cache_blocks(request)
                 continue
             token_ids = sampled_token_ids.get(scheduled.request_id)
             if not token_ids:
                 raise ValueError(f"no sampled token for request {scheduled.request_id!r}")
+            num_drafts = len(scheduled.draft_token_ids)
+            if len(token_ids) > num_drafts + 1:
+                raise ValueError(
+                    f"request {scheduled.request_id!r} got {len(token_ids)} tokens from a step "
+                    f"that verified {num_drafts} drafts"
+                )
+            if num_drafts:
+                self._record_verification(request, num_drafts, len(token_ids) - 1)
             if request.first_token_time is None:
                 request.first_token_time = now
             finished_status = self._append_until_stop(request, token_ids, now)
+            # Every appended token but the last was computed this step (an accepted draft);
+            # rejected drafts' KV is dropped by moving back, and blocks holding only them go.
+            request.num_computed_tokens = request.num_tokens - 1
+            kv.cache_blocks(request)
             updated.append(request)
             if finished_status is not None:
                 self._finish(request, finished_status, now)
                 any_finished = True
+            elif num_drafts:
+                kv.free_tail(request, request.num_tokens)
         if any_finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return updated
@@ -239,6 +279,7 @@ class Scheduler:
         # 1. every decoding request its token, 2. in-flight prompts their chunks;
         limit = self.config.long_prefill_token_limit
         self._schedule_running_requests(plan, lambda r: r.is_prefill_done, limit)
+        self._schedule_drafts(plan)
         self._schedule_running_requests(plan, lambda r: not r.is_prefill_done, limit, True)
         if plan.preempted:
             return  # blocks are short: admitting more would only preempt again
@@ -283,6 +324,7 @@ class Scheduler:
             self._admit_whole_prompts(plan)
         if not plan.entries:  # otherwise a prefill step: never mixed with decodes
             self._schedule_running_requests(plan, lambda r: True, limit)
+            self._schedule_drafts(plan)
 
     def _admit_whole_prompts(self, plan: _StepPlan) -> None:
         while self.waiting and plan.token_budget > 0:
@@ -359,6 +401,81 @@ class Scheduler:
                 chosen = min(num_tokens, MIN_PREFILL_TOKENS)
         plan.has_prefill = plan.has_prefill or chosen > 0
         return chosen
+
+    def _schedule_drafts(self, plan: _StepPlan) -> None:
+        """Give the decodes planned so far draft tokens to verify: as many as the proposer
+        found (within the budget, the request's max_tokens and max_model_len) or, adaptive,
+        each draft only while its chance of being emitted (the request's acceptance estimate to
+        the power of its position) is worth the time the step-cost model says it adds, against
+        the time an emitted token costs in this step without drafts. Drafts never preempt: a
+        request whose blocks cannot grow verifies none."""
+        config = self.config
+        if config.num_speculative_tokens == 0 or plan.token_budget == 0 or not plan.entries:
+            return
+        limit = config.speculation_max_running
+        if limit is not None and len(self.running) >= limit:
+            return
+        time_per_token = None
+        if config.adaptive_speculation and self.cost_model is not None:
+            time_per_token = self.cost_model.predict(plan.sums) / len(plan.entries)
+        for request, num_new_tokens in list(plan.entries.values()):
+            if plan.token_budget == 0:
+                return
+            if not request.spec_token_ids or num_new_tokens != request.num_uncomputed_tokens:
+                continue
+            num_drafts = self._num_drafts(request, plan, time_per_token)
+            if num_drafts == 0:
+                continue
+            if self.kv_cache_manager.allocate_slots(request, 1 + num_drafts) is not None:
+                plan.add(request, 1 + num_drafts, num_drafts)
+
+    def _num_drafts(self, request: Request, plan: _StepPlan, time_per_token: float | None) -> int:
+        num_drafts = min(
+            len(request.spec_token_ids),
+            self.config.num_speculative_tokens,
+            plan.token_budget,
+            self.max_model_len - request.num_tokens,
+        )
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            num_drafts = min(num_drafts, max_tokens - request.num_output_tokens - 1)
+        if num_drafts <= 0 or time_per_token is None:
+            return max(num_drafts, 0)
+        assert self.cost_model is not None
+        acceptance = self._acceptance(request)
+        before = request.num_computed_tokens
+        others = plan.sums - request_sums(before, 1, True)
+        previous = self.cost_model.predict(plan.sums)
+        emitted = 1.0  # the chance that the next draft is reached
+        for count in range(1, num_drafts + 1):
+            emitted *= acceptance
+            cost = self.cost_model.predict(others + request_sums(before, 1 + count, True, count))
+            if emitted * time_per_token < cost - previous:
+                if count == 1:  # not drafting: let the estimate drift back to the prior
+                    request.recent_accepted *= ACCEPTANCE_DECAY
+                    request.recent_rejections *= ACCEPTANCE_DECAY
+                return count - 1
+            previous = cost
+        return num_drafts
+
+    def _acceptance(self, request: Request) -> float:
+        """The chance that the request's next draft is accepted given the previous one was:
+        accepted / (accepted + rejections), its recent counts blended with the engine's."""
+        overall = (self.num_accepted_tokens + 1) / (
+            self.num_accepted_tokens + self.num_draft_rejections + 2
+        )
+        accepted = request.recent_accepted + ACCEPTANCE_PRIOR_WEIGHT * overall
+        return accepted / (request.recent_accepted + request.recent_rejections
+                           + ACCEPTANCE_PRIOR_WEIGHT)  # fmt: skip
+
+    def _record_verification(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        rejected = int(num_accepted < num_drafts)
+        request.num_draft_tokens += num_drafts
+        request.num_accepted_tokens += num_accepted
+        request.recent_accepted = request.recent_accepted * ACCEPTANCE_DECAY + num_accepted
+        request.recent_rejections = request.recent_rejections * ACCEPTANCE_DECAY + rejected
+        self.num_accepted_tokens += num_accepted
+        self.num_draft_rejections += rejected
 
     def _schedule_running(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> None:
         """Give a running request blocks for its tokens, preempting running requests from the
@@ -450,13 +567,15 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             num_computed = request.num_computed_tokens
+            num_drafts = plan.drafts.get(request.request_id, 0)
             scheduled = ScheduledRequest(
                 request_id=request.request_id,
                 token_ids=request.all_token_ids,
                 num_computed_tokens=num_computed,
                 num_new_tokens=num_new_tokens,
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                sample=num_computed + num_new_tokens == request.num_tokens,
+                sample=num_computed + num_new_tokens - num_drafts == request.num_tokens,
+                draft_token_ids=request.spec_token_ids[:num_drafts],
             )
             # A request (re)admitted this step is catching up even if its prompt was a cache hit.
             if request.is_prefill_done and request.request_id not in plan.admitted:
@@ -474,4 +593,5 @@ class Scheduler:
             preempted_request_ids=[r.request_id for r in plan.preempted],
             finished_request_ids=finished_ids,
             sums=plan.sums,
+            num_draft_tokens=sum(plan.drafts.values()),
         )

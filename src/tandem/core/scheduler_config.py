@@ -38,6 +38,12 @@ class SchedulerConfig:
     # ITL target (decode-first): each step's prefill is sized so the step's predicted time
     # stays within this many seconds (the decodes always run). None: the fixed token budget.
     target_step_time: float | None = None
+    # Speculative decoding: the most draft tokens a request verifies in a step (0: off), with
+    # how many chosen per request and step by the step-cost model (adaptive) or all the
+    # proposer found; none in steps with at least `speculation_max_running` requests running.
+    num_speculative_tokens: int = 0
+    adaptive_speculation: bool = True
+    speculation_max_running: int | None = None
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_FIELDS:

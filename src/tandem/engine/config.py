@@ -23,6 +23,7 @@ from tandem.generation_config import SAMPLING_KEYS, generation_config_defaults
 from tandem.models.gguf_loader import gguf_has_packable_weights
 from tandem.models.loader import DEFAULT_MODEL, load_model_config, resolve_model_path
 from tandem.sampling_params import LOGPROBS_MODES, SamplingParams, num_top_logprobs
+from tandem.spec_decode.config import SpeculativeConfig
 from tandem.worker.model_runner import DEFAULT_KV_CACHE_MEMORY, DTYPES, RunnerConfig
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class EngineConfig:
     # The machine's ceilings for MFU / MBU; None: the data sheet (known GPUs) or a probe (CPU).
     peak_tflops: float | None = None
     peak_bandwidth_gbps: float | None = None
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     @classmethod
     def create(
@@ -97,6 +99,7 @@ class EngineConfig:
         peak_tflops: float | None = None,
         peak_bandwidth_gbps: float | None = None,
         target_itl_ms: float | None = None,
+        speculative_config: dict[str, Any] | None = None,
     ) -> EngineConfig:
         """Validate every knob before anything heavy loads; raises ValueError/FileNotFoundError
         naming what to change. None for gpu_memory_utilization, swap_space and enforce_eager
@@ -132,6 +135,7 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be >= 0 or -1 (no limit), got {max_logprobs}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
+        speculative = SpeculativeConfig.parse(speculative_config)
         model_path = resolve_model_path(model)
         model_config = load_model_config(model_path)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -167,7 +171,11 @@ class EngineConfig:
             scheduling_policy=scheduling_policy,
             enable_chunked_prefill=enable_chunked_prefill,
             target_step_time=None if target_itl_ms is None else target_itl_ms / 1000,
-        )
+            num_speculative_tokens=0 if speculative is None else speculative.num_speculative_tokens,
+            adaptive_speculation=speculative is None or speculative.adaptive,
+            speculation_max_running=None if speculative is None
+            else speculative.disable_by_batch_size,
+        )  # fmt: skip
         return cls(
             model_path=model_path,
             model_config=model_config,
@@ -186,6 +194,7 @@ class EngineConfig:
             step_log=None if step_log is None else Path(step_log),
             peak_tflops=peak_tflops,
             peak_bandwidth_gbps=peak_bandwidth_gbps,
+            speculative=speculative,
         )
 
     @property

@@ -89,6 +89,21 @@ class IncrementalDetokenizer:
             return None
         return self._find_stop(max(old_len, self._min_tokens_text_end))
 
+    def update_until_stop(
+        self, new_token_ids: Sequence[int], stop_terminated: bool = False
+    ) -> tuple[int, str | None]:
+        """`update`, token by token when several tokens arrive at once (accepted drafts) and
+        stop strings are set: how many of the tokens the output keeps (up to the one that
+        completes a stop string), and that stop string."""
+        if not self._stop or len(new_token_ids) == 1:
+            return len(new_token_ids), self.update(new_token_ids, stop_terminated)
+        for count in range(1, len(new_token_ids) + 1):
+            is_last = count == len(new_token_ids)
+            stop = self.update(new_token_ids[count - 1 : count], stop_terminated and is_last)
+            if stop is not None:
+                return count, stop
+        return len(new_token_ids), None
+
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """Text for the client: everything so far, or (delta) what the last call did not return.
 

@@ -21,11 +21,13 @@ from tandem.core.roofline import ModelShape, place_step, sums_work
 from tandem.core.scheduler import Scheduler, SchedulerOutput
 from tandem.core.step_cost import StepCostModel
 from tandem.engine.machine_peaks import machine_peaks
-from tandem.engine.stats import SchedulerStats, StepStats
+from tandem.engine.stats import SchedulerStats, SpecDecodeStats, StepStats
 from tandem.outputs import Logprob
 from tandem.request import Request, RequestStatus
 from tandem.sampling_params import num_top_logprobs
+from tandem.spec_decode.ngram import NgramProposer, Proposer
 from tandem.worker.model_runner import ModelRunner
+from tandem.worker.rejection_sampler import verify
 from tandem.worker.sampler import LogprobsTensors, SamplingInputs, logprob_dicts, sample
 
 if TYPE_CHECKING:
@@ -54,6 +56,9 @@ class EngineCoreOutput:
     # Prompt logprobs this step computed, one per prompt position in order from the second
     # prompt token (the first has none); each position is sent once, even after a preemption.
     new_prompt_logprobs: list[dict[int, Logprob]] | None = None
+    # Speculative decoding so far: draft tokens verified for the request, and those accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 def set_random_seed(seed: int) -> None:
@@ -83,6 +88,13 @@ class EngineCore:
             scheduler_config, self.kv_cache_manager, cost_model=self.cost_model
         )
         self.generators: dict[str, torch.Generator] = {}
+        speculative = config.speculative
+        self.proposer: Proposer | None = None
+        if speculative is not None:
+            self.proposer = NgramProposer(
+                speculative.prompt_lookup_min, speculative.prompt_lookup_max
+            )
+        self.spec_decode_stats = SpecDecodeStats()
         # Requests still owed prompt logprobs -> prompt positions whose logits have been scored
         # and sent (the logits at position p give the logprob of prompt token p + 1). A request
         # leaves once all are sent, so a recompute after a preemption never sends them again
@@ -151,6 +163,8 @@ class EngineCore:
                 request.stop_reason = stop_reason
             self.generators.pop(request_id, None)
             self.prompt_logprobs_sent.pop(request_id, None)
+            if self.proposer is not None:
+                self.proposer.forget(request_id)
         self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
@@ -165,32 +179,93 @@ class EngineCore:
             self.scheduler.requests[s.request_id] for s in scheduled.scheduled if s.sample
         ]
         prompt_ranges, num_prompt_top = self._prompt_logits_ranges(scheduled.scheduled)
+        drafts = None
+        accepted_before = self.spec_decode_stats.num_accepted_tokens
+        if scheduled.num_draft_tokens:
+            drafts = [s.draft_token_ids for s in scheduled.scheduled]
         run = self.runner.run(
             scheduled.scheduled, [s.sample for s in scheduled.scheduled], prompt_ranges,
-            num_prompt_top,
+            num_prompt_top, drafts,
         )  # fmt: skip
-        sampler_output = sample(run.logits, self._sampling_inputs(sampled_requests))
-        token_ids = sampler_output.token_ids.tolist()
+        sampled, logprobs_by_id = self._sample(run.logits, sampled_requests, scheduled, drafts)
         prompt_logprobs_by_id = self._prompt_logprobs(
             scheduled.scheduled, prompt_ranges, run.prompt_logprobs
         )
-        sampled = {r.request_id: [t] for r, t in zip(sampled_requests, token_ids, strict=True)}
         num_outputs_before = {r.request_id: r.num_output_tokens for r in sampled_requests}
         updated = self.scheduler.update_from_output(scheduled, sampled)
-        logprobs_by_id = {}
-        if sampler_output.logprobs is not None:
-            logprobs_by_id = {
-                r.request_id: row
-                for r, row in zip(sampled_requests, sampler_output.logprobs, strict=True)
-                if row is not None
-            }
         outputs = [
             self._output(r, num_outputs_before[r.request_id], logprobs_by_id) for r in updated
         ]
+        if self.proposer is not None:
+            self._propose(updated)
         if prompt_logprobs_by_id:
             outputs = self._with_prompt_logprobs(outputs, prompt_logprobs_by_id)
-        self._record_stats(scheduled, time.perf_counter() - start)
+        num_accepted = self.spec_decode_stats.num_accepted_tokens - accepted_before
+        self._record_stats(scheduled, time.perf_counter() - start, num_accepted)
         return outputs
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        scheduled: SchedulerOutput,
+        drafts: list[list[int]] | None,
+    ) -> tuple[dict[str, list[int]], dict[str, list[dict[int, Logprob]]]]:
+        """The tokens each sampling request gets from the step (one, or its accepted drafts
+        and one more), and their logprob dicts for the requests that asked."""
+        inputs = self._sampling_inputs(requests)
+        ids = [r.request_id for r in requests]
+        if drafts is None:
+            output = sample(logits, inputs)
+            sampled = {i: [t] for i, t in zip(ids, output.token_ids.tolist(), strict=True)}
+            rows = output.logprobs or [None] * len(ids)
+            return sampled, {i: [row] for i, row in zip(ids, rows, strict=True) if row is not None}
+        # Requests without drafts sample as in any step (their seeded draws do not depend on
+        # whether a batch mate speculates); the others are verified.
+        sampled_drafts = [s.draft_token_ids for s in scheduled.scheduled if s.sample]
+        first_rows = np.cumsum([0] + [1 + len(d) for d in sampled_drafts])
+        plain = [i for i, d in enumerate(sampled_drafts) if not d]
+        speculative = [i for i, d in enumerate(sampled_drafts) if d]
+        sampled: dict[str, list[int]] = {}
+        logprobs_by_id: dict[str, list[dict[int, Logprob]]] = {}
+        if plain:
+            rows = torch.as_tensor(first_rows[plain], device=logits.device)
+            output = sample(logits[rows], inputs.select(plain))
+            for i, token, row in zip(
+                plain, output.token_ids.tolist(), output.logprobs or [None] * len(plain),
+                strict=True,
+            ):  # fmt: skip
+                sampled[ids[i]] = [token]
+                if row is not None:
+                    logprobs_by_id[ids[i]] = [row]
+        rows = torch.as_tensor(
+            np.concatenate([np.arange(first_rows[i], first_rows[i + 1]) for i in speculative]),
+            device=logits.device,
+        )
+        verified = verify(
+            logits[rows], inputs.select(speculative), [sampled_drafts[i] for i in speculative]
+        )
+        for i, tokens, rows_of_request in zip(
+            speculative, verified.token_ids, verified.logprobs or [None] * len(speculative),
+            strict=True,
+        ):  # fmt: skip
+            self.spec_decode_stats.record(len(sampled_drafts[i]), len(tokens) - 1)
+            sampled[ids[i]] = tokens
+            if rows_of_request is not None:
+                logprobs_by_id[ids[i]] = rows_of_request
+        return sampled, logprobs_by_id
+
+    def _propose(self, requests: list[Request]) -> None:
+        """Guess the next tokens of the requests that got tokens and go on decoding."""
+        assert self.proposer is not None
+        num_tokens = self.config.scheduler.num_speculative_tokens
+        for request in requests:
+            if request.is_finished:
+                self.proposer.forget(request.request_id)
+            else:
+                request.spec_token_ids = self.proposer.propose(
+                    request.request_id, request.all_token_ids, num_tokens
+                )
 
     # -- prompt logprobs -----------------------------------------------------------------------
 
@@ -296,11 +371,12 @@ class EngineCore:
     ) -> EngineCoreOutput:
         if request.is_finished:
             self.generators.pop(request.request_id, None)
-        row = logprobs_by_id.get(request.request_id)
+        rows = logprobs_by_id.get(request.request_id)
+        new_token_ids = request.output_token_ids[num_outputs_before:]
         return EngineCoreOutput(
             request_id=request.request_id,
-            new_token_ids=request.output_token_ids[num_outputs_before:],
-            new_logprobs=None if row is None else [row],
+            new_token_ids=new_token_ids,
+            new_logprobs=None if rows is None else rows[: len(new_token_ids)],
             finish_reason=None if not request.is_finished else str(request.status.finish_reason),
             stop_reason=request.stop_reason,
             num_cached_tokens=request.num_cached_tokens,
@@ -309,6 +385,8 @@ class EngineCore:
             first_token_time=request.first_token_time,
             token_times=request.token_times[num_outputs_before:],
             finished_time=request.finished_time,
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_tokens=request.num_accepted_tokens,
         )
 
     def scheduler_stats(self) -> SchedulerStats:
@@ -324,9 +402,15 @@ class EngineCore:
             num_preemptions=self.num_preemptions,
             num_steps=self.num_steps,
             num_requests_received=self.num_requests_received,
+            spec_num_drafts=self.spec_decode_stats.num_drafts,
+            spec_num_draft_tokens=self.spec_decode_stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_decode_stats.num_accepted_tokens,
+            spec_accepted_per_position=list(self.spec_decode_stats.accepted_per_position),
         )
 
-    def _record_stats(self, scheduled: SchedulerOutput, step_time: float) -> None:
+    def _record_stats(
+        self, scheduled: SchedulerOutput, step_time: float, num_accepted_tokens: int
+    ) -> None:
         self.num_steps += 1
         self.num_preemptions += len(scheduled.preempted_request_ids)
         sums = scheduled.sums
@@ -348,6 +432,8 @@ class EngineCore:
             mbu=roofline.mbu,
             bound=roofline.bound,
             predicted_step_time=predicted,
+            num_draft_tokens=scheduled.num_draft_tokens,
+            num_accepted_tokens=num_accepted_tokens,
         )
         self.step_stats.append(stats)
         if self.step_log is not None:

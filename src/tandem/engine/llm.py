@@ -77,6 +77,7 @@ class LLM:
         peak_tflops: float | None = None,
         peak_bandwidth_gbps: float | None = None,
         target_itl_ms: float | None = None,
+        speculative_config: dict[str, Any] | None = None,
         **vllm_kwargs: Any,
     ) -> None:
         """vLLM's arguments with vLLM's defaults, except: `batching_policy` (tandem's
@@ -122,6 +123,7 @@ class LLM:
             peak_tflops=peak_tflops,
             peak_bandwidth_gbps=peak_bandwidth_gbps,
             target_itl_ms=target_itl_ms,
+            speculative_config=speculative_config,
         )  # fmt: skip
         self.chat_template = chat_template
         self.tokenizer = (

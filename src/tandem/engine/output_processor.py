@@ -240,32 +240,41 @@ class OutputProcessor:
         )
 
     def _apply(self, sequence: _Sequence, out: EngineCoreOutput) -> str | None:
-        """Record a core output; returns the stop string it completed, if any."""
-        sequence.token_ids.extend(out.new_token_ids)
+        """Record a core output; returns the stop string it completed, if any. Of several new
+        tokens (accepted drafts), those after the one that completes a stop string are
+        dropped, as if they had never been sampled."""
+        new_token_ids = out.new_token_ids
+        stop_string = None
+        if sequence.detokenizer is not None and new_token_ids:
+            # An EOS or stop token that ended the request leaves its text out (vLLM).
+            stop_terminated = out.finish_reason == "stop"
+            num_kept, stop_string = sequence.detokenizer.update_until_stop(
+                new_token_ids, stop_terminated
+            )
+            new_token_ids = new_token_ids[:num_kept]
+        sequence.token_ids.extend(new_token_ids)
         metrics = sequence.metrics
         metrics.first_scheduled_time = out.first_scheduled_time
         metrics.first_token_time = out.first_token_time
-        metrics.token_times.extend(out.token_times)
+        metrics.token_times.extend(out.token_times[: len(new_token_ids)])
         metrics.num_cached_tokens = out.num_cached_tokens
         metrics.num_preemptions = out.num_preemptions
+        metrics.num_draft_tokens = out.num_draft_tokens
+        metrics.num_accepted_tokens = out.num_accepted_tokens
         if out.new_logprobs is not None and sequence.logprobs is not None:
+            new_logprobs = out.new_logprobs[: len(new_token_ids)]
             if sequence.detokenizer is not None:
-                self._decode_logprob_tokens(out.new_logprobs)
-            for token_id, row in zip(out.new_token_ids, out.new_logprobs, strict=False):
+                self._decode_logprob_tokens(new_logprobs)
+            for token_id, row in zip(new_token_ids, new_logprobs, strict=False):
                 sequence.logprobs.append(row)
                 sequence.cumulative_logprob += row[token_id].logprob
         sequence.finish_reason, sequence.stop_reason = out.finish_reason, out.stop_reason
-        stop_string = None
-        if sequence.detokenizer is not None and out.new_token_ids:
-            # An EOS or stop token that ended the request leaves its text out (vLLM).
-            stop_terminated = out.finish_reason == "stop"
-            stop_string = sequence.detokenizer.update(out.new_token_ids, stop_terminated)
-            if stop_string is not None:
-                # It wins over the core's reason, as in vLLM; the core must hear of it only
-                # if it has not finished the sequence itself.
-                sequence.finish_reason, sequence.stop_reason = "stop", stop_string
-                if out.finish_reason is not None:
-                    stop_string = None
+        if stop_string is not None:
+            # It wins over the core's reason, as in vLLM; the core must hear of it only if it
+            # has not finished the sequence itself.
+            sequence.finish_reason, sequence.stop_reason = "stop", stop_string
+            if out.finish_reason is not None:
+                stop_string = None
         if sequence.finish_reason is not None:
             metrics.finished_time = out.finished_time or time.monotonic()
         return stop_string

@@ -4,7 +4,7 @@ into Prometheus metrics and log lines through `StatLogger`s."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from tandem.outputs import RequestMetrics
@@ -30,6 +30,10 @@ class StepStats:
     mbu: float = 0.0
     bound: str = ""  # "compute" or "memory"
     predicted_step_time: float = 0.0  # the step-cost model's forecast, before it saw this step
+    # Speculative decoding: of the decode tokens, those that verified drafts, and the drafts
+    # accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def phase(self) -> str:
@@ -37,6 +41,35 @@ class StepStats:
         if self.num_prefill_tokens and self.num_decode_tokens:
             return "mixed"
         return "prefill" if self.num_prefill_tokens else "decode"
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding since start (cumulative, vLLM's spec_decode counters)."""
+
+    num_drafts: int = 0  # verifications: requests that verified drafts in a step
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # accepted_per_position[i]: verifications whose (i + 1)-th draft was accepted.
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verification emits on average: the accepted drafts plus the target's."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_drafts:
+            self.accepted_per_position += [0] * (num_drafts - len(self.accepted_per_position))
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
 
 
 @dataclass
@@ -53,6 +86,12 @@ class SchedulerStats:
     num_preemptions: int
     num_steps: int
     num_requests_received: int  # add_request calls, refused ones included
+    # Speculative decoding (SpecDecodeStats' counters, flat so the stats cross processes as
+    # plain fields).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
 
 
 @dataclass

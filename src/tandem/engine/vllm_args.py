@@ -51,7 +51,6 @@ NOOP_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
     "pipeline_parallel_size": ((1,), _ONE_DEVICE),
     "data_parallel_size": ((1,), _ONE_DEVICE),
     "enable_lora": ((False,), "LoRA adapters are not built yet"),
-    "speculative_config": ((None,), "speculative decoding is not built yet"),
 }
 
 NO_EFFECT: dict[str, str] = {

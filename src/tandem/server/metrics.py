@@ -113,6 +113,21 @@ class PrometheusStatLogger:
         self.num_preemptions = self._counter(
             "num_preemptions", "Cumulative number of preemptions from the engine."
         )
+        self.spec_decode_num_drafts = self._counter(
+            "spec_decode_num_drafts", "Speculative decoding: verifications (a request's drafts)."
+        )
+        self.spec_decode_num_draft_tokens = self._counter(
+            "spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified."
+        )
+        self.spec_decode_num_accepted_tokens = self._counter(
+            "spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted."
+        )
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: accepted draft tokens by position in their draft (0: first).",
+            ["model_name", "position"],
+            registry=registry,
+        )
         # Per finished sequence.
         self.prompt_tokens = self._counter(
             "prompt_tokens",
@@ -249,6 +264,22 @@ class PrometheusStatLogger:
             )
             self._advance(self.prefix_cache_hits, "prefix_cache_hits", stats.prefix_cache_hits)
             self._advance(self.num_preemptions, "num_preemptions", stats.num_preemptions)
+            self._advance(self.spec_decode_num_drafts, "spec_drafts", stats.spec_num_drafts)
+            self._advance(
+                self.spec_decode_num_draft_tokens, "spec_draft_tokens", stats.spec_num_draft_tokens
+            )
+            self._advance(
+                self.spec_decode_num_accepted_tokens, "spec_accepted_tokens",
+                stats.spec_num_accepted_tokens,
+            )  # fmt: skip
+            for position, total in enumerate(stats.spec_accepted_per_position):
+                self._advance(
+                    self.spec_decode_num_accepted_tokens_per_pos.labels(
+                        self.model_name, str(position)
+                    ),
+                    f"spec_accepted_at_{position}",
+                    total,
+                )
         for step in steps:
             self.iteration_tokens.observe(step.num_prefill_tokens + step.num_decode_tokens)
             self.step_prefill_tokens.observe(step.num_prefill_tokens)

@@ -150,14 +150,18 @@ class ModelRunner:
         sample_mask: Sequence[bool] | None = None,
         prompt_logits_ranges: Sequence[tuple[int, int]] | None = None,
         num_prompt_top: int = 0,
+        draft_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> RunnerOutput:
-        """Run one step: logits as `execute` returns them, and, when `prompt_logits_ranges`
-        is given (per request, the positions [start, end) of its new tokens to score: see
-        build_batch), the logprob of the token after each such position with its rank and the
-        `num_prompt_top` most likely tokens there, row by row in request order."""
+        """Run one step: logits as `execute` returns them (a request verifying
+        `draft_token_ids` has a row at its last known token and at each draft), and, when
+        `prompt_logits_ranges` is given (per request, the positions [start, end) of its new
+        tokens to score: see build_batch), the logprob of the token after each such position
+        with its rank and the `num_prompt_top` most likely tokens there, row by row in request
+        order."""
         batch = build_batch(
-            requests, self.block_size, self.device, sample_mask, prompt_logits_ranges
-        )
+            requests, self.block_size, self.device, sample_mask, prompt_logits_ranges,
+            draft_token_ids,
+        )  # fmt: skip
         with forward_context(batch.attn_metadata):
             hidden = self.model(batch.input_ids, batch.positions)
         logits = self.model.compute_logits(hidden[batch.logits_indices])

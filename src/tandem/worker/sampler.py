@@ -46,6 +46,16 @@ class SamplingInputs:
         if len(lengths) != 1:
             raise ValueError(f"SamplingInputs fields must have one entry per row, got {lengths}")
 
+    def select(self, rows: Sequence[int]) -> SamplingInputs:
+        """The entries of `rows`, in that order."""
+        return SamplingInputs(
+            [self.params[i] for i in rows],
+            [self.prompt_token_ids[i] for i in rows],
+            [self.output_token_ids[i] for i in rows],
+            [self.generators[i] for i in rows],
+            [self.stop_token_ids_to_block[i] for i in rows],
+        )
+
 
 @dataclass
 class SamplerOutput:
@@ -121,6 +131,42 @@ def _sample_random(
     (no pass over the vocabulary), the others over the whole row; which one depends only on the
     row itself, so seeded rows stay reproducible. `keep_filtered`: leave `logits` filtered
     (processed logprobs need them), and draw every row over the whole row."""
+    cut = _cut_floor(logits, params)
+    if cut is None:
+        return _inverse_cdf_draw(logits.softmax(dim=-1), generators)
+    floor, candidates = cut
+    # Every token at or above the floor is a candidate when the floor is above the last one.
+    within = (floor > candidates.values[:, -1:]).squeeze(-1)
+    if keep_filtered or not bool(within.any()):
+        return _draw_above(logits, floor, generators)
+    tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
+    rows = within.nonzero().squeeze(-1)
+    picks = _draw_above(
+        candidates.values[rows], floor[rows], [generators[i] for i in rows.tolist()]
+    )
+    tokens[rows] = candidates.indices[rows].gather(-1, picks.unsqueeze(-1)).squeeze(-1)
+    rest = (~within).nonzero().squeeze(-1)
+    if len(rest):
+        tokens[rest] = _draw_above(
+            logits[rest], floor[rest], [generators[i] for i in rest.tolist()]
+        )
+    return tokens
+
+
+def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, min-p, top-k and top-p on `logits` in place, cut tokens at -inf: what a
+    random row draws from (its softmax is the distribution speculative decoding matches)."""
+    cut = _cut_floor(logits, params)
+    if cut is not None:
+        logits.masked_fill_(logits < cut[0], -math.inf)
+    return logits
+
+
+def _cut_floor(
+    logits: torch.Tensor, params: list[SamplingParams]
+) -> tuple[torch.Tensor, torch.return_types.topk] | None:
+    """Temperature and min-p in place, then top-k and top-p as one per-row logit floor with
+    the row's top candidates it was found among; None when no row cuts by top-k or top-p."""
     device, vocab = logits.device, logits.shape[1]
     temperatures = [p.temperature for p in params]
     if any(t != 1.0 for t in temperatures):
@@ -134,7 +180,7 @@ def _sample_random(
     k = torch.tensor(top_k, device=device).unsqueeze(-1) if any(top_k) else None
     wants_top_p = any(p.top_p < 1.0 for p in params)
     if k is None and not wants_top_p:
-        return _inverse_cdf_draw(logits.softmax(dim=-1), generators)
+        return None
     num_candidates = min(vocab, max(TOP_P_CANDIDATES, max(top_k)))
     candidates = logits.topk(num_candidates, dim=-1)  # descending
     if wants_top_p:
@@ -143,22 +189,7 @@ def _sample_random(
         floor = _top_k_top_p_floor(logits, candidates.values.clone(), k, top_p)
     else:
         floor = _kth_largest(candidates.values, k)
-    # Every token at or above the floor is a candidate when the floor is above the last one.
-    within = (floor > candidates.values[:, -1:]).squeeze(-1)
-    if keep_filtered or not bool(within.any()):
-        return _draw_above(logits, floor, generators)
-    tokens = torch.empty(len(params), dtype=torch.long, device=device)
-    rows = within.nonzero().squeeze(-1)
-    picks = _draw_above(
-        candidates.values[rows], floor[rows], [generators[i] for i in rows.tolist()]
-    )
-    tokens[rows] = candidates.indices[rows].gather(-1, picks.unsqueeze(-1)).squeeze(-1)
-    rest = (~within).nonzero().squeeze(-1)
-    if len(rest):
-        tokens[rest] = _draw_above(
-            logits[rest], floor[rest], [generators[i] for i in rest.tolist()]
-        )
-    return tokens
+    return floor, candidates
 
 
 def _draw_above(

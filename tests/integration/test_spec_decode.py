@@ -1,0 +1,170 @@
+"""Speculative decoding end to end through the LLM API: greedy outputs equal the outputs
+without it (across batch sizes, chunked prefill and preemption), drafts are really verified
+and accepted, a stop inside an accepted run ends the output where it would have, seeded
+sampling repeats, every block is returned, and the counters add up."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tandem import LLM, SamplingParams
+
+from helpers import assert_same_until_tie
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 4}  # fmt: skip
+FORCED = {**NGRAM, "adaptive": False}  # always verify what the proposer found
+
+PASSAGE = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk. He lit the great "
+    "lamp, wound the clockwork that turned the lens, and wrote the weather in a leather log. "
+    "Ships passing the rocks saw the beam sweep across the water twice each minute."
+)
+GROUNDED = [
+    f"Copy this paragraph exactly:\n\n{PASSAGE}\n\nCopy:\n",
+    f"{PASSAGE}\n\nRepeat the second sentence word for word.\n",
+    f"Text: {PASSAGE}\n\nList the things the keeper did, using the text's words.\n",
+]
+
+
+def assert_same_outputs(outputs, reference) -> None:
+    assert len(outputs) == len(reference)
+    for output, expected in zip(outputs, reference, strict=True):
+        for completion, expected_completion in zip(output.outputs, expected.outputs, strict=True):
+            assert_same_until_tie(
+                completion.token_ids, expected_completion.token_ids, expected_completion.logprobs
+            )
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    kv = llm.llm_engine.core.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+@pytest.fixture(scope="module")
+def smollm_reference():
+    llm = LLM("default", dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=48, logprobs=2)
+    return llm.generate(GROUNDED, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("speculative_config", [NGRAM, FORCED], ids=["adaptive", "forced"])
+def test_greedy_output_equals_plain_decoding_on_the_embedded_model(
+    speculative_config, smollm_reference
+):
+    llm = LLM("default", dtype="float32", speculative_config=speculative_config)
+    params = SamplingParams(temperature=0, max_tokens=48, logprobs=2)
+    batched = llm.generate(GROUNDED, params, use_tqdm=False)
+    alone = [llm.generate([prompt], params, use_tqdm=False)[0] for prompt in GROUNDED]
+    assert_same_outputs(batched, smollm_reference)
+    assert_same_outputs(alone, smollm_reference)
+    for output in batched + alone:
+        completion = output.outputs[0]
+        assert len(completion.logprobs) == len(completion.token_ids)
+    stats = llm.llm_engine.core.spec_decode_stats
+    assert stats.num_accepted_tokens > 0, "copying a passage must accept some drafts"
+    assert stats.num_accepted_tokens <= stats.num_draft_tokens
+    drafted = sum(o.metrics.num_draft_tokens for o in batched + alone)
+    accepted = sum(o.metrics.num_accepted_tokens for o in batched + alone)
+    assert (drafted, accepted) == (stats.num_draft_tokens, stats.num_accepted_tokens)
+    assert sum(stats.accepted_per_position) == stats.num_accepted_tokens
+    assert_all_blocks_free(llm)
+
+
+def test_stop_string_and_max_tokens_inside_accepted_runs(smollm_reference):
+    llm = LLM("default", dtype="float32", speculative_config=FORCED)
+    plain = LLM("default", dtype="float32")
+    reference_text = smollm_reference[0].outputs[0].text
+    # A stop string from the middle of the copied text, and a max_tokens that lands mid-run.
+    stop = reference_text.split()[6]
+    for params in (
+        SamplingParams(temperature=0, max_tokens=48, stop=[stop]),
+        SamplingParams(temperature=0, max_tokens=13),
+        SamplingParams(temperature=0, max_tokens=40, min_tokens=30, ignore_eos=True),
+    ):
+        expected = plain.generate(GROUNDED[:1], params, use_tqdm=False)[0].outputs[0]
+        got = llm.generate(GROUNDED[:1], params, use_tqdm=False)[0].outputs[0]
+        assert (got.text, got.token_ids, got.finish_reason) == (
+            expected.text, expected.token_ids, expected.finish_reason,
+        )  # fmt: skip
+    assert llm.llm_engine.core.spec_decode_stats.num_accepted_tokens > 0
+    assert_all_blocks_free(llm)
+
+
+def test_seeded_sampling_repeats_with_speculation():
+    llm = LLM("default", dtype="float32", speculative_config=FORCED)
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=32)
+    first = llm.generate(GROUNDED, params, use_tqdm=False)
+    again = llm.generate(GROUNDED[:1], params, use_tqdm=False)
+    assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    assert llm.llm_engine.core.spec_decode_stats.num_draft_tokens > 0
+    assert_all_blocks_free(llm)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tiny_llama):
+    return tiny_llama[0]
+
+
+def loop_prone_prompts(count: int, seed: int = 3) -> list[list[int]]:
+    """Prompts that repeat a short random phrase: a random model's greedy continuation tends
+    to repeat too, so drafts are found and often accepted."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        phrase = [rng.randrange(320) for _ in range(rng.randint(3, 6))]
+        prompts.append(phrase * rng.randint(2, 8) + [rng.randrange(320)])
+    return prompts
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {},
+        {"max_num_batched_tokens": 24, "max_num_seqs": 8, "long_prefill_token_threshold": 12},
+        {"num_kv_blocks": 14, "block_size": 4},
+        {"batching_policy": "prefill-first"},
+    ],
+    ids=["default", "chunked", "preempting", "prefill-first"],
+)
+def test_greedy_equal_with_and_without_speculation_under_engine_pressure(tiny_folder, engine_args):
+    prompts = [{"prompt_token_ids": p} for p in loop_prone_prompts(12)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    reference = LLM(tiny_folder, dtype="float32", skip_tokenizer_init=True, **engine_args)
+    expected = reference.generate(prompts, params, use_tqdm=False)
+    llm = LLM(tiny_folder, dtype="float32", skip_tokenizer_init=True, speculative_config=FORCED,
+              **engine_args)  # fmt: skip
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert_same_outputs(outputs, expected)
+    core = llm.llm_engine.core
+    assert core.spec_decode_stats.num_accepted_tokens > 0
+    if "num_kv_blocks" in engine_args:
+        assert core.num_preemptions > 0, "the small cache must force preemptions"
+    assert_all_blocks_free(llm)
+    lengths = [len(o.outputs[0].token_ids) for o in outputs]
+    assert lengths == [len(o.outputs[0].token_ids) for o in expected]  # max_tokens, cache size
+
+
+def test_n_and_mixed_sampling_in_one_batch(tiny_folder):
+    """Greedy, sampled and penalised requests, n > 1, in one speculative batch: greedy ones
+    equal plain decoding and every request gets what it asked for."""
+    prompts = loop_prone_prompts(4, seed=5)
+    llm = LLM(tiny_folder, dtype="float32", skip_tokenizer_init=True, speculative_config=FORCED)
+    plain = LLM(tiny_folder, dtype="float32", skip_tokenizer_init=True)
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    params = [
+        greedy,
+        SamplingParams(temperature=1.0, n=3, max_tokens=20, ignore_eos=True, seed=1),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3,
+                       logprobs=2),
+        SamplingParams(temperature=0.7, top_k=5, max_tokens=20, ignore_eos=True),
+    ]  # fmt: skip
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    expected = plain.generate([requests[0], requests[2]], [params[0], params[2]], use_tqdm=False)
+    assert_same_outputs([outputs[0], outputs[2]], expected)
+    assert len(outputs[1].outputs) == 3
+    assert all(len(c.token_ids) == 20 for o in outputs for c in o.outputs)
+    assert_all_blocks_free(llm)

@@ -1,0 +1,205 @@
+"""The scheduler's side of speculative decoding: drafts counted against the budget with their
+KV slots reserved, rollback of rejected drafts (progress and blocks), the caps on how many a
+request verifies, and the adaptive choice from the step-cost model."""
+
+from test_scheduler import add, make_scheduler
+
+from tandem.core.roofline import BatchSums
+from tandem.request import RequestStatus
+
+
+class LinearCost:
+    """A step costs `constant` plus `per_token` for each new token."""
+
+    def __init__(self, constant: float, per_token: float) -> None:
+        self.constant, self.per_token = constant, per_token
+
+    def predict(self, sums: BatchSums) -> float:
+        return self.constant + self.per_token * sums.num_new_tokens
+
+
+def prefill(scheduler, request_ids, first_token=500):
+    """Run the prompts through, sampling one token each."""
+    output = scheduler.schedule()
+    assert {s.request_id for s in output.scheduled if s.sample} == set(request_ids)
+    scheduler.update_from_output(output, {i: [first_token] for i in request_ids})
+
+
+def test_drafts_are_scheduled_with_their_slots_and_counted_in_the_budget():
+    scheduler = make_scheduler(num_speculative_tokens=3, adaptive_speculation=False)
+    request = add(scheduler, "a", 5, max_tokens=20)
+    prefill(scheduler, ["a"])
+    request.spec_token_ids = [7, 8, 9, 10]  # more than the cap: three are verified
+    output = scheduler.schedule()
+    (scheduled,) = output.scheduled
+    assert scheduled.draft_token_ids == [7, 8, 9]
+    assert (scheduled.num_computed_tokens, scheduled.num_new_tokens) == (5, 4)
+    assert scheduled.sample
+    assert output.total_num_scheduled_tokens == 4
+    assert (output.num_decode_tokens, output.num_draft_tokens) == (4, 3)
+    assert output.sums.num_sampled == 4  # a logits row at the last token and at each draft
+    # Positions 5..8 need 9 slots: three blocks of 4.
+    assert len(scheduler.kv_cache_manager.get_block_ids("a")) == 3
+
+
+def test_rejected_drafts_roll_back_progress_and_free_their_blocks():
+    scheduler = make_scheduler(num_speculative_tokens=4, adaptive_speculation=False)
+    kv = scheduler.kv_cache_manager
+    request = add(scheduler, "a", 7, max_tokens=20)
+    prefill(scheduler, ["a"])  # 8 tokens known, 7 computed: two blocks
+    request.spec_token_ids = [7, 8, 9, 10]
+    output = scheduler.schedule()
+    assert len(kv.get_block_ids("a")) == 3  # positions 7..11
+    free_before = kv.num_free_blocks
+    # The first draft is accepted, the second rejected: the target's own token follows.
+    scheduler.update_from_output(output, {"a": [7, 42]})
+    assert request.output_token_ids == [500, 7, 42]
+    assert request.num_computed_tokens == request.num_tokens - 1 == 9
+    assert len(kv.get_block_ids("a")) == 3  # position 9 still needs the third block
+    assert kv.num_free_blocks == free_before
+    assert (request.num_draft_tokens, request.num_accepted_tokens) == (4, 1)
+    request.spec_token_ids = [1, 2, 3, 4]
+    output = scheduler.schedule()  # positions 9..13: four blocks
+    assert len(kv.get_block_ids("a")) == 4
+    scheduler.update_from_output(output, {"a": [5]})  # all rejected
+    assert request.num_computed_tokens == 10
+    assert len(kv.get_block_ids("a")) == 3  # the fourth held only rejected drafts
+    assert kv.num_free_blocks == free_before
+
+
+def test_all_drafts_accepted_and_the_bonus_token():
+    scheduler = make_scheduler(num_speculative_tokens=2, adaptive_speculation=False)
+    request = add(scheduler, "a", 4, max_tokens=20)
+    prefill(scheduler, ["a"])
+    request.spec_token_ids = [7, 8]
+    scheduler.update_from_output(scheduler.schedule(), {"a": [7, 8, 9]})
+    assert request.output_token_ids == [500, 7, 8, 9]
+    assert request.num_computed_tokens == 7
+    assert len(request.token_times) == 4
+
+
+def test_a_stop_inside_an_accepted_run_ends_the_request_at_that_token():
+    scheduler = make_scheduler(num_speculative_tokens=3, adaptive_speculation=False)
+    kv = scheduler.kv_cache_manager
+    request = add(scheduler, "a", 4, max_tokens=10, stop_token_ids=[77])
+    prefill(scheduler, ["a"])
+    request.spec_token_ids = [77, 6, 7]
+    updated = scheduler.update_from_output(scheduler.schedule(), {"a": [77, 6, 7, 8]})
+    assert updated == [request]
+    assert request.output_token_ids == [500, 77]
+    assert request.status is RequestStatus.FINISHED_STOPPED
+    assert kv.num_free_blocks == kv.num_blocks  # nothing leaks
+
+
+def test_more_tokens_than_drafts_plus_one_is_an_error():
+    scheduler = make_scheduler(num_speculative_tokens=2, adaptive_speculation=False)
+    request = add(scheduler, "a", 4, max_tokens=10)
+    prefill(scheduler, ["a"])
+    request.spec_token_ids = [1]
+    output = scheduler.schedule()
+    try:
+        scheduler.update_from_output(output, {"a": [1, 2, 3]})
+    except ValueError as error:
+        assert "verified 1 drafts" in str(error)
+    else:
+        raise AssertionError("three tokens from one draft must be refused")
+
+
+def test_drafts_stay_within_max_tokens_and_max_model_len():
+    scheduler = make_scheduler(
+        num_speculative_tokens=4, adaptive_speculation=False, max_model_len=12
+    )
+    near_max_tokens = add(scheduler, "a", 4, max_tokens=3)
+    near_model_len = add(scheduler, "b", 8, first_token=60, max_tokens=50)
+    prefill(scheduler, ["a", "b"])
+    near_max_tokens.spec_token_ids = [1, 2, 3, 4]
+    near_model_len.spec_token_ids = [1, 2, 3, 4]
+    drafts = {s.request_id: s.draft_token_ids for s in scheduler.schedule().scheduled}
+    # a: one output, max 3: one draft plus the target's token. b: 9 tokens, length 12.
+    assert drafts == {"a": [1], "b": [1, 2, 3]}
+
+
+def test_drafts_wait_behind_the_budget_and_never_preempt():
+    scheduler = make_scheduler(
+        num_blocks=4, num_speculative_tokens=4, adaptive_speculation=False,
+        max_num_batched_tokens=8, max_num_seqs=8,
+    )  # fmt: skip
+    a = add(scheduler, "a", 4, max_tokens=30)
+    b = add(scheduler, "b", 3, first_token=60, max_tokens=30)
+    prefill(scheduler, ["a", "b"])  # a: 5 tokens (2 blocks), b: 4 tokens (1 block)
+    a.spec_token_ids = [1, 2, 3, 4]
+    b.spec_token_ids = [1, 2, 3, 4]
+    output = scheduler.schedule()
+    drafts = {s.request_id: s.draft_token_ids for s in output.scheduled}
+    # a's drafts need a third block (positions 4..8), the last free one; b's would need a
+    # second block and none is left: b verifies nothing, and nobody is preempted.
+    assert drafts == {"a": [1, 2, 3, 4], "b": []}
+    assert output.preempted_request_ids == []
+    assert output.total_num_scheduled_tokens == 6
+
+
+def test_speculation_is_off_with_many_running_requests():
+    scheduler = make_scheduler(
+        num_speculative_tokens=2, adaptive_speculation=False, speculation_max_running=2
+    )
+    requests = [add(scheduler, name, 3, first_token=10 * i) for i, name in enumerate("ab")]
+    prefill(scheduler, ["a", "b"])
+    for request in requests:
+        request.spec_token_ids = [1, 2]
+    assert scheduler.schedule().num_draft_tokens == 0
+
+
+def adaptive_scheduler(cost: LinearCost, num_requests: int):
+    scheduler = make_scheduler(
+        num_speculative_tokens=4, max_num_batched_tokens=512, max_num_seqs=128,
+        num_blocks=1024,
+    )  # fmt: skip
+    scheduler.cost_model = cost
+    names = [f"r{i}" for i in range(num_requests)]
+    requests = [add(scheduler, name, 3, first_token=10 + i, max_tokens=50)
+                for i, name in enumerate(names)]  # fmt: skip
+    prefill(scheduler, names)
+    for request in requests:
+        request.spec_token_ids = [1, 2, 3, 4]
+    return scheduler, requests
+
+
+def test_adaptive_drafts_while_they_pay_for_their_time():
+    # A step costs 10 plus 1 per token: alone, a token costs 11 without drafts and a draft 1
+    # more, so every draft that is emitted with a chance above 1/11 is worth it.
+    scheduler, (request,) = adaptive_scheduler(LinearCost(10.0, 1.0), 1)
+    request.recent_accepted, request.recent_rejections = 50.0, 50.0  # acceptance ~ 0.5
+    (scheduled,) = scheduler.schedule().scheduled
+    assert len(scheduled.draft_token_ids) == 3  # 0.5, 0.25, 0.125 > 1/11 > 0.0625
+
+
+def test_adaptive_turns_speculation_off_under_load():
+    # 64 decodes share the constant: a token costs 10/64 + 1, so a draft must be emitted with
+    # a chance above ~0.86 to pay: at acceptance 0.5 no request drafts.
+    scheduler, requests = adaptive_scheduler(LinearCost(10.0, 1.0), 64)
+    for request in requests:
+        request.recent_accepted, request.recent_rejections = 50.0, 50.0
+    assert scheduler.schedule().num_draft_tokens == 0
+    # Requests whose drafts are nearly always right still draft.
+    scheduler, requests = adaptive_scheduler(LinearCost(10.0, 1.0), 64)
+    for request in requests:
+        request.recent_accepted, request.recent_rejections = 100.0, 0.0
+    assert scheduler.schedule().num_draft_tokens == 64 * 4
+
+
+def test_a_request_that_stopped_drafting_tries_again_later():
+    scheduler, (request,) = adaptive_scheduler(LinearCost(1.0, 1.0), 1)
+    request.recent_accepted, request.recent_rejections = 0.0, 40.0
+    scheduler.num_accepted_tokens = 90  # the engine's drafts are mostly right
+    scheduler.num_draft_rejections = 10
+    drafted = []
+    while not request.is_finished and not any(drafted):
+        output = scheduler.schedule()
+        drafted.append(output.num_draft_tokens)
+        (scheduled,) = output.scheduled
+        accepted = scheduled.draft_token_ids  # all of them
+        scheduler.update_from_output(output, {scheduled.request_id: [*accepted, 9]})
+        request.spec_token_ids = [1, 2, 3, 4]
+    assert drafted[0] == 0  # its own record says no
+    assert drafted[-1] > 0  # as it decays, the engine-wide rate brings it back
+    assert len(drafted) > 10
