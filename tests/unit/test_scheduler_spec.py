@@ -165,12 +165,42 @@ def adaptive_scheduler(cost: LinearCost, num_requests: int):
 
 
 def test_adaptive_drafts_while_they_pay_for_their_time():
-    # A step costs 10 plus 1 per token: alone, a token costs 11 without drafts and a draft 1
-    # more, so every draft that is emitted with a chance above 1/11 is worth it.
+    # A step costs 10 plus 1 per token, a draft is accepted half the time: expected tokens
+    # per time are 1/11, 1.5/12, 1.75/13, 1.875/14, 1.94/15 for 0..4 drafts: two is best.
     scheduler, (request,) = adaptive_scheduler(LinearCost(10.0, 1.0), 1)
     request.recent_accepted, request.recent_rejections = 50.0, 50.0  # acceptance ~ 0.5
     (scheduled,) = scheduler.schedule().scheduled
-    assert len(scheduled.draft_token_ids) == 3  # 0.5, 0.25, 0.125 > 1/11 > 0.0625
+    assert len(scheduled.draft_token_ids) == 2
+    # Drafts that are nearly always right are all worth it.
+    scheduler, (request,) = adaptive_scheduler(LinearCost(10.0, 1.0), 1)
+    request.recent_accepted, request.recent_rejections = 100.0, 0.0
+    (scheduled,) = scheduler.schedule().scheduled
+    assert len(scheduled.draft_token_ids) == 4
+
+
+class SteppedCost(LinearCost):
+    """Steps above `small` tokens cost `jump` more (packed weights stop being used)."""
+
+    def __init__(self, constant: float, per_token: float, small: int, jump: float) -> None:
+        super().__init__(constant, per_token)
+        self.small, self.jump = small, jump
+
+    def predict(self, sums: BatchSums) -> float:
+        return super().predict(sums) + (self.jump if sums.num_new_tokens > self.small else 0.0)
+
+
+def test_adaptive_sees_past_a_jump_in_step_cost():
+    # 8 decodes fill the small-step regime; one draft alone would pay the whole jump, but
+    # with drafts this good, verifying all of them pays it back.
+    scheduler, requests = adaptive_scheduler(SteppedCost(10.0, 0.5, small=8, jump=6.0), 8)
+    for request in requests:
+        request.recent_accepted, request.recent_rejections = 100.0, 0.0
+    assert scheduler.schedule().num_draft_tokens == 8 * 4
+    # Poor drafts do not pay the jump back: none are verified.
+    scheduler, requests = adaptive_scheduler(SteppedCost(10.0, 0.5, small=8, jump=6.0), 8)
+    for request in requests:
+        request.recent_accepted, request.recent_rejections = 20.0, 80.0
+    assert scheduler.schedule().num_draft_tokens == 0
 
 
 def test_adaptive_turns_speculation_off_under_load():

@@ -37,6 +37,45 @@ def random_step(rng: random.Random) -> BatchSums:
     return sums if sums.num_new_tokens else request_sums(0, 32, True)
 
 
+def test_learns_the_two_regimes_of_packed_weights():
+    """Steps of up to 8 tokens multiply packed weights (cheap to read, each row costly), larger
+    ones dense weights (more bytes, rows nearly free): the model predicts both, and the jump
+    between them, once it has seen steps of each kind."""
+    shape = ModelShape(30, 576, 1536, 9, 3, 64, 49152, 2, 2, 2, packed_weights=10**8,
+                       packed_bytes=6 * 10**7, packed_max_tokens=8)  # fmt: skip
+    model = StepCostModel(shape, PEAKS, min_steps=8, refit_every=8)
+
+    def seconds(sums: BatchSums) -> float:
+        tokens = sums.num_new_tokens
+        return 0.015 + 0.004 * tokens if tokens <= 8 else 0.040 + 0.0003 * tokens
+
+    rng = random.Random(1)
+    for _ in range(200):
+        tokens = rng.choice([1, 2, 3, 5, 8, 9, 16, 64, 256])
+        sums = request_sums(0, tokens, True)
+        model.observe(sums, seconds(sums))
+    for tokens in (1, 6, 8, 9, 12, 200):
+        sums = request_sums(0, tokens, True)
+        assert model.predict(sums) == pytest.approx(seconds(sums), rel=0.02), tokens
+
+
+def test_learns_a_staircase_in_small_steps():
+    """A kernel that takes rows four at a time: 1-4 tokens cost the same, 5-8 more. The line
+    cannot follow it; the per-count residuals do."""
+    model = StepCostModel(SHAPE, PEAKS, min_steps=8, refit_every=8)
+
+    def seconds(tokens: int) -> float:
+        return 0.010 + 0.008 * ((tokens + 3) // 4) + 0.0001 * tokens
+
+    rng = random.Random(2)
+    for _ in range(300):
+        tokens = rng.choice([1, 2, 3, 4, 5, 6, 7, 8, 100, 300])
+        model.observe(request_sums(50, tokens, True), seconds(tokens))
+    for tokens in (1, 4, 5, 8):
+        predicted = model.predict(request_sums(50, tokens, True))
+        assert predicted == pytest.approx(seconds(tokens), rel=0.03), tokens
+
+
 def test_roofline_predicts_until_fitted():
     model = StepCostModel(SHAPE, PEAKS, min_steps=32, refit_every=16)
     sums = request_sums(0, 256, True)

@@ -405,58 +405,87 @@ class Scheduler:
     def _schedule_drafts(self, plan: _StepPlan) -> None:
         """Give the decodes planned so far draft tokens to verify: as many as the proposer
         found (within the budget, the request's max_tokens and max_model_len) or, adaptive,
-        each draft only while its chance of being emitted (the request's acceptance estimate to
-        the power of its position) is worth the time the step-cost model says it adds, against
-        the time an emitted token costs in this step without drafts. Drafts never preempt: a
-        request whose blocks cannot grow verifies none."""
+        the number that maximizes the step's expected emitted tokens per predicted second.
+        Drafts never preempt: a request whose blocks cannot grow verifies none."""
         config = self.config
         if config.num_speculative_tokens == 0 or plan.token_budget == 0 or not plan.entries:
             return
         limit = config.speculation_max_running
         if limit is not None and len(self.running) >= limit:
             return
-        time_per_token = None
+        candidates = [
+            (request, self._draft_limit(request))
+            for request, num_new_tokens in plan.entries.values()
+            if request.spec_token_ids and num_new_tokens == request.num_uncomputed_tokens
+        ]
+        candidates = [(request, limit) for request, limit in candidates if limit > 0]
+        if not candidates:
+            return
         if config.adaptive_speculation and self.cost_model is not None:
-            time_per_token = self.cost_model.predict(plan.sums) / len(plan.entries)
-        for request, num_new_tokens in list(plan.entries.values()):
-            if plan.token_budget == 0:
-                return
-            if not request.spec_token_ids or num_new_tokens != request.num_uncomputed_tokens:
-                continue
-            num_drafts = self._num_drafts(request, plan, time_per_token)
+            counts = self._choose_drafts(plan, candidates)
+        else:
+            counts = [limit for _, limit in candidates]
+        for (request, _), num_drafts in zip(candidates, counts, strict=True):
+            num_drafts = min(num_drafts, plan.token_budget)
             if num_drafts == 0:
+                # Not drafting: let its acceptance estimate drift back to the engine's.
+                request.recent_accepted *= ACCEPTANCE_DECAY
+                request.recent_rejections *= ACCEPTANCE_DECAY
                 continue
             if self.kv_cache_manager.allocate_slots(request, 1 + num_drafts) is not None:
                 plan.add(request, 1 + num_drafts, num_drafts)
 
-    def _num_drafts(self, request: Request, plan: _StepPlan, time_per_token: float | None) -> int:
+    def _draft_limit(self, request: Request) -> int:
+        """The most drafts the request may verify: what the proposer found, within the
+        configured number, max_model_len and max_tokens (the step emits one token more)."""
         num_drafts = min(
             len(request.spec_token_ids),
             self.config.num_speculative_tokens,
-            plan.token_budget,
             self.max_model_len - request.num_tokens,
         )
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
             num_drafts = min(num_drafts, max_tokens - request.num_output_tokens - 1)
-        if num_drafts <= 0 or time_per_token is None:
-            return max(num_drafts, 0)
-        assert self.cost_model is not None
-        acceptance = self._acceptance(request)
-        before = request.num_computed_tokens
-        others = plan.sums - request_sums(before, 1, True)
-        previous = self.cost_model.predict(plan.sums)
-        emitted = 1.0  # the chance that the next draft is reached
-        for count in range(1, num_drafts + 1):
-            emitted *= acceptance
-            cost = self.cost_model.predict(others + request_sums(before, 1 + count, True, count))
-            if emitted * time_per_token < cost - previous:
-                if count == 1:  # not drafting: let the estimate drift back to the prior
-                    request.recent_accepted *= ACCEPTANCE_DECAY
-                    request.recent_rejections *= ACCEPTANCE_DECAY
-                return count - 1
-            previous = cost
         return num_drafts
+
+    def _choose_drafts(self, plan: _StepPlan, candidates: list[tuple[Request, int]]) -> list[int]:
+        """Drafts per candidate that maximize expected emitted tokens over predicted step time.
+        The i-th draft of a request is emitted with chance acceptance^i; drafts are added in
+        order of that chance, and the best of those prefixes wins (the step-cost model may
+        jump, e.g. where packed weights stop being used, so a longer prefix can win again)."""
+        assert self.cost_model is not None
+        increments = []
+        for index, (request, limit) in enumerate(candidates):
+            acceptance = self._acceptance(request)
+            chance = 1.0
+            for position in range(1, limit + 1):
+                chance *= acceptance
+                increments.append((-chance, index, position))
+        increments.sort()
+        own = [request_sums(r.num_computed_tokens, 1, True) for r, _ in candidates]
+        sums = plan.sums
+        expected = float(len(plan.entries))  # each planned decode emits a token
+        best_rate = expected / max(self.cost_model.predict(sums), 1e-9)
+        best_length = 0
+        counts = [0] * len(candidates)
+        budget = plan.token_budget
+        for length, (negative_chance, index, position) in enumerate(increments, start=1):
+            if length > budget:
+                break
+            request = candidates[index][0]
+            before = request.num_computed_tokens
+            grown = request_sums(before, 1 + position, True, position)
+            previous = own[index] if position == 1 else request_sums(
+                before, position, True, position - 1
+            )  # fmt: skip
+            sums = sums - previous + grown
+            expected -= negative_chance
+            rate = expected / max(self.cost_model.predict(sums), 1e-9)
+            if rate > best_rate:
+                best_rate, best_length = rate, length
+        for _, index, _ in increments[:best_length]:
+            counts[index] += 1
+        return counts
 
     def _acceptance(self, request: Request) -> float:
         """The chance that the request's next draft is accepted given the previous one was:

@@ -1,7 +1,15 @@
 """What a step will cost, learned on the machine it runs on: step time as a linear function of
 the batch's sums (core/roofline.py), time = c + a * new tokens + b * attended positions
 + d * KV positions read + e * sampled rows, fitted by least squares over a window of recent
-steps and refitted as steps come in, so it follows the machine and the load. Until enough
+steps and refitted as steps come in, so it follows the machine and the load. A model that
+keeps weights packed for small steps (models/packed.py) runs two matmul regimes whose costs
+differ in kind (packed: few bytes, but each extra row costs a dequantizing pass; dense: more
+bytes, rows nearly free), so two more terms: f for a step too big for the packed weights, and
+g per new token of a step that uses them. Kernels that work in blocks of rows (the CPU int4
+matmul takes four at a time) or CUDA graphs captured at padded batch sizes make small steps'
+time a staircase in their token count that no line follows: for steps of up to
+RESIDUAL_MAX_TOKENS tokens, what the line misses is learned per token count, as a moving
+average, and added back. Until enough
 steps are seen, the roofline (the slower of compute and bandwidth at the machine's peaks)
 predicts, plus the least per-step overhead seen so far (time the roofline does not explain:
 launches, Python, sampling), so that from the first step on it is not wildly optimistic for
@@ -16,11 +24,22 @@ import numpy as np
 
 from tandem.core.roofline import BatchSums, MachinePeaks, ModelShape, sums_work
 
-FEATURE_NAMES = ("constant", "new tokens", "attended positions", "KV positions", "sampled rows")
+RESIDUAL_MAX_TOKENS = 64
+RESIDUAL_WEIGHT = 0.25  # of the newest step in a token count's moving average
+FEATURE_NAMES = (
+    "constant", "new tokens", "attended positions", "KV positions", "sampled rows",
+    "dense step", "packed tokens",
+)  # fmt: skip
 
 
-def features(sums: BatchSums) -> tuple[float, float, float, float, float]:
-    return (1.0, sums.num_new_tokens, sums.num_attended, sums.num_context, sums.num_sampled)
+def features(sums: BatchSums, packed_max_tokens: int = 0) -> tuple[float, ...]:
+    """`packed_max_tokens`: the largest step that multiplies packed weights (0: none do)."""
+    num_new = sums.num_new_tokens
+    packed = num_new <= packed_max_tokens
+    return (
+        1.0, num_new, sums.num_attended, sums.num_context, sums.num_sampled,
+        float(packed_max_tokens > 0 and not packed), float(num_new if packed else 0),
+    )  # fmt: skip
 
 
 class StepCostModel:
@@ -36,6 +55,7 @@ class StepCostModel:
     ) -> None:
         self.shape = shape
         self.peaks = peaks
+        self.packed_max_tokens = shape.packed_max_tokens if shape.packed_weights else 0
         self.min_steps = min_steps
         self.refit_every = refit_every
         self._rows: deque[tuple[float, ...]] = deque(maxlen=window)
@@ -43,11 +63,17 @@ class StepCostModel:
         self._since_fit = 0
         self.coefficients: np.ndarray | None = None  # None: the roofline predicts
         self.overhead: float | None = None  # least (measured - roofline) seen, >= 0
+        # Small steps by token count: what the fitted line misses (seconds, moving average).
+        self.residuals: dict[int, float] = {}
 
     def predict(self, sums: BatchSums) -> float:
         if self.coefficients is None:
             return self.roofline_seconds(sums) + (self.overhead or 0.0)
-        return float(np.dot(self.coefficients, features(sums)))
+        return self._line(sums) + self.residuals.get(sums.num_new_tokens, 0.0)
+
+    def _line(self, sums: BatchSums) -> float:
+        assert self.coefficients is not None
+        return float(np.dot(self.coefficients, features(sums, self.packed_max_tokens)))
 
     def roofline_seconds(self, sums: BatchSums) -> float:
         work = sums_work(self.shape, sums)
@@ -55,9 +81,16 @@ class StepCostModel:
         return max(work.flops / peaks.flops_per_second, work.bytes / peaks.bytes_per_second)
 
     def observe(self, sums: BatchSums, seconds: float) -> None:
+        num_new = sums.num_new_tokens
+        if self.coefficients is not None and num_new <= RESIDUAL_MAX_TOKENS:
+            missed = seconds - self._line(sums)
+            previous = self.residuals.get(num_new)
+            self.residuals[num_new] = (
+                missed if previous is None else previous + RESIDUAL_WEIGHT * (missed - previous)
+            )
         unexplained = max(0.0, seconds - self.roofline_seconds(sums))
         self.overhead = unexplained if self.overhead is None else min(self.overhead, unexplained)
-        self._rows.append(features(sums))
+        self._rows.append(features(sums, self.packed_max_tokens))
         self._times.append(seconds)
         self._since_fit += 1
         # While the window is short every new step teaches a lot: refit more often.

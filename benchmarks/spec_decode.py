@@ -1,0 +1,187 @@
+"""Speculative decoding on the embedded model (issue 12): output tok/s and acceptance with the
+n-gram proposer (adaptive, and forced to verify everything it finds) against no speculation,
+on an input-grounded workload (copy, correct, extract or summarise a given text) and a
+free-writing one, at batch 1, 8, 32 and 64, in one run, engines alternating round by round.
+
+Greedy decoding of NEW_TOKENS tokens each (ignore_eos), so every engine emits as many tokens,
+the same ones up to near-ties (bf16 has many): the comparison is time. The batch 1 row runs its
+prompts one at a time. The texts are the docstrings of Python standard-library modules: local,
+and different from each other.
+Nothing else may compute meanwhile (two OpenMP processes on 2 cores slow each other 10-30x).
+
+    .venv/bin/python benchmarks/spec_decode.py [--rounds 2] [--batches 1 8 32 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+from tandem import LLM, SamplingParams
+from tandem.engine.stats import SpecDecodeStats
+
+NEW_TOKENS = 128
+BATCH_1_PROMPTS = 4  # batch 1 runs this many prompts one after another
+RESULTS = Path("benchmarks/results/spec_decode.json")
+NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 4}  # fmt: skip
+ENGINES = {
+    "none": None,
+    "ngram adaptive": NGRAM,
+    "ngram forced": {**NGRAM, "adaptive": False},
+}
+MODULES = (
+    "argparse", "ast", "asyncio", "base64", "bisect", "calendar", "cmd", "codecs",
+    "collections", "colorsys", "contextlib", "copy", "csv", "dataclasses", "datetime",
+    "decimal", "difflib", "dis", "doctest", "email", "enum", "filecmp", "fnmatch", "fractions",
+    "ftplib", "functools", "getopt", "gettext", "glob", "graphlib", "gzip", "hashlib", "heapq",
+    "hmac", "html", "imaplib", "inspect", "io", "ipaddress", "json", "keyword", "linecache",
+    "locale", "logging", "lzma", "mailbox", "mimetypes", "numbers", "operator", "optparse",
+    "pathlib", "pickle", "pkgutil", "platform", "plistlib", "poplib", "pprint", "profile",
+    "pstats", "queue", "quopri", "random", "re", "reprlib", "sched", "secrets", "selectors",
+    "shelve", "shlex", "shutil", "smtplib", "socket", "statistics", "string", "struct",
+    "subprocess", "tarfile", "tempfile", "textwrap", "threading", "timeit", "tokenize", "trace",
+    "traceback", "turtle", "typing", "unittest", "uuid", "warnings", "wave", "weakref",
+    "webbrowser", "zipfile", "zipimport",
+)  # fmt: skip
+TASKS = (
+    "Copy the following text exactly, word for word:\n\n{text}",
+    "Correct any spelling mistakes in the following text and return the whole text:\n\n{text}",
+    "{text}\n\nQuote the sentences of the text above that describe what the module does.",
+    "Summarise the following text, reusing its wording:\n\n{text}",
+)
+TOPICS = (
+    "a lighthouse keeper", "a robot learning to paint", "the first day of spring",
+    "a lost city under the sea", "a chess tournament", "a dragon who is afraid of fire",
+    "a train journey across a desert", "a baker who bakes at midnight", "an old clock",
+    "a village without music", "a friendship between a cat and a crow", "the last library",
+)  # fmt: skip
+FREE_TASKS = (
+    "Write a short story about {topic}.",
+    "Write a poem about {topic}.",
+    "Describe {topic} in a few paragraphs, inventing every detail.",
+)
+
+
+def grounded_texts(count: int) -> list[str]:
+    """The opening of standard-library docstrings, 300-700 characters, cut at a sentence."""
+    texts = []
+    for name in MODULES:
+        doc = (importlib.import_module(name).__doc__ or "").strip()
+        if len(doc) < 300:
+            continue
+        cut = doc[:700]
+        end = cut.rfind(". ")
+        texts.append(cut[: end + 1] if end > 300 else cut)
+        if len(texts) == count:
+            break
+    if len(texts) < count:
+        raise RuntimeError(f"found {len(texts)} usable docstrings, need {count}")
+    return texts
+
+
+def workloads(llm: LLM, count: int) -> dict[str, list[str]]:
+    tokenizer = llm.get_tokenizer()
+
+    def chat(content: str) -> str:
+        messages = [{"role": "user", "content": content}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    texts = grounded_texts(count)
+    grounded = [chat(TASKS[i % len(TASKS)].format(text=t)) for i, t in enumerate(texts)]
+    free = [
+        chat(FREE_TASKS[i % len(FREE_TASKS)].format(topic=TOPICS[i % len(TOPICS)]))
+        for i in range(count)
+    ]
+    return {"input-grounded": grounded, "free-writing": free}
+
+
+def run(llm: LLM, prompts: list[str], batch: int) -> tuple[float, int, SpecDecodeStats]:
+    """Seconds and output tokens for `prompts` (batch 1: one at a time), and the speculation
+    counters it added."""
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    core = llm.llm_engine.core
+    before = SpecDecodeStats(**vars(core.spec_decode_stats))
+    before.accepted_per_position = list(before.accepted_per_position)
+    groups = [[p] for p in prompts] if batch == 1 else [prompts]
+    start = time.perf_counter()
+    tokens = 0
+    for group in groups:
+        outputs = llm.generate(group, params, use_tqdm=False)
+        tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
+    seconds = time.perf_counter() - start
+    after = core.spec_decode_stats
+    added = SpecDecodeStats(
+        after.num_drafts - before.num_drafts,
+        after.num_draft_tokens - before.num_draft_tokens,
+        after.num_accepted_tokens - before.num_accepted_tokens,
+    )
+    return seconds, tokens, added
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    args = parser.parse_args()
+    engines = {name: LLM("default", speculative_config=config) for name, config in ENGINES.items()}
+    prompts = workloads(next(iter(engines.values())), max(max(args.batches), BATCH_1_PROMPTS))
+    for llm in engines.values():  # warm up: kernels, allocator, the step-cost model's fit
+        llm.generate(prompts["input-grounded"][:8], SamplingParams(max_tokens=32), use_tqdm=False)
+    rows = []
+    for workload, texts in prompts.items():
+        for batch in args.batches:
+            chosen = texts[: BATCH_1_PROMPTS if batch == 1 else batch]
+            best: dict[str, tuple[float, int, SpecDecodeStats]] = {}
+            for _ in range(args.rounds):
+                for name, llm in engines.items():
+                    result = run(llm, chosen, batch)
+                    if name not in best or result[0] < best[name][0]:
+                        best[name] = result
+            counts = {name: result[1] for name, result in best.items()}
+            if len(set(counts.values())) != 1:
+                print(f"  note: token counts differ (near-ties): {counts}")
+            base_seconds, base_tokens, _ = best["none"]
+            for name, (seconds, tokens, stats) in best.items():
+                row = {
+                    "workload": workload,
+                    "batch": batch,
+                    "engine": name,
+                    "tok_s": tokens / seconds,
+                    "speedup": (tokens / seconds) / (base_tokens / base_seconds),
+                    "acceptance": stats.acceptance_rate,
+                    "mean_accepted_length": stats.mean_acceptance_length,
+                    "drafts_per_token": stats.num_draft_tokens / tokens,
+                }
+                rows.append(row)
+                print(
+                    f"{workload:15s} batch {batch:3d} {name:15s} {row['tok_s']:7.1f} tok/s "
+                    f"{row['speedup']:5.2f}x  acceptance {row['acceptance']:.2f}  "
+                    f"mean accepted length {row['mean_accepted_length']:.2f}  "
+                    f"drafts/token {row['drafts_per_token']:.2f}",
+                    flush=True,
+                )
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    header = {
+        "date": f"{datetime.datetime.now():%Y-%m-%d %H:%M}",
+        "machine": platform.machine(),
+        "commit": commit,
+        "rounds": args.rounds,
+        "new_tokens": NEW_TOKENS,
+        "speculative_config": NGRAM,
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({**header, "rows": rows}, indent=1))
+    print(json.dumps(header))
+
+
+if __name__ == "__main__":
+    main()
