@@ -70,20 +70,23 @@ FREE_TASKS = (
 
 
 def grounded_texts(count: int) -> list[str]:
-    """The opening of standard-library docstrings, 300-700 characters, cut at a sentence."""
-    texts = []
+    """Passages of standard-library docstrings, 300-700 characters cut at a sentence: the
+    first of each module's, then second ones, until there are `count`."""
+    passages: list[list[str]] = []
     for name in MODULES:
         doc = (importlib.import_module(name).__doc__ or "").strip()
-        if len(doc) < 300:
-            continue
-        cut = doc[:700]
-        end = cut.rfind(". ")
-        texts.append(cut[: end + 1] if end > 300 else cut)
-        if len(texts) == count:
-            break
+        own = []
+        while len(doc) >= 300 and len(own) < 3:
+            cut = doc[:700]
+            end = cut.rfind(". ")
+            passage = cut[: end + 1] if end > 300 else cut
+            own.append(passage)
+            doc = doc[len(passage) :].strip()
+        passages.append(own)
+    texts = [own[rank] for rank in range(3) for own in passages if len(own) > rank]
     if len(texts) < count:
-        raise RuntimeError(f"found {len(texts)} usable docstrings, need {count}")
-    return texts
+        raise RuntimeError(f"found {len(texts)} passages, need {count}")
+    return texts[:count]
 
 
 def workloads(llm: LLM, count: int) -> dict[str, list[str]]:

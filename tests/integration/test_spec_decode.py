@@ -5,6 +5,7 @@ sampling repeats, every block is returned, and the counters add up."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -168,3 +169,80 @@ def test_n_and_mixed_sampling_in_one_batch(tiny_folder):
     assert len(outputs[1].outputs) == 3
     assert all(len(c.token_ids) == 20 for o in outputs for c in o.outputs)
     assert_all_blocks_free(llm)
+
+
+def draft_config(model, **extra):
+    return {"model": str(model), "num_speculative_tokens": 3, "adaptive": False, **extra}
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [{}, {"num_kv_blocks": 14, "block_size": 4}, {"max_num_batched_tokens": 24, "max_num_seqs": 8}],
+    ids=["default", "preempting", "chunked"],
+)
+def test_draft_model_greedy_equals_plain_decoding(tiny_folder, engine_args):
+    """The tiny model in bf16 drafts for its fp32 self: its guesses are mostly right, and the
+    fp32 output is unchanged, under preemption (the draft's KV is rebuilt) and chunking."""
+    prompts = [{"prompt_token_ids": p} for p in loop_prone_prompts(10, seed=9)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    plain = LLM(tiny_folder, dtype="float32", skip_tokenizer_init=True, **engine_args)
+    expected = plain.generate(prompts, params, use_tqdm=False)
+    llm = LLM(tiny_folder, dtype="float32", skip_tokenizer_init=True,
+              speculative_config=draft_config(tiny_folder, draft_dtype="bfloat16"),
+              **engine_args)  # fmt: skip
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert_same_outputs(outputs, expected)
+    stats = llm.llm_engine.core.spec_decode_stats
+    assert stats.num_draft_tokens > 0
+    assert stats.acceptance_rate > 0.5, "a bf16 copy of the target must guess mostly right"
+    if "num_kv_blocks" in engine_args:
+        assert llm.llm_engine.core.num_preemptions > 0
+    assert_all_blocks_free(llm)
+
+
+def test_embedded_model_drafts_for_its_float32_self(smollm_reference):
+    """The draft that works here without a download: the embedded model with dtype "auto"
+    (packed 4-bit weights on CPU) drafting for the same model in float32."""
+    llm = LLM("default", dtype="float32",
+              speculative_config={"model": "default", "num_speculative_tokens": 3})  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=48, logprobs=2)
+    outputs = llm.generate(GROUNDED, params, use_tqdm=False)
+    assert_same_outputs(outputs, smollm_reference)
+    stats = llm.llm_engine.core.spec_decode_stats
+    assert stats.acceptance_rate > 0.5
+    assert_all_blocks_free(llm)
+
+
+def test_a_draft_must_share_the_vocabulary(tiny_folder):
+    with pytest.raises(ValueError, match="must share the target's tokenizer"):
+        LLM("default", speculative_config=draft_config(tiny_folder))
+
+
+def test_server_speculates_and_reports_it(server_factory, smollm_reference):
+    """`tandem serve --speculative-config`: a real client gets plain greedy decoding's text,
+    streamed or not (a stop string inside an accepted run included), and /metrics counts the
+    drafts."""
+    import openai
+
+    from server_process import wait_until_idle
+
+    server = server_factory.start("--speculative-config", json.dumps(FORCED), name="spec-server")
+    client = openai.OpenAI(base_url=server.base_url, api_key="none")
+    expected = smollm_reference[0].outputs[0]
+    completion = client.completions.create(
+        model="default", prompt=GROUNDED[0], max_tokens=48, temperature=0
+    )
+    assert completion.choices[0].text == expected.text
+    stop = expected.text.split()[5]
+    stream = client.completions.create(
+        model="default", prompt=GROUNDED[0], max_tokens=48, temperature=0, stop=[stop],
+        stream=True,
+    )  # fmt: skip
+    streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+    assert streamed == expected.text[: expected.text.index(stop)]
+    metrics = wait_until_idle(server.url)
+    drafted = metrics["tandem:spec_decode_num_draft_tokens_total"]
+    accepted = metrics["tandem:spec_decode_num_accepted_tokens_total"]
+    assert 0 < accepted <= drafted
+    assert metrics["tandem:spec_decode_num_drafts_total"] > 0
+    assert metrics["tandem:spec_decode_num_accepted_tokens_per_pos_total"] == accepted

@@ -59,24 +59,24 @@ def test_match_near_the_start_does_not_read_before_it():
 def test_proposer_mirrors_growing_token_lists():
     proposer = NgramProposer(min_n=2, max_n=3)
     tokens = [10, 11, 12, 13, 10, 11]
-    assert proposer.propose("a", tokens, 2) == [12, 13]
+    assert proposer.propose_one("a", tokens, 2) == [12, 13]
     tokens += [12, 99, 10]
-    assert proposer.propose("a", tokens, 2) == []  # [99, 10] never occurred before
+    assert proposer.propose_one("a", tokens, 2) == []  # [99, 10] never occurred before
     tokens += [11]
-    assert proposer.propose("a", tokens, 3) == [12, 99, 10]
+    assert proposer.propose_one("a", tokens, 3) == [12, 99, 10]
     tokens += list(range(200, 400))  # grows past its buffer
     tokens += [200, 201]
-    assert proposer.propose("a", tokens, 2) == [202, 203]
-    assert proposer.propose("a", tokens, 0) == []
+    assert proposer.propose_one("a", tokens, 2) == [202, 203]
+    assert proposer.propose_one("a", tokens, 0) == []
     proposer.forget("a")
-    assert proposer.propose("a", [1, 2, 1, 2], 1) == [1]
+    assert proposer.propose_one("a", [1, 2, 1, 2], 1) == [1]
 
 
 def test_proposer_keeps_requests_apart():
     proposer = NgramProposer(min_n=1, max_n=2)
-    assert proposer.propose("a", [1, 2, 1], 1) == [2]
-    assert proposer.propose("b", [1, 3, 1], 1) == [3]
-    assert proposer.propose("a", [1, 2, 1, 2], 1) == [1]
+    assert proposer.propose_one("a", [1, 2, 1], 1) == [2]
+    assert proposer.propose_one("b", [1, 3, 1], 1) == [3]
+    assert proposer.propose_one("a", [1, 2, 1, 2], 1) == [1]
 
 
 def test_proposer_validates_its_window():

@@ -14,6 +14,18 @@ def test_ngram_defaults_follow_vllm():
     assert config == SpeculativeConfig("ngram", 3, 5, 5, None, True)
 
 
+def test_a_model_means_a_draft_model():
+    config = SpeculativeConfig.parse({"model": "default", "num_speculative_tokens": 3})
+    assert (config.method, config.draft_model, config.draft_dtype) == (
+        "draft_model", "default", "auto",
+    )  # fmt: skip
+    config = SpeculativeConfig.parse(
+        {"method": "draft_model", "model": "/m.gguf", "num_speculative_tokens": 2,
+         "draft_dtype": "bfloat16"}
+    )  # fmt: skip
+    assert (config.draft_model, config.draft_dtype) == ("/m.gguf", "bfloat16")
+
+
 @pytest.mark.parametrize(
     ("given", "expected"),
     [({"prompt_lookup_max": 4}, (4, 4)), ({"prompt_lookup_min": 2}, (2, 2)),
@@ -39,7 +51,9 @@ def test_vllm_older_spelling_and_tandem_knobs():
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
         ({"method": "eagle", "num_speculative_tokens": 2}, "method='eagle'"),
-        ({"model": "/some/draft", "num_speculative_tokens": 2}, "draft models are not built"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs \"model\""),
+        ({"method": "ngram", "model": "/m", "num_speculative_tokens": 2}, "takes no model"),
+        ({"model": "/m", "num_speculative_tokens": 2, "draft_dtype": 16}, "draft_dtype"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
           "prompt_lookup_max": 2}, "prompt_lookup_min <= prompt_lookup_max"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0},

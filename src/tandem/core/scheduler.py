@@ -29,6 +29,7 @@ from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.request_queue import SCHEDULING_POLICIES, SchedulingPolicy, make_request_queue
 from tandem.core.roofline import BatchSums, request_sums
 from tandem.core.scheduler_config import BATCHING_POLICIES, BatchingPolicy, SchedulerConfig
+from tandem.core.spec_guard import SpeculationGuard
 from tandem.request import Request, RequestStatus
 
 __all__ = [
@@ -86,6 +87,11 @@ MIN_PREFILL_TOKENS = 16
 # each step a low estimate keeps it from drafting, so it tries again later).
 ACCEPTANCE_PRIOR_WEIGHT = 2.0
 ACCEPTANCE_DECAY = 0.9
+# Adaptive speculation verifies drafts only when the step-cost model says they raise the
+# step's expected tokens per second by at least this much: the model's error (~5-10% per
+# step) must not turn a forecast gain into a loss.
+MIN_SPECULATION_GAIN = 0.05
+AHEAD_TOKEN_WEIGHT = 0.5
 
 
 @dataclass
@@ -160,6 +166,9 @@ class Scheduler:
         # Verified drafts since start: the prior of every request's acceptance estimate.
         self.num_accepted_tokens = 0
         self.num_draft_rejections = 0
+        # Adaptive speculation: measured tokens/s with and without drafts, per batch size (the
+        # engine reports each decode step's time).
+        self.speculation_guard = SpeculationGuard()
 
     @property
     def num_waiting(self) -> int:
@@ -422,6 +431,8 @@ class Scheduler:
         if not candidates:
             return
         if config.adaptive_speculation and self.cost_model is not None:
+            if not self.speculation_guard.allows(len(plan.entries)):
+                return
             counts = self._choose_drafts(plan, candidates)
         else:
             counts = [limit for _, limit in candidates]
@@ -436,36 +447,41 @@ class Scheduler:
                 plan.add(request, 1 + num_drafts, num_drafts)
 
     def _draft_limit(self, request: Request) -> int:
-        """The most drafts the request may verify: what the proposer found, within the
-        configured number, max_model_len and max_tokens (the step emits one token more)."""
+        return min(len(request.spec_token_ids), self.max_drafts(request))
+
+    def max_drafts(self, request: Request) -> int:
+        """The most drafts the request may verify next: the configured number, within
+        max_model_len and max_tokens (the step emits one token more than it accepts)."""
         num_drafts = min(
-            len(request.spec_token_ids),
-            self.config.num_speculative_tokens,
-            self.max_model_len - request.num_tokens,
+            self.config.num_speculative_tokens, self.max_model_len - request.num_tokens
         )
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
             num_drafts = min(num_drafts, max_tokens - request.num_output_tokens - 1)
-        return num_drafts
+        return max(num_drafts, 0)
 
     def _choose_drafts(self, plan: _StepPlan, candidates: list[tuple[Request, int]]) -> list[int]:
-        """Drafts per candidate that maximize expected emitted tokens over predicted step time.
-        The i-th draft of a request is emitted with chance acceptance^i; drafts are added in
-        order of that chance, and the best of those prefixes wins (the step-cost model may
-        jump, e.g. where packed weights stop being used, so a longer prefix can win again)."""
+        """Drafts per candidate that maximize the expected value of the step's tokens over its
+        predicted time. The i-th draft of a request is emitted with chance acceptance^i, and a
+        token is worth its request's weight (`_token_weights`); drafts are added in order of
+        their value, and the best of those prefixes wins if it beats verifying none by
+        MIN_SPECULATION_GAIN (the step-cost model may jump, e.g. where packed weights stop
+        being used, so a longer prefix can win again)."""
         assert self.cost_model is not None
+        weights = self._token_weights([request for request, _ in plan.entries.values()])
         increments = []
         for index, (request, limit) in enumerate(candidates):
             acceptance = self._acceptance(request)
-            chance = 1.0
+            value = weights.get(request.request_id, 1.0)
             for position in range(1, limit + 1):
-                chance *= acceptance
-                increments.append((-chance, index, position))
+                value *= acceptance
+                increments.append((-value, index, position))
         increments.sort()
         own = [request_sums(r.num_computed_tokens, 1, True) for r, _ in candidates]
         sums = plan.sums
-        expected = float(len(plan.entries))  # each planned decode emits a token
-        best_rate = expected / max(self.cost_model.predict(sums), 1e-9)
+        expected = sum(weights.get(r.request_id, 1.0) for r, _ in plan.entries.values())
+        base_rate = expected / max(self.cost_model.predict(sums), 1e-9)
+        best_rate = base_rate * (1 + MIN_SPECULATION_GAIN)
         best_length = 0
         counts = [0] * len(candidates)
         budget = plan.token_budget
@@ -486,6 +502,30 @@ class Scheduler:
         for _, index, _ in increments[:best_length]:
             counts[index] += 1
         return counts
+
+    def _token_weights(self, requests: list[Request]) -> dict[str, float]:
+        """What a token of each request is worth to the run. With requests waiting, every
+        token is (a request that finishes early frees its seat for them). With none waiting
+        and every request's max_tokens known, only the requests with the most left shorten
+        the run: a request's token is worth its tokens left over the most any has left (but
+        at least AHEAD_TOKEN_WEIGHT: its own latency still counts), so requests already ahead
+        stop spending step time on marginal drafts that only make them finish early while the
+        rest run on at a smaller, less efficient batch."""
+        if self.waiting:
+            return {}
+        remaining = {}
+        for request in requests:
+            max_tokens = request.sampling_params.max_tokens
+            if max_tokens is None:
+                return {}
+            remaining[request.request_id] = max_tokens - request.num_output_tokens
+        most = max(remaining.values(), default=0)
+        if most <= 0:
+            return {}
+        return {
+            request_id: max(left / most, AHEAD_TOKEN_WEIGHT)
+            for request_id, left in remaining.items()
+        }
 
     def _acceptance(self, request: Request) -> float:
         """The chance that the request's next draft is accepted given the previous one was:

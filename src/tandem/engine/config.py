@@ -60,6 +60,9 @@ class EngineConfig:
     peak_tflops: float | None = None
     peak_bandwidth_gbps: float | None = None
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    # The draft model's runner (speculative method "draft_model"); its KV cache gets as many
+    # blocks as the target's, whatever num_kv_blocks says here.
+    draft_runner: RunnerConfig | None = None
 
     @classmethod
     def create(
@@ -161,6 +164,9 @@ class EngineConfig:
             num_kv_blocks=num_kv_blocks,
             kv_cache_memory=kv_cache_memory,
         )
+        draft_runner = None
+        if speculative is not None and speculative.method == "draft_model":
+            draft_runner = _draft_runner(speculative, runner, model_config)
         scheduler = SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
@@ -195,6 +201,7 @@ class EngineConfig:
             peak_tflops=peak_tflops,
             peak_bandwidth_gbps=peak_bandwidth_gbps,
             speculative=speculative,
+            draft_runner=draft_runner,
         )
 
     @property
@@ -280,6 +287,29 @@ def resolve_dtype(
         chosen = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     logger.info("dtype='auto' on %s: %s (checkpoint saved in %s)", device, chosen, saved)
     return chosen, 0
+
+
+def _draft_runner(
+    speculative: SpeculativeConfig, target: RunnerConfig, target_config: ModelConfig
+) -> RunnerConfig:
+    """The draft model's runner: same device and block size as the target, its own dtype."""
+    assert speculative.draft_model is not None
+    path = resolve_model_path(speculative.draft_model)
+    config = load_model_config(path)
+    if config.vocab_size != target_config.vocab_size:
+        raise ValueError(
+            f"the draft model {speculative.draft_model!r} has a vocabulary of {config.vocab_size} "
+            f"tokens, the target {target_config.vocab_size}: a draft must share the target's "
+            "tokenizer"
+        )
+    dtype, packed_max_tokens = resolve_dtype(speculative.draft_dtype, target.device, config, path)
+    return RunnerConfig(
+        model=path,
+        dtype=dtype,
+        packed_max_tokens=packed_max_tokens,
+        device=target.device,
+        block_size=target.block_size,
+    )
 
 
 def resolve_tokenizer_path(tokenizer: str | Path) -> Path:

@@ -25,6 +25,7 @@ from tandem.engine.stats import SchedulerStats, SpecDecodeStats, StepStats
 from tandem.outputs import Logprob
 from tandem.request import Request, RequestStatus
 from tandem.sampling_params import num_top_logprobs
+from tandem.spec_decode.draft_model import DraftModelProposer
 from tandem.spec_decode.ngram import NgramProposer, Proposer
 from tandem.worker.model_runner import ModelRunner
 from tandem.worker.rejection_sampler import verify
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
     from tandem.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
+
+IDLE_STEPS_BEFORE_REST = 4
+PROPOSE_EVERY_WHEN_IDLE = 16
 
 
 @dataclass
@@ -88,13 +92,12 @@ class EngineCore:
             scheduler_config, self.kv_cache_manager, cost_model=self.cost_model
         )
         self.generators: dict[str, torch.Generator] = {}
-        speculative = config.speculative
-        self.proposer: Proposer | None = None
-        if speculative is not None:
-            self.proposer = NgramProposer(
-                speculative.prompt_lookup_min, speculative.prompt_lookup_max
-            )
+        self.proposer = self._make_proposer(config)
         self.spec_decode_stats = SpecDecodeStats()
+        # Steps in a row whose drafts the scheduler verified none of: past a few, a costly
+        # proposer proposes only every PROPOSE_EVERY_WHEN_IDLE steps (to see if it pays again).
+        self.num_idle_proposal_steps = 0
+        self.proposed_last_step = False
         # Requests still owed prompt logprobs -> prompt positions whose logits have been scored
         # and sent (the logits at position p give the logprob of prompt token p + 1). A request
         # leaves once all are sent, so a recompute after a preemption never sends them again
@@ -114,6 +117,17 @@ class EngineCore:
             scheduler_config.max_model_len,
             max_tokens / scheduler_config.max_model_len,
         )
+
+    def _make_proposer(self, config: EngineConfig) -> Proposer | None:
+        speculative = config.speculative
+        if speculative is None:
+            return None
+        if config.draft_runner is None:
+            return NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max)
+        draft_config = dataclasses.replace(
+            config.draft_runner, num_kv_blocks=self.runner.num_kv_blocks
+        )
+        return DraftModelProposer(ModelRunner(draft_config), self.kv_cache_manager)
 
     def _init_telemetry(self, config: EngineConfig) -> None:
         """The model's shape and the machine's peaks for each step's roofline, and the step
@@ -197,11 +211,17 @@ class EngineCore:
             self._output(r, num_outputs_before[r.request_id], logprobs_by_id) for r in updated
         ]
         if self.proposer is not None:
-            self._propose(updated)
+            for request_id in scheduled.preempted_request_ids:
+                self.proposer.forget(request_id)  # its KV is gone, the draft's too
+            propose_start = time.perf_counter()
+            self._propose(updated, scheduled.num_draft_tokens)
+            propose_time = time.perf_counter() - propose_start
+        else:
+            propose_time = 0.0
         if prompt_logprobs_by_id:
             outputs = self._with_prompt_logprobs(outputs, prompt_logprobs_by_id)
         num_accepted = self.spec_decode_stats.num_accepted_tokens - accepted_before
-        self._record_stats(scheduled, time.perf_counter() - start, num_accepted)
+        self._record_stats(scheduled, time.perf_counter() - start, num_accepted, propose_time)
         return outputs
 
     def _sample(
@@ -255,17 +275,32 @@ class EngineCore:
                 logprobs_by_id[ids[i]] = rows_of_request
         return sampled, logprobs_by_id
 
-    def _propose(self, requests: list[Request]) -> None:
-        """Guess the next tokens of the requests that got tokens and go on decoding."""
+    def _propose(self, requests: list[Request], num_verified: int) -> None:
+        """Guess the next tokens of the requests that got tokens and go on decoding. A costly
+        proposer rests while the scheduler verifies none of its guesses (under load)."""
         assert self.proposer is not None
-        num_tokens = self.config.scheduler.num_speculative_tokens
+        live = []
         for request in requests:
             if request.is_finished:
                 self.proposer.forget(request.request_id)
             else:
-                request.spec_token_ids = self.proposer.propose(
-                    request.request_id, request.all_token_ids, num_tokens
-                )
+                live.append(request)
+        if self.proposer.costly:
+            if num_verified:
+                self.num_idle_proposal_steps = 0
+            elif self.proposed_last_step:
+                self.num_idle_proposal_steps += 1
+            resting = self.num_idle_proposal_steps >= IDLE_STEPS_BEFORE_REST
+            if resting and self.num_steps % PROPOSE_EVERY_WHEN_IDLE:
+                for request in live:
+                    request.spec_token_ids = []
+                self.proposed_last_step = False
+                return
+        limits = [self.scheduler.max_drafts(r) for r in live]
+        proposals = self.proposer.propose(live, limits)
+        for request, drafts in zip(live, proposals, strict=True):
+            request.spec_token_ids = drafts
+        self.proposed_last_step = any(proposals)
 
     # -- prompt logprobs -----------------------------------------------------------------------
 
@@ -409,14 +444,26 @@ class EngineCore:
         )
 
     def _record_stats(
-        self, scheduled: SchedulerOutput, step_time: float, num_accepted_tokens: int
+        self,
+        scheduled: SchedulerOutput,
+        step_time: float,
+        num_accepted_tokens: int,
+        propose_time: float,
     ) -> None:
+        """`propose_time`: of the step, the proposer's guessing for the next step (a draft
+        model's forwards). The step-cost model learns the rest: the scheduled batch's cost."""
         self.num_steps += 1
         self.num_preemptions += len(scheduled.preempted_request_ids)
         sums = scheduled.sums
         roofline = place_step(sums_work(self.model_shape, sums), step_time, self.peaks)
         predicted = self.cost_model.predict(sums)
-        self.cost_model.observe(sums, step_time)
+        self.cost_model.observe(sums, step_time - propose_time)
+        if scheduled.num_prefill_tokens == 0 and self.proposer is not None:
+            num_sampled = sum(1 for entry in scheduled.scheduled if entry.sample)
+            self.scheduler.speculation_guard.observe(
+                len(scheduled.scheduled), scheduled.num_draft_tokens > 0,
+                num_sampled + num_accepted_tokens, step_time,
+            )  # fmt: skip
         stats = StepStats(
             num_prefill_tokens=scheduled.num_prefill_tokens,
             num_decode_tokens=scheduled.num_decode_tokens,
@@ -434,6 +481,7 @@ class EngineCore:
             predicted_step_time=predicted,
             num_draft_tokens=scheduled.num_draft_tokens,
             num_accepted_tokens=num_accepted_tokens,
+            propose_time=propose_time,
         )
         self.step_stats.append(stats)
         if self.step_log is not None:

@@ -34,6 +34,9 @@ class StepStats:
     # accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Seconds of step_time spent proposing drafts for the next step (the step-cost model
+    # forecasts the rest).
+    propose_time: float = 0.0
 
     @property
     def phase(self) -> str:

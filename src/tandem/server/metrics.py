@@ -288,8 +288,9 @@ class PrometheusStatLogger:
             self.step_time.observe(step.step_time)
             self.step_mfu[step.phase].observe(step.mfu)
             self.step_mbu[step.phase].observe(step.mbu)
-            if step.step_time > 0 and step.predicted_step_time > 0:
-                error = abs(step.predicted_step_time - step.step_time) / step.step_time
+            forecast_part = step.step_time - step.propose_time  # what the model forecasts
+            if forecast_part > 0 and step.predicted_step_time > 0:
+                error = abs(step.predicted_step_time - forecast_part) / forecast_part
                 self.step_time_prediction_error.observe(error)
 
     def record_finished(self, finished: FinishedRequestStats) -> None:

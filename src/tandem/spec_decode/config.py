@@ -1,10 +1,13 @@
 """vLLM's `speculative_config`: which proposer guesses tokens, and how many per step.
 
-Keys read (vLLM's names and defaults): `method` ("ngram"; vLLM's older spelling, `model="ngram"`,
-too), `num_speculative_tokens`, `prompt_lookup_min` / `prompt_lookup_max` (both 5 when neither
-is given, one copies the other when one is), `disable_by_batch_size`. tandem's own: `adaptive`
-(default True) lets the scheduler draft fewer tokens, or none, where the step-cost model says
-they would not pay; False always drafts as many as the proposer found.
+Keys read (vLLM's names and defaults): `method` ("ngram", or "draft_model", the method when a
+`model` is given; vLLM's older spelling `model="ngram"` too), `model` (the draft: a path,
+"default" or a .gguf, sharing the target's tokenizer), `num_speculative_tokens`,
+`prompt_lookup_min` / `prompt_lookup_max` (n-gram; both 5 when neither is given, one copies the
+other when one is), `disable_by_batch_size`. tandem's own: `adaptive` (default True) lets the
+scheduler verify fewer drafts, or none, where the step-cost model says they would not pay
+(False: all the proposer found), and `draft_dtype` (default "auto": on CPU the fastest format
+here, packed 4-bit weights for small steps) for the draft model.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # vLLM keys that ask for nothing beyond what tandem does at their default value.
 _NOOP_KEYS = {
     "draft_tensor_parallel_size": (None, 1),
@@ -31,6 +34,8 @@ class SpeculativeConfig:
     # Speculation is off in a step with at least this many running requests (vLLM's knob).
     disable_by_batch_size: int | None = None
     adaptive: bool = True
+    draft_model: str | None = None  # method "draft_model": the draft's path
+    draft_dtype: str = "auto"
 
     @classmethod
     def parse(cls, config: dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -44,7 +49,8 @@ class SpeculativeConfig:
             )
         known = {
             "method", "model", "num_speculative_tokens", "prompt_lookup_min",
-            "prompt_lookup_max", "disable_by_batch_size", "adaptive", *_NOOP_KEYS,
+            "prompt_lookup_max", "disable_by_batch_size", "adaptive", "draft_dtype",
+            *_NOOP_KEYS,
         }  # fmt: skip
         unknown = sorted(set(config) - known)
         if unknown:
@@ -57,13 +63,10 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config {key}={config[key]!r} is not supported")
         method = config.get("method")
         model = config.get("model")
-        if method is None and model == "ngram":
-            method = "ngram"
-        elif model is not None:
-            raise ValueError(
-                f"speculative_config model={model!r}: draft models are not built yet; use "
-                '"method": "ngram" (prompt lookup)'
-            )
+        if model == "ngram" and method in (None, "ngram"):
+            method, model = "ngram", None
+        elif model is not None and method is None:
+            method = "draft_model"
         if method not in METHODS:
             raise ValueError(
                 f"speculative_config method={method!r} is not supported; choose one of "
@@ -97,7 +100,21 @@ class SpeculativeConfig:
         adaptive = config.get("adaptive", True)
         if not isinstance(adaptive, bool):
             raise ValueError(f"speculative_config adaptive must be true or false, got {adaptive!r}")
-        return cls(method, num_tokens, lookup_min, lookup_max, disable_by, adaptive)
+        if method == "draft_model" and not (isinstance(model, str) and model):
+            raise ValueError(
+                'speculative_config method "draft_model" needs "model": the draft\'s path, '
+                '"default" or a .gguf file'
+            )
+        if method == "ngram" and model is not None:
+            raise ValueError(f"speculative_config method ngram takes no model, got {model!r}")
+        draft_dtype = config.get("draft_dtype", "auto")
+        if not isinstance(draft_dtype, str):
+            raise ValueError(
+                f"speculative_config draft_dtype must be a string, got {draft_dtype!r}"
+            )
+        return cls(
+            method, num_tokens, lookup_min, lookup_max, disable_by, adaptive, model, draft_dtype
+        )
 
 
 def _is_int(value: object) -> bool:

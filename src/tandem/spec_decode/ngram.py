@@ -9,20 +9,26 @@ in Python."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from tandem.request import Request
 
 
 class Proposer(Protocol):
     """Guesses the next tokens of requests; trained heads or draft models plug in here."""
 
-    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
-        """At most `max_tokens` guesses of the tokens that follow `token_ids`."""
+    # Proposing costs real compute (a draft model): skip it while the scheduler verifies none.
+    costly: bool
+
+    def propose(self, requests: Sequence[Request], max_tokens: Sequence[int]) -> list[list[int]]:
+        """For each request, at most that many guesses of the tokens after its last one."""
         ...
 
     def forget(self, request_id: str) -> None:
-        """The request has finished: drop what is kept for it."""
+        """The request has finished, or lost its KV (preempted): drop what is kept for it."""
         ...
 
 
@@ -35,7 +41,15 @@ class NgramProposer:
         self._tokens: dict[str, np.ndarray] = {}
         self._lengths: dict[str, int] = {}
 
-    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+    costly = False
+
+    def propose(self, requests: Sequence[Request], max_tokens: Sequence[int]) -> list[list[int]]:
+        return [
+            self.propose_one(r.request_id, r.all_token_ids, limit)
+            for r, limit in zip(requests, max_tokens, strict=True)
+        ]
+
+    def propose_one(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         if max_tokens <= 0 or len(token_ids) <= self.min_n:
             return []
         tokens = self._mirror(request_id, token_ids)

@@ -1,0 +1,72 @@
+"""A measured check on speculation: per batch size, the tokens per second that steps with
+drafts and steps without them actually deliver. The step-cost model forecasts what drafts
+would add to a step; where its forecast is a few percent off (on a 2-core CPU, a draft token
+costs nearly what a decode token does at batch 32 and above), speculation can lose while
+predicted to win. This guard turns it off for a batch size whose measured rate with drafts
+does not beat the rate without, and keeps both measurements fresh: one step in EXPLORE_EVERY
+of a batch size goes the other way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EXPLORE_EVERY = 8
+RATE_WEIGHT = 0.2  # of the newest step in a moving average of tokens per second
+MIN_STEPS = 3  # of each kind before a batch size's verdict counts
+
+
+@dataclass
+class _Rates:
+    """Moving averages of emitted tokens per second, with drafts and without."""
+
+    with_drafts: float = 0.0
+    without_drafts: float = 0.0
+    steps_with: int = 0
+    steps_without: int = 0
+    steps_seen: int = 0
+
+    def observe(self, speculated: bool, rate: float) -> None:
+        if speculated:
+            self.with_drafts = _average(self.with_drafts, rate, self.steps_with)
+            self.steps_with += 1
+        else:
+            self.without_drafts = _average(self.without_drafts, rate, self.steps_without)
+            self.steps_without += 1
+
+
+def _average(previous: float, value: float, count: int) -> float:
+    return value if count == 0 else previous + RATE_WEIGHT * (value - previous)
+
+
+def batch_bucket(num_decodes: int) -> int:
+    """Batch sizes 1, 2-3, 4-7, 8-15, ... share a verdict."""
+    return num_decodes.bit_length()
+
+
+class SpeculationGuard:
+    def __init__(self, min_gain: float = 0.0) -> None:
+        self.min_gain = min_gain
+        self._rates: dict[int, _Rates] = {}
+
+    def allows(self, num_decodes: int) -> bool:
+        """Whether a step of this many decodes may verify drafts."""
+        rates = self._rates.setdefault(batch_bucket(num_decodes), _Rates())
+        rates.steps_seen += 1
+        explore = rates.steps_seen % EXPLORE_EVERY == 0
+        if rates.steps_with < MIN_STEPS or rates.steps_without < MIN_STEPS:
+            # Too few of one kind: let the step-cost model decide, but make sure plain steps
+            # get measured too.
+            return not (explore and rates.steps_without < MIN_STEPS)
+        pays = rates.with_drafts > rates.without_drafts * (1 + self.min_gain)
+        return pays != explore
+
+    def observe(self, num_decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
+        """A decode-only step's outcome: did it verify drafts, how many tokens it emitted."""
+        if num_decodes and seconds > 0:
+            rates = self._rates.setdefault(batch_bucket(num_decodes), _Rates())
+            rates.observe(speculated, tokens / seconds)
+
+    def verdicts(self) -> dict[int, tuple[float, float]]:
+        """Per bucket: measured tokens/s with and without drafts (for logs and benchmarks)."""
+        return {b: (r.with_drafts, r.without_drafts) for b, r in sorted(self._rates.items())}
