@@ -1,7 +1,10 @@
-"""Speculative decoding on the embedded model (issue 12): output tok/s and acceptance with the
-n-gram proposer (adaptive, and forced to verify everything it finds) against no speculation,
-on an input-grounded workload (copy, correct, extract or summarise a given text) and a
-free-writing one, at batch 1, 8, 32 and 64, in one run, engines alternating round by round.
+"""Speculative decoding on the embedded model (issue 12): output tok/s and acceptance with each
+proposer against no speculation, on an input-grounded workload (copy, correct, extract or
+summarise a given text) and a free-writing one, at batch 1, 8, 32 and 64, in one run, engines
+alternating round by round. Two groups, each against its own plain engine: `auto` (the default
+dtype: bf16 with packed 4-bit weights for small steps on this kind of CPU) with the n-gram
+proposer, adaptive and forced to verify everything it finds; `float32` with the draft model
+that needs no download, the embedded model in dtype "auto" drafting for its fp32 self.
 
 Greedy decoding of NEW_TOKENS tokens each (ignore_eos), so every engine emits as many tokens,
 the same ones up to near-ties (bf16 has many): the comparison is time. The batch 1 row runs its
@@ -10,6 +13,7 @@ and different from each other.
 Nothing else may compute meanwhile (two OpenMP processes on 2 cores slow each other 10-30x).
 
     .venv/bin/python benchmarks/spec_decode.py [--rounds 2] [--batches 1 8 32 64]
+        [--groups auto float32]
 """
 
 from __future__ import annotations
@@ -31,10 +35,18 @@ BATCH_1_PROMPTS = 4  # batch 1 runs this many prompts one after another
 RESULTS = Path("benchmarks/results/spec_decode.json")
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4}  # fmt: skip
-ENGINES = {
-    "none": None,
-    "ngram adaptive": NGRAM,
-    "ngram forced": {**NGRAM, "adaptive": False},
+DRAFT = {"model": "default", "num_speculative_tokens": 3}
+GROUPS = {  # group -> engine -> (dtype, speculative_config); "none" is the group's baseline
+    "auto": {
+        "none": ("auto", None),
+        "ngram adaptive": ("auto", NGRAM),
+        "ngram forced": ("auto", {**NGRAM, "adaptive": False}),
+    },
+    "float32": {
+        "none": ("float32", None),
+        "draft adaptive": ("float32", DRAFT),
+        "draft forced": ("float32", {**DRAFT, "adaptive": False}),
+    },
 }
 MODULES = (
     "argparse", "ast", "asyncio", "base64", "bisect", "calendar", "cmd", "codecs",
@@ -132,17 +144,42 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
     args = parser.parse_args()
-    engines = {name: LLM("default", speculative_config=config) for name, config in ENGINES.items()}
-    prompts = workloads(next(iter(engines.values())), max(max(args.batches), BATCH_1_PROMPTS))
+    rows = []
+    for group in args.groups:
+        rows += run_group(group, args.batches, args.rounds)
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    header = {
+        "date": f"{datetime.datetime.now():%Y-%m-%d %H:%M}",
+        "machine": platform.machine(),
+        "commit": commit,
+        "rounds": args.rounds,
+        "new_tokens": NEW_TOKENS,
+        "ngram": NGRAM,
+        "draft": DRAFT,
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({**header, "rows": rows}, indent=1))
+    print(json.dumps(header))
+
+
+def run_group(group: str, batches: list[int], rounds: int) -> list[dict]:
+    engines = {
+        name: LLM("default", dtype=dtype, speculative_config=config)
+        for name, (dtype, config) in GROUPS[group].items()
+    }
+    prompts = workloads(next(iter(engines.values())), max(max(batches), BATCH_1_PROMPTS))
     for llm in engines.values():  # warm up: kernels, allocator, the step-cost model's fit
         llm.generate(prompts["input-grounded"][:8], SamplingParams(max_tokens=32), use_tqdm=False)
     rows = []
     for workload, texts in prompts.items():
-        for batch in args.batches:
+        for batch in batches:
             chosen = texts[: BATCH_1_PROMPTS if batch == 1 else batch]
             best: dict[str, tuple[float, int, SpecDecodeStats]] = {}
-            for _ in range(args.rounds):
+            for _ in range(rounds):
                 for name, llm in engines.items():
                     result = run(llm, chosen, batch)
                     if name not in best or result[0] < best[name][0]:
@@ -153,6 +190,7 @@ def main() -> None:
             base_seconds, base_tokens, _ = best["none"]
             for name, (seconds, tokens, stats) in best.items():
                 row = {
+                    "group": group,
                     "workload": workload,
                     "batch": batch,
                     "engine": name,
@@ -164,26 +202,14 @@ def main() -> None:
                 }
                 rows.append(row)
                 print(
-                    f"{workload:15s} batch {batch:3d} {name:15s} {row['tok_s']:7.1f} tok/s "
+                    f"{group:8s}{workload:15s} batch {batch:3d} {name:15s} "
+                    f"{row['tok_s']:7.1f} tok/s "
                     f"{row['speedup']:5.2f}x  acceptance {row['acceptance']:.2f}  "
                     f"mean accepted length {row['mean_accepted_length']:.2f}  "
                     f"drafts/token {row['drafts_per_token']:.2f}",
                     flush=True,
                 )
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-    ).stdout.strip()
-    header = {
-        "date": f"{datetime.datetime.now():%Y-%m-%d %H:%M}",
-        "machine": platform.machine(),
-        "commit": commit,
-        "rounds": args.rounds,
-        "new_tokens": NEW_TOKENS,
-        "speculative_config": NGRAM,
-    }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({**header, "rows": rows}, indent=1))
-    print(json.dumps(header))
+    return rows
 
 
 if __name__ == "__main__":
