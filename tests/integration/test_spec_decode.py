@@ -104,6 +104,20 @@ def test_seeded_sampling_repeats_with_speculation():
     assert_all_blocks_free(llm)
 
 
+def test_seeded_sampling_equals_plain_decoding(tiny_folder):
+    """A seeded request spends one uniform per token with or without drafts, and a draft is
+    kept only where plain sampling would have drawn it: the same tokens."""
+    prompts = [{"prompt_token_ids": p} for p in loop_prone_prompts(6, seed=4)]
+    params = [SamplingParams(temperature=0.3, seed=20 + i, max_tokens=24, ignore_eos=True)
+              for i in range(len(prompts))]  # fmt: skip
+    plain = LLM(tiny_folder, dtype="float32", skip_tokenizer_init=True)
+    llm = LLM(tiny_folder, dtype="float32", skip_tokenizer_init=True, speculative_config=FORCED)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    assert llm.llm_engine.core.spec_decode_stats.num_accepted_tokens > 0
+
+
 @pytest.fixture(scope="module")
 def tiny_folder(tiny_llama):
     return tiny_llama[0]

@@ -150,3 +150,18 @@ def test_logprobs_of_every_emitted_token():
     expected = torch.log_softmax(logits[1], dim=-1)[4].item()
     assert first[1][4].logprob == pytest.approx(expected)
     assert first[1][4].rank == 1
+
+
+def test_a_seeded_request_spends_one_uniform_per_emitted_token():
+    """As without speculation: the generator ends as far along as if the emitted tokens had
+    been sampled one per step, however many drafts were verified."""
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(3))
+    generator = torch.Generator().manual_seed(5)
+    params = SamplingParams(temperature=1.0, seed=5)
+    out = verify(logits, inputs([params], generators=[generator]), [[1, 2, 3]])
+    reference = torch.Generator().manual_seed(5)
+    torch.rand(len(out.token_ids[0]), generator=reference)
+    assert torch.equal(generator.get_state(), reference.get_state())
+    # And the first token is the one plain sampling draws with that seed.
+    plain = sample(logits[:1], inputs([params], generators=[torch.Generator().manual_seed(5)]))
+    assert out.token_ids[0][0] == plain.token_ids.item()

@@ -5,6 +5,7 @@ request verifies, and the adaptive choice from the step-cost model."""
 from test_scheduler import add, make_scheduler
 
 from tandem.core.roofline import BatchSums
+from tandem.core.scheduler import _StepPlan
 from tandem.request import RequestStatus
 
 
@@ -233,3 +234,35 @@ def test_a_request_that_stopped_drafting_tries_again_later():
     assert drafted[0] == 0  # its own record says no
     assert drafted[-1] > 0  # as it decays, the engine-wide rate brings it back
     assert len(drafted) > 10
+
+
+def test_a_request_with_more_than_its_last_token_to_compute_verifies_no_drafts():
+    """Resuming after a preemption, a request recomputes its tokens in chunks: stale guesses
+    must never replace them (they are dropped at the preemption, and refused anyway)."""
+    scheduler = make_scheduler(
+        num_speculative_tokens=3, adaptive_speculation=False, max_num_batched_tokens=8,
+        long_prefill_token_threshold=4,
+    )  # fmt: skip
+    request = add(scheduler, "a", 6, max_tokens=20)
+    while request.num_output_tokens < 5:
+        output = scheduler.schedule()
+        scheduler.update_from_output(
+            output, {s.request_id: [500] for s in output.scheduled if s.sample}
+        )
+    request.spec_token_ids = [1, 2, 3]
+    scheduler._preempt(request, _StepPlan(token_budget=8))
+    assert request.spec_token_ids == []
+    seen = []
+    while request.num_output_tokens == 5:
+        request.spec_token_ids = [1, 2, 3]  # a proposer that did not hear of the preemption
+        output = scheduler.schedule()
+        (scheduled,) = output.scheduled
+        seen.append((scheduled.num_computed_tokens, scheduled.num_new_tokens))
+        if scheduled.num_computed_tokens + scheduled.num_new_tokens < request.num_tokens:
+            assert scheduled.draft_token_ids == [] and not scheduled.sample
+        scheduler.update_from_output(
+            output, {s.request_id: [500] for s in output.scheduled if s.sample}
+        )
+    # 11 tokens recomputed in chunks of 4: the prompt is done after the second, the third
+    # still has tokens to catch up on, and only then do guesses ride along.
+    assert seen[:3] == [(0, 4), (4, 4), (8, 3)]

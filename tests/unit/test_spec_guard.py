@@ -47,3 +47,12 @@ def test_prefers_the_cost_model_until_both_kinds_are_measured():
     # Plain steps are forced only at exploring steps until three are measured.
     assert allowed[EXPLORE_EVERY - 1] is False
     assert allowed[: EXPLORE_EVERY - 1] == [True] * (EXPLORE_EVERY - 1)
+
+
+def test_peek_tells_what_the_next_step_will_be_allowed():
+    guard = SpeculationGuard()
+    assert guard.peek(64)  # nothing measured: let it try
+    for step in range(100):
+        expected = guard.peek(64)
+        assert guard.allows(64) is expected, step
+        guard.observe(64, expected, 480 if expected else 500, 1.0)

@@ -91,7 +91,6 @@ ACCEPTANCE_DECAY = 0.9
 # step's expected tokens per second by at least this much: the model's error (~5-10% per
 # step) must not turn a forecast gain into a loss.
 MIN_SPECULATION_GAIN = 0.05
-AHEAD_TOKEN_WEIGHT = 0.5
 
 
 @dataclass
@@ -139,6 +138,10 @@ class _StepPlan:
             self.drafts.pop(request.request_id, None)
 
 
+def _num_decodes(plan: _StepPlan) -> int:
+    return sum(1 for request, _ in plan.entries.values() if request.is_prefill_done)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -168,7 +171,7 @@ class Scheduler:
         self.num_draft_rejections = 0
         # Adaptive speculation: measured tokens/s with and without drafts, per batch size (the
         # engine reports each decode step's time).
-        self.speculation_guard = SpeculationGuard()
+        self.speculation_guard = SpeculationGuard(min_gain=MIN_SPECULATION_GAIN)
 
     @property
     def num_waiting(self) -> int:
@@ -262,7 +265,7 @@ class Scheduler:
             if finished_status is not None:
                 self._finish(request, finished_status, now)
                 any_finished = True
-            elif num_drafts:
+            else:  # blocks past its tokens: rejected drafts', or a proposer's unverified ones
                 kv.free_tail(request, request.num_tokens)
         if any_finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
@@ -288,10 +291,9 @@ class Scheduler:
         # 1. every decoding request its token, 2. in-flight prompts their chunks;
         limit = self.config.long_prefill_token_limit
         self._schedule_running_requests(plan, lambda r: r.is_prefill_done, limit)
-        self._schedule_drafts(plan)
         self._schedule_running_requests(plan, lambda r: not r.is_prefill_done, limit, True)
         if plan.preempted:
-            return  # blocks are short: admitting more would only preempt again
+            return  # blocks are short: admitting more (or drafts) would only preempt again
         # 3. new (and preempted) requests, in queue order.
         num_partial = sum(
             1
@@ -324,6 +326,8 @@ class Scheduler:
                 break
             num_partial += stays_partial
         self.waiting.prepend(skipped)
+        # 4. drafts last: optional work, in what the budget, blocks and ITL target leave.
+        self._schedule_drafts(plan)
 
     def _schedule_prefill_first(self, plan: _StepPlan) -> None:
         # Prompts longer than the budget are chunked; continue those first.
@@ -333,7 +337,8 @@ class Scheduler:
             self._admit_whole_prompts(plan)
         if not plan.entries:  # otherwise a prefill step: never mixed with decodes
             self._schedule_running_requests(plan, lambda r: True, limit)
-            self._schedule_drafts(plan)
+            if not plan.preempted:
+                self._schedule_drafts(plan)
 
     def _admit_whole_prompts(self, plan: _StepPlan) -> None:
         while self.waiting and plan.token_budget > 0:
@@ -412,27 +417,32 @@ class Scheduler:
         return chosen
 
     def _schedule_drafts(self, plan: _StepPlan) -> None:
-        """Give the decodes planned so far draft tokens to verify: as many as the proposer
-        found (within the budget, the request's max_tokens and max_model_len) or, adaptive,
+        """Give the planned decodes draft tokens to verify: as many as the proposer found
+        (within the budget left, the request's max_tokens and max_model_len) or, adaptive,
         the number that maximizes the step's expected emitted tokens per predicted second.
-        Drafts never preempt: a request whose blocks cannot grow verifies none."""
+        Drafts never preempt: a request whose blocks cannot grow verifies none. Only a request
+        decoding its one last token takes drafts (one resuming after a preemption has more
+        to recompute first)."""
         config = self.config
-        if config.num_speculative_tokens == 0 or plan.token_budget == 0 or not plan.entries:
+        num_decodes = _num_decodes(plan)
+        if config.num_speculative_tokens == 0 or num_decodes == 0:
+            return
+        adaptive = config.adaptive_speculation and self.cost_model is not None
+        # Asked every decode step, drafts or not, so its exploring steps come round.
+        if adaptive and not self.speculation_guard.allows(num_decodes):
             return
         limit = config.speculation_max_running
-        if limit is not None and len(self.running) >= limit:
+        if plan.token_budget == 0 or (limit is not None and len(self.running) >= limit):
             return
         candidates = [
             (request, self._draft_limit(request))
             for request, num_new_tokens in plan.entries.values()
-            if request.spec_token_ids and num_new_tokens == request.num_uncomputed_tokens
+            if request.spec_token_ids and num_new_tokens == 1 == request.num_uncomputed_tokens
         ]
         candidates = [(request, limit) for request, limit in candidates if limit > 0]
         if not candidates:
             return
-        if config.adaptive_speculation and self.cost_model is not None:
-            if not self.speculation_guard.allows(len(plan.entries)):
-                return
+        if adaptive:
             counts = self._choose_drafts(plan, candidates)
         else:
             counts = [limit for _, limit in candidates]
@@ -479,8 +489,13 @@ class Scheduler:
         increments.sort()
         own = [request_sums(r.num_computed_tokens, 1, True) for r, _ in candidates]
         sums = plan.sums
-        expected = sum(weights.get(r.request_id, 1.0) for r, _ in plan.entries.values())
+        expected = sum(  # the tokens the step emits without drafts, weighted
+            weights.get(request.request_id, 1.0)
+            for request, num_new_tokens in plan.entries.values()
+            if request.num_computed_tokens + num_new_tokens == request.num_tokens
+        )
         base_rate = expected / max(self.cost_model.predict(sums), 1e-9)
+        target = self.config.target_step_time
         best_rate = base_rate * (1 + MIN_SPECULATION_GAIN)
         best_length = 0
         counts = [0] * len(candidates)
@@ -496,7 +511,10 @@ class Scheduler:
             )  # fmt: skip
             sums = sums - previous + grown
             expected -= negative_chance
-            rate = expected / max(self.cost_model.predict(sums), 1e-9)
+            predicted = self.cost_model.predict(sums)
+            if target is not None and predicted > target:
+                break  # drafts never push a step past the ITL target
+            rate = expected / max(predicted, 1e-9)
             if rate > best_rate:
                 best_rate, best_length = rate, length
         for _, index, _ in increments[:best_length]:
@@ -507,10 +525,10 @@ class Scheduler:
         """What a token of each request is worth to the run. With requests waiting, every
         token is (a request that finishes early frees its seat for them). With none waiting
         and every request's max_tokens known, only the requests with the most left shorten
-        the run: a request's token is worth its tokens left over the most any has left (but
-        at least AHEAD_TOKEN_WEIGHT: its own latency still counts), so requests already ahead
-        stop spending step time on marginal drafts that only make them finish early while the
-        rest run on at a smaller, less efficient batch."""
+        the run: a request's token is worth its tokens left over the most any has left, so
+        requests already ahead stop spending step time on drafts that only make them finish
+        early while the rest run on at a smaller, less efficient batch (a closed batch's
+        makespan is its slowest request's)."""
         if self.waiting:
             return {}
         remaining = {}
@@ -522,10 +540,7 @@ class Scheduler:
         most = max(remaining.values(), default=0)
         if most <= 0:
             return {}
-        return {
-            request_id: max(left / most, AHEAD_TOKEN_WEIGHT)
-            for request_id, left in remaining.items()
-        }
+        return {request_id: left / most for request_id, left in remaining.items()}
 
     def _acceptance(self, request: Request) -> float:
         """The chance that the request's next draft is accepted given the previous one was:
@@ -593,6 +608,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
+        request.spec_token_ids = []  # it must recompute first; guesses come again after
         self.waiting.prepend([request])
         plan.preempted.append(request)
 
@@ -646,6 +662,7 @@ class Scheduler:
                 sample=num_computed + num_new_tokens - num_drafts == request.num_tokens,
                 draft_token_ids=request.spec_token_ids[:num_drafts],
             )
+            assert not num_drafts or scheduled.sample, "drafts follow a request's last token"
             # A request (re)admitted this step is catching up even if its prompt was a cache hit.
             if request.is_prefill_done and request.request_id not in plan.admitted:
                 decodes.append(scheduled)

@@ -69,7 +69,9 @@ class StepCostModel:
     def predict(self, sums: BatchSums) -> float:
         if self.coefficients is None:
             return self.roofline_seconds(sums) + (self.overhead or 0.0)
-        return self._line(sums) + self.residuals.get(sums.num_new_tokens, 0.0)
+        line = self._line(sums)
+        # A residual learned at other contexts must not drive a forecast to nothing.
+        return max(line + self.residuals.get(sums.num_new_tokens, 0.0), 0.5 * line)
 
     def _line(self, sums: BatchSums) -> float:
         assert self.coefficients is not None

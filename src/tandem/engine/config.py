@@ -166,7 +166,7 @@ class EngineConfig:
         )
         draft_runner = None
         if speculative is not None and speculative.method == "draft_model":
-            draft_runner = _draft_runner(speculative, runner, model_config)
+            draft_runner = _draft_runner(speculative, runner, model_config, max_model_len)
         scheduler = SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
@@ -290,7 +290,10 @@ def resolve_dtype(
 
 
 def _draft_runner(
-    speculative: SpeculativeConfig, target: RunnerConfig, target_config: ModelConfig
+    speculative: SpeculativeConfig,
+    target: RunnerConfig,
+    target_config: ModelConfig,
+    max_model_len: int,
 ) -> RunnerConfig:
     """The draft model's runner: same device and block size as the target, its own dtype."""
     assert speculative.draft_model is not None
@@ -301,6 +304,11 @@ def _draft_runner(
             f"the draft model {speculative.draft_model!r} has a vocabulary of {config.vocab_size} "
             f"tokens, the target {target_config.vocab_size}: a draft must share the target's "
             "tokenizer"
+        )
+    if config.max_position_embeddings < max_model_len:
+        raise ValueError(
+            f"the draft model {speculative.draft_model!r} handles {config.max_position_embeddings}"
+            f" positions, fewer than max_model_len={max_model_len}: lower max_model_len"
         )
     dtype, packed_max_tokens = resolve_dtype(speculative.draft_dtype, target.device, config, path)
     return RunnerConfig(

@@ -37,9 +37,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-IDLE_STEPS_BEFORE_REST = 4
-PROPOSE_EVERY_WHEN_IDLE = 16
-
 
 @dataclass
 class EngineCoreOutput:
@@ -94,10 +91,8 @@ class EngineCore:
         self.generators: dict[str, torch.Generator] = {}
         self.proposer = self._make_proposer(config)
         self.spec_decode_stats = SpecDecodeStats()
-        # Steps in a row whose drafts the scheduler verified none of: past a few, a costly
-        # proposer proposes only every PROPOSE_EVERY_WHEN_IDLE steps (to see if it pays again).
-        self.num_idle_proposal_steps = 0
-        self.proposed_last_step = False
+        # Seconds the last step spent proposing: the cost of the next step's drafts.
+        self.last_propose_time = 0.0
         # Requests still owed prompt logprobs -> prompt positions whose logits have been scored
         # and sent (the logits at position p give the logprob of prompt token p + 1). A request
         # leaves once all are sent, so a recompute after a preemption never sends them again
@@ -214,7 +209,7 @@ class EngineCore:
             for request_id in scheduled.preempted_request_ids:
                 self.proposer.forget(request_id)  # its KV is gone, the draft's too
             propose_start = time.perf_counter()
-            self._propose(updated, scheduled.num_draft_tokens)
+            self._propose(updated)
             propose_time = time.perf_counter() - propose_start
         else:
             propose_time = 0.0
@@ -275,9 +270,10 @@ class EngineCore:
                 logprobs_by_id[ids[i]] = rows_of_request
         return sampled, logprobs_by_id
 
-    def _propose(self, requests: list[Request], num_verified: int) -> None:
+    def _propose(self, requests: list[Request]) -> None:
         """Guess the next tokens of the requests that got tokens and go on decoding. A costly
-        proposer rests while the scheduler verifies none of its guesses (under load)."""
+        proposer (a draft model) runs only where the scheduler's measured check would let the
+        next step verify drafts, at the batch size it will have."""
         assert self.proposer is not None
         live = []
         for request in requests:
@@ -285,22 +281,15 @@ class EngineCore:
                 self.proposer.forget(request.request_id)
             else:
                 live.append(request)
-        if self.proposer.costly:
-            if num_verified:
-                self.num_idle_proposal_steps = 0
-            elif self.proposed_last_step:
-                self.num_idle_proposal_steps += 1
-            resting = self.num_idle_proposal_steps >= IDLE_STEPS_BEFORE_REST
-            if resting and self.num_steps % PROPOSE_EVERY_WHEN_IDLE:
-                for request in live:
-                    request.spec_token_ids = []
-                self.proposed_last_step = False
-                return
+        guard = self.scheduler.speculation_guard
+        costly = self.proposer.costly and self.config.scheduler.adaptive_speculation
+        if costly and not guard.peek(self.scheduler.num_running):
+            for request in live:
+                request.spec_token_ids = []
+            return
         limits = [self.scheduler.max_drafts(r) for r in live]
-        proposals = self.proposer.propose(live, limits)
-        for request, drafts in zip(live, proposals, strict=True):
+        for request, drafts in zip(live, self.proposer.propose(live, limits), strict=True):
             request.spec_token_ids = drafts
-        self.proposed_last_step = any(proposals)
 
     # -- prompt logprobs -----------------------------------------------------------------------
 
@@ -459,11 +448,17 @@ class EngineCore:
         predicted = self.cost_model.predict(sums)
         self.cost_model.observe(sums, step_time - propose_time)
         if scheduled.num_prefill_tokens == 0 and self.proposer is not None:
+            # The time this step's tokens cost: its own work, and the guessing for its drafts
+            # (done in the previous step); not the guessing for the next step.
+            seconds = step_time - propose_time
+            if scheduled.num_draft_tokens:
+                seconds += self.last_propose_time
             num_sampled = sum(1 for entry in scheduled.scheduled if entry.sample)
             self.scheduler.speculation_guard.observe(
                 len(scheduled.scheduled), scheduled.num_draft_tokens > 0,
-                num_sampled + num_accepted_tokens, step_time,
+                num_sampled + num_accepted_tokens, seconds,
             )  # fmt: skip
+        self.last_propose_time = propose_time
         stats = StepStats(
             num_prefill_tokens=scheduled.num_prefill_tokens,
             num_decode_tokens=scheduled.num_decode_tokens,

@@ -7,11 +7,15 @@ and min_tokens see them), so each row is the distribution the target would sampl
   disagrees (or the last row, when all agree) gives its argmax. Tokens equal non-speculative
   greedy decoding's.
 - Random rows (speculative sampling, Leviathan et al. 2023, with a proposer that puts all its
-  mass q on its guess): a draft d is accepted with probability min(1, p(d) / q(d)) = p(d);
-  at the first rejection a token is drawn from norm(max(0, p - q)), p without d; when all are
-  accepted a bonus token is drawn from the last row. Each emitted token then follows the
-  target's distribution exactly. Seeded requests draw every uniform from their own generator
-  in row order: reproducible, whatever the batch.
+  mass q on its guess): a draft d is accepted with probability min(1, p(d) / q(d)) = p(d); at
+  the first rejection a token is drawn from norm(max(0, p - q)), p without d; when all are
+  accepted a bonus token is drawn from the last row. Done here in the equivalent form: row j
+  draws a token x from p_j exactly as the plain sampler would (one uniform, inverse CDF over
+  the vocabulary); the draft is accepted iff x equals it (probability p(d)), and otherwise x
+  is the emitted token (distributed as p without d). Each emitted token follows the target's
+  distribution exactly, and a seeded request spends one uniform of its generator per emitted
+  token, as without speculation: its generator is rewound past the rows it did not reach, so
+  its text does not depend on how many drafts it verified, nor on its batch mates.
 """
 
 from __future__ import annotations
@@ -24,7 +28,13 @@ import torch
 from tandem.outputs import Logprob
 from tandem.sampling_params import SamplingParams
 from tandem.worker.logits_processors import process_logits
-from tandem.worker.sampler import SamplingInputs, _draws, _logprobs, filter_logits
+from tandem.worker.sampler import (
+    SamplingInputs,
+    _draws,
+    _inverse_cdf_draw,
+    _logprobs,
+    filter_logits,
+)
 
 
 @dataclass
@@ -58,15 +68,16 @@ def verify(
     emitted = work.argmax(dim=-1)
     accepted = emitted == next_draft
     random_rows = [i for i, p in enumerate(rows.params) if _draws(p)]
+    rewind = {i: g.get_state() for i, g in enumerate(inputs.generators) if g is not None}
     if random_rows:
         index = torch.tensor(random_rows, device=device)
         filtered = filter_logits(work[index], [rows.params[i] for i in random_rows])
         work[index] = filtered
-        tokens, draft_accepted = _speculative_sample(
-            filtered.softmax(dim=-1), next_draft[index], [rows.generators[i] for i in random_rows]
+        tokens = _inverse_cdf_draw(
+            filtered.softmax(dim=-1), [rows.generators[i] for i in random_rows]
         )
         emitted[index] = tokens
-        accepted[index] = draft_accepted
+        accepted[index] = tokens == next_draft[index]
     token_ids = []
     emitted_rows = []
     offset = 0
@@ -82,31 +93,22 @@ def verify(
         token_ids.append([*drafts[:num_accepted], emitted_row[num_accepted]])
         emitted_rows.extend(range(offset, offset + num_accepted + 1))
         offset += len(drafts) + 1
+    _rewind(inputs, rewind, token_ids)
     return VerifyOutput(token_ids, _emitted_logprobs(logits, work, rows, token_ids, emitted_rows))
 
 
-def _speculative_sample(
-    probs: torch.Tensor, drafts: torch.Tensor, generators: list[torch.Generator | None]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of target probabilities: whether its draft (-1: none) is accepted, and the
-    token it emits if the output stops there: drawn from p without the draft (a rejection)
-    or from p (a row without a draft). Two uniforms per row, seeded rows from their own
-    generator."""
-    num_rows = probs.shape[0]
-    uniforms = torch.rand(num_rows, 2, device=probs.device)
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            uniforms[row] = torch.rand(2, generator=generator, device=probs.device)
-    has_draft = drafts >= 0
-    draft_column = drafts.clamp(min=0).unsqueeze(-1)
-    draft_prob = probs.gather(-1, draft_column).squeeze(-1)
-    accepted = has_draft & (uniforms[:, 0] < draft_prob)
-    residual = probs.scatter(-1, draft_column, 0.0)
-    residual = torch.where(has_draft.unsqueeze(-1), residual, probs)
-    cdf = residual.cumsum_(dim=-1)
-    target = uniforms[:, 1:].contiguous().mul_(cdf[:, -1:])
-    tokens = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[1] - 1)
-    return tokens.squeeze(-1), accepted
+def _rewind(
+    inputs: SamplingInputs, states: dict[int, torch.Tensor], token_ids: list[list[int]]
+) -> None:
+    """Leave each seeded request's generator one uniform per emitted token past where it was
+    (the draws of rows past its first rejection are taken back)."""
+    for index, state in states.items():
+        generator = inputs.generators[index]
+        assert generator is not None
+        if not _draws(inputs.params[index]):
+            continue  # greedy: no draws
+        generator.set_state(state)
+        torch.rand(len(token_ids[index]), generator=generator, device=generator.device)
 
 
 def _expand(inputs: SamplingInputs, draft_token_ids: Sequence[Sequence[int]]) -> SamplingInputs:
