@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+RETRY_DECLINED_EVERY = 8
+
 
 @dataclass
 class EngineCoreOutput:
@@ -93,6 +95,9 @@ class EngineCore:
         self.spec_decode_stats = SpecDecodeStats()
         # Seconds the last step spent proposing: the cost of the next step's drafts.
         self.last_propose_time = 0.0
+        # Steps in a row whose guesses the scheduler verified none of (a costly proposer then
+        # guesses only every RETRY_DECLINED_EVERY steps).
+        self.num_declined_proposals = 0
         # Requests still owed prompt logprobs -> prompt positions whose logits have been scored
         # and sent (the logits at position p give the logprob of prompt token p + 1). A request
         # leaves once all are sent, so a recompute after a preemption never sends them again
@@ -209,7 +214,7 @@ class EngineCore:
             for request_id in scheduled.preempted_request_ids:
                 self.proposer.forget(request_id)  # its KV is gone, the draft's too
             propose_start = time.perf_counter()
-            self._propose(updated)
+            self._propose(updated, scheduled.num_draft_tokens)
             propose_time = time.perf_counter() - propose_start
         else:
             propose_time = 0.0
@@ -270,10 +275,11 @@ class EngineCore:
                 logprobs_by_id[ids[i]] = rows_of_request
         return sampled, logprobs_by_id
 
-    def _propose(self, requests: list[Request]) -> None:
+    def _propose(self, requests: list[Request], num_verified: int) -> None:
         """Guess the next tokens of the requests that got tokens and go on decoding. A costly
         proposer (a draft model) runs only where the scheduler's measured check would let the
-        next step verify drafts, at the batch size it will have."""
+        next step verify drafts, at the batch size it will have, and, once the scheduler has
+        declined its guesses, only every RETRY_DECLINED_EVERY steps until it takes some."""
         assert self.proposer is not None
         live = []
         for request in requests:
@@ -281,12 +287,18 @@ class EngineCore:
                 self.proposer.forget(request.request_id)
             else:
                 live.append(request)
-        guard = self.scheduler.speculation_guard
         costly = self.proposer.costly and self.config.scheduler.adaptive_speculation
-        if costly and not guard.peek(self.scheduler.num_running):
-            for request in live:
-                request.spec_token_ids = []
-            return
+        if costly:
+            proposed = any(r.spec_token_ids for r in self.scheduler.running)
+            if num_verified:
+                self.num_declined_proposals = 0
+            elif proposed:
+                self.num_declined_proposals += 1
+            declined = self.num_declined_proposals >= 2 and self.num_steps % RETRY_DECLINED_EVERY
+            if declined or not self.scheduler.speculation_guard.peek(self.scheduler.num_running):
+                for request in live:
+                    request.spec_token_ids = []
+                return
         limits = [self.scheduler.max_drafts(r) for r in live]
         for request, drafts in zip(live, self.proposer.propose(live, limits), strict=True):
             request.spec_token_ids = drafts
