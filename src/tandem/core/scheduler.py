@@ -170,8 +170,11 @@ class Scheduler:
         self.num_accepted_tokens = 0
         self.num_draft_rejections = 0
         # Adaptive speculation: measured tokens/s with and without drafts, per batch size (the
-        # engine reports each decode step's time).
+        # engine reports each decode step's time), and the seconds already spent guessing the
+        # drafts the next step may verify (a draft model's forwards: spent whether or not they
+        # are verified, so they count in the time of every choice).
         self.speculation_guard = SpeculationGuard(min_gain=MIN_SPECULATION_GAIN)
+        self.proposal_seconds = 0.0
 
     @property
     def num_waiting(self) -> int:
@@ -494,7 +497,8 @@ class Scheduler:
             for request, num_new_tokens in plan.entries.values()
             if request.num_computed_tokens + num_new_tokens == request.num_tokens
         )
-        base_rate = expected / max(self.cost_model.predict(sums), 1e-9)
+        spent = self.proposal_seconds
+        base_rate = expected / max(self.cost_model.predict(sums) + spent, 1e-9)
         target = self.config.target_step_time
         best_rate = base_rate * (1 + MIN_SPECULATION_GAIN)
         best_length = 0
@@ -514,7 +518,7 @@ class Scheduler:
             predicted = self.cost_model.predict(sums)
             if target is not None and predicted > target:
                 break  # drafts never push a step past the ITL target
-            rate = expected / max(predicted, 1e-9)
+            rate = expected / max(predicted + spent, 1e-9)
             if rate > best_rate:
                 best_rate, best_length = rate, length
         for _, index, _ in increments[:best_length]:

@@ -216,6 +216,7 @@ class EngineCore:
             propose_start = time.perf_counter()
             self._propose(updated, scheduled.num_draft_tokens)
             propose_time = time.perf_counter() - propose_start
+            self.scheduler.proposal_seconds = propose_time
         else:
             propose_time = 0.0
         if prompt_logprobs_by_id:
