@@ -34,7 +34,7 @@ from pathlib import Path
 
 from tandem import LLM, SamplingParams
 from tandem.core.scheduler import ScheduledRequest
-from tandem.engine.stats import SpecDecodeStats
+from tandem.core.spec_stats import SpecDecodeStats
 
 NEW_TOKENS = 128
 BATCH_1_PROMPTS = 4  # batch 1 runs this many prompts one after another
@@ -127,9 +127,8 @@ def run(llm: LLM, prompts: list[str], batch: int) -> tuple[float, int, SpecDecod
     """Seconds and output tokens for `prompts` (batch 1: one at a time), and the speculation
     counters it added."""
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    core = llm.llm_engine.core
-    before = SpecDecodeStats(**vars(core.spec_decode_stats))
-    before.accepted_per_position = list(before.accepted_per_position)
+    stats = llm.llm_engine.core.spec_decode_stats  # updated in place
+    before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
     groups = [[p] for p in prompts] if batch == 1 else [prompts]
     start = time.perf_counter()
     tokens = 0
@@ -137,12 +136,8 @@ def run(llm: LLM, prompts: list[str], batch: int) -> tuple[float, int, SpecDecod
         outputs = llm.generate(group, params, use_tqdm=False)
         tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
     seconds = time.perf_counter() - start
-    after = core.spec_decode_stats
-    added = SpecDecodeStats(
-        after.num_drafts - before.num_drafts,
-        after.num_draft_tokens - before.num_draft_tokens,
-        after.num_accepted_tokens - before.num_accepted_tokens,
-    )
+    after = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+    added = SpecDecodeStats(*(now - then for now, then in zip(after, before, strict=True)))
     return seconds, tokens, added
 
 

@@ -224,8 +224,9 @@ class KVCacheManager:
         self._req_next_parent[request_id] = parent_key
 
     def free_tail(self, request: Request, num_tokens: int) -> None:
-        """Release the request's blocks past the first `num_tokens` tokens (those that held
-        only rejected draft tokens). They are past its computed tokens, so never cached."""
+        """Release the request's blocks past the first `num_tokens` tokens (slots of rejected
+        drafts, or of guesses never verified). They are past its computed tokens, so never
+        cached."""
         request_id = request.request_id
         blocks = self._req_to_blocks.get(request_id)
         num_kept = self.blocks_needed(num_tokens)

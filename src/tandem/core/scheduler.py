@@ -30,6 +30,7 @@ from tandem.core.request_queue import SCHEDULING_POLICIES, SchedulingPolicy, mak
 from tandem.core.roofline import BatchSums, request_sums
 from tandem.core.scheduler_config import BATCHING_POLICIES, BatchingPolicy, SchedulerConfig
 from tandem.core.spec_guard import SpeculationGuard
+from tandem.core.spec_stats import SpecDecodeStats
 from tandem.request import Request, RequestStatus
 
 __all__ = [
@@ -167,8 +168,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self._finished_request_ids: list[str] = []
         # Verified drafts since start: the prior of every request's acceptance estimate.
-        self.num_accepted_tokens = 0
-        self.num_draft_rejections = 0
+        self.spec_decode_stats = SpecDecodeStats()
         # Adaptive speculation: measured tokens/s with and without drafts, per batch size (the
         # engine reports each decode step's time), and the seconds already spent guessing the
         # drafts the next step may verify (a draft model's forwards: spent whether or not they
@@ -490,7 +490,6 @@ class Scheduler:
                 value *= acceptance
                 increments.append((-value, index, position))
         increments.sort()
-        own = [request_sums(r.num_computed_tokens, 1, True) for r, _ in candidates]
         sums = plan.sums
         expected = sum(  # the tokens the step emits without drafts, weighted
             weights.get(request.request_id, 1.0)
@@ -510,10 +509,7 @@ class Scheduler:
             request = candidates[index][0]
             before = request.num_computed_tokens
             grown = request_sums(before, 1 + position, True, position)
-            previous = own[index] if position == 1 else request_sums(
-                before, position, True, position - 1
-            )  # fmt: skip
-            sums = sums - previous + grown
+            sums = sums - request_sums(before, position, True, position - 1) + grown
             expected -= negative_chance
             predicted = self.cost_model.predict(sums)
             if target is not None and predicted > target:
@@ -549,21 +545,22 @@ class Scheduler:
     def _acceptance(self, request: Request) -> float:
         """The chance that the request's next draft is accepted given the previous one was:
         accepted / (accepted + rejections), its recent counts blended with the engine's."""
-        overall = (self.num_accepted_tokens + 1) / (
-            self.num_accepted_tokens + self.num_draft_rejections + 2
+        stats = self.spec_decode_stats
+        overall = (stats.num_accepted_tokens + 1) / (
+            stats.num_accepted_tokens + stats.num_rejections + 2
         )
         accepted = request.recent_accepted + ACCEPTANCE_PRIOR_WEIGHT * overall
         return accepted / (request.recent_accepted + request.recent_rejections
                            + ACCEPTANCE_PRIOR_WEIGHT)  # fmt: skip
 
     def _record_verification(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        rejected = int(num_accepted < num_drafts)
         request.num_draft_tokens += num_drafts
         request.num_accepted_tokens += num_accepted
         request.recent_accepted = request.recent_accepted * ACCEPTANCE_DECAY + num_accepted
-        request.recent_rejections = request.recent_rejections * ACCEPTANCE_DECAY + rejected
-        self.num_accepted_tokens += num_accepted
-        self.num_draft_rejections += rejected
+        request.recent_rejections = request.recent_rejections * ACCEPTANCE_DECAY + (
+            num_accepted < num_drafts
+        )
+        self.spec_decode_stats.record(num_drafts, num_accepted)
 
     def _schedule_running(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> None:
         """Give a running request blocks for its tokens, preempting running requests from the

@@ -53,22 +53,18 @@ class SpeculationGuard:
         """Whether a step of this many decodes may verify drafts (ask once per such step)."""
         rates = self._rates.setdefault(batch_bucket(num_decodes), _Rates())
         rates.steps_seen += 1
-        return self._verdict(rates)
+        return self._verdict(rates, rates.steps_seen)
 
     def peek(self, num_decodes: int) -> bool:
         """What `allows` will say at the next step of this many decodes (whether a costly
         proposer should guess for it)."""
         rates = self._rates.get(batch_bucket(num_decodes))
-        if rates is None:
-            return True
-        rates.steps_seen += 1
-        try:
-            return self._verdict(rates)
-        finally:
-            rates.steps_seen -= 1
+        return rates is None or self._verdict(rates, rates.steps_seen + 1)
 
-    def _verdict(self, rates: _Rates) -> bool:
-        explore = rates.steps_seen % EXPLORE_EVERY == 0
+    def _verdict(self, rates: _Rates, step: int) -> bool:
+        """The answer for the bucket's `step`-th step: every EXPLORE_EVERY-th goes the other
+        way."""
+        explore = step % EXPLORE_EVERY == 0
         if rates.steps_with < MIN_STEPS or rates.steps_without < MIN_STEPS:
             # Too few of one kind: let the step-cost model decide, but make sure plain steps
             # get measured too.

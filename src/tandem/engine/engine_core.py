@@ -19,9 +19,10 @@ import torch
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.roofline import ModelShape, place_step, sums_work
 from tandem.core.scheduler import Scheduler, SchedulerOutput
+from tandem.core.spec_stats import SpecDecodeStats
 from tandem.core.step_cost import StepCostModel
 from tandem.engine.machine_peaks import machine_peaks
-from tandem.engine.stats import SchedulerStats, SpecDecodeStats, StepStats
+from tandem.engine.stats import SchedulerStats, StepStats
 from tandem.outputs import Logprob
 from tandem.request import Request, RequestStatus
 from tandem.sampling_params import num_top_logprobs
@@ -92,9 +93,6 @@ class EngineCore:
         )
         self.generators: dict[str, torch.Generator] = {}
         self.proposer = self._make_proposer(config)
-        self.spec_decode_stats = SpecDecodeStats()
-        # Seconds the last step spent proposing: the cost of the next step's drafts.
-        self.last_propose_time = 0.0
         # Steps in a row whose guesses the scheduler verified none of (a costly proposer then
         # guesses only every RETRY_DECLINED_EVERY steps).
         self.num_declined_proposals = 0
@@ -117,6 +115,10 @@ class EngineCore:
             scheduler_config.max_model_len,
             max_tokens / scheduler_config.max_model_len,
         )
+
+    @property
+    def spec_decode_stats(self) -> SpecDecodeStats:
+        return self.scheduler.spec_decode_stats
 
     def _make_proposer(self, config: EngineConfig) -> Proposer | None:
         speculative = config.speculative
@@ -194,14 +196,13 @@ class EngineCore:
         ]
         prompt_ranges, num_prompt_top = self._prompt_logits_ranges(scheduled.scheduled)
         drafts = None
-        accepted_before = self.spec_decode_stats.num_accepted_tokens
         if scheduled.num_draft_tokens:
             drafts = [s.draft_token_ids for s in scheduled.scheduled]
         run = self.runner.run(
             scheduled.scheduled, [s.sample for s in scheduled.scheduled], prompt_ranges,
             num_prompt_top, drafts,
         )  # fmt: skip
-        sampled, logprobs_by_id = self._sample(run.logits, sampled_requests, scheduled, drafts)
+        sampled, logprobs_by_id = self._sample(run.logits, sampled_requests, scheduled)
         prompt_logprobs_by_id = self._prompt_logprobs(
             scheduled.scheduled, prompt_ranges, run.prompt_logprobs
         )
@@ -216,64 +217,51 @@ class EngineCore:
             propose_start = time.perf_counter()
             self._propose(updated, scheduled.num_draft_tokens)
             propose_time = time.perf_counter() - propose_start
-            self.scheduler.proposal_seconds = propose_time
         else:
             propose_time = 0.0
         if prompt_logprobs_by_id:
             outputs = self._with_prompt_logprobs(outputs, prompt_logprobs_by_id)
-        num_accepted = self.spec_decode_stats.num_accepted_tokens - accepted_before
+        num_accepted = sum(map(len, sampled.values())) - len(sampled)
         self._record_stats(scheduled, time.perf_counter() - start, num_accepted, propose_time)
         return outputs
 
     def _sample(
-        self,
-        logits: torch.Tensor,
-        requests: list[Request],
-        scheduled: SchedulerOutput,
-        drafts: list[list[int]] | None,
+        self, logits: torch.Tensor, requests: list[Request], scheduled: SchedulerOutput
     ) -> tuple[dict[str, list[int]], dict[str, list[dict[int, Logprob]]]]:
         """The tokens each sampling request gets from the step (one, or its accepted drafts
-        and one more), and their logprob dicts for the requests that asked."""
+        and one more), and their logprob dicts for the requests that asked. Requests without
+        drafts sample as in any step (their seeded draws do not depend on whether a batch mate
+        speculates); the others are verified."""
         inputs = self._sampling_inputs(requests)
         ids = [r.request_id for r in requests]
-        if drafts is None:
-            output = sample(logits, inputs)
-            sampled = {i: [t] for i, t in zip(ids, output.token_ids.tolist(), strict=True)}
-            rows = output.logprobs or [None] * len(ids)
-            return sampled, {i: [row] for i, row in zip(ids, rows, strict=True) if row is not None}
-        # Requests without drafts sample as in any step (their seeded draws do not depend on
-        # whether a batch mate speculates); the others are verified.
-        sampled_drafts = [s.draft_token_ids for s in scheduled.scheduled if s.sample]
-        first_rows = np.cumsum([0] + [1 + len(d) for d in sampled_drafts])
-        plain = [i for i, d in enumerate(sampled_drafts) if not d]
-        speculative = [i for i, d in enumerate(sampled_drafts) if d]
+        drafts = [s.draft_token_ids for s in scheduled.scheduled if s.sample]
+        plain = [i for i, d in enumerate(drafts) if not d]
+        speculative = [i for i, d in enumerate(drafts) if d]
+        first_rows = np.cumsum([0] + [1 + len(d) for d in drafts])
         sampled: dict[str, list[int]] = {}
         logprobs_by_id: dict[str, list[dict[int, Logprob]]] = {}
         if plain:
-            rows = torch.as_tensor(first_rows[plain], device=logits.device)
-            output = sample(logits[rows], inputs.select(plain))
-            for i, token, row in zip(
-                plain, output.token_ids.tolist(), output.logprobs or [None] * len(plain),
-                strict=True,
-            ):  # fmt: skip
+            if speculative:
+                logits_of_plain = logits[torch.as_tensor(first_rows[plain], device=logits.device)]
+                output = sample(logits_of_plain, inputs.select(plain))
+            else:
+                output = sample(logits, inputs)
+            rows = output.logprobs or [None] * len(plain)
+            for i, token, row in zip(plain, output.token_ids.tolist(), rows, strict=True):
                 sampled[ids[i]] = [token]
                 if row is not None:
                     logprobs_by_id[ids[i]] = [row]
-        rows = torch.as_tensor(
-            np.concatenate([np.arange(first_rows[i], first_rows[i + 1]) for i in speculative]),
-            device=logits.device,
-        )
-        verified = verify(
-            logits[rows], inputs.select(speculative), [sampled_drafts[i] for i in speculative]
-        )
-        for i, tokens, rows_of_request in zip(
-            speculative, verified.token_ids, verified.logprobs or [None] * len(speculative),
-            strict=True,
-        ):  # fmt: skip
-            self.spec_decode_stats.record(len(sampled_drafts[i]), len(tokens) - 1)
-            sampled[ids[i]] = tokens
-            if rows_of_request is not None:
-                logprobs_by_id[ids[i]] = rows_of_request
+        if speculative:
+            rows_of = [np.arange(first_rows[i], first_rows[i + 1]) for i in speculative]
+            index = torch.as_tensor(np.concatenate(rows_of), device=logits.device)
+            verified = verify(
+                logits[index], inputs.select(speculative), [drafts[i] for i in speculative]
+            )
+            logprobs = verified.logprobs or [None] * len(speculative)
+            for i, tokens, rows in zip(speculative, verified.token_ids, logprobs, strict=True):
+                sampled[ids[i]] = tokens
+                if rows is not None:
+                    logprobs_by_id[ids[i]] = rows
         return sampled, logprobs_by_id
 
     def _propose(self, requests: list[Request], num_verified: int) -> None:
@@ -465,13 +453,13 @@ class EngineCore:
             # (done in the previous step); not the guessing for the next step.
             seconds = step_time - propose_time
             if scheduled.num_draft_tokens:
-                seconds += self.last_propose_time
+                seconds += self.scheduler.proposal_seconds
             num_sampled = sum(1 for entry in scheduled.scheduled if entry.sample)
             self.scheduler.speculation_guard.observe(
                 len(scheduled.scheduled), scheduled.num_draft_tokens > 0,
                 num_sampled + num_accepted_tokens, seconds,
             )  # fmt: skip
-        self.last_propose_time = propose_time
+        self.scheduler.proposal_seconds = propose_time
         stats = StepStats(
             num_prefill_tokens=scheduled.num_prefill_tokens,
             num_decode_tokens=scheduled.num_decode_tokens,

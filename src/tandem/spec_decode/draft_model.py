@@ -15,24 +15,14 @@ the others.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tandem.core.scheduler import ScheduledRequest
 from tandem.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
     from tandem.core.kv_cache_manager import KVCacheManager
     from tandem.request import Request
-
-
-@dataclass
-class _DraftSlice:
-    """One request's part of a draft step (build_batch's RequestSlice)."""
-
-    token_ids: list[int]
-    num_computed_tokens: int
-    num_new_tokens: int
-    block_ids: list[int]
 
 
 class DraftModelProposer:
@@ -75,13 +65,17 @@ class DraftModelProposer:
             guesses = self._greedy(slices)
         return drafts
 
-    def _slice(self, request: Request, token_ids: list[int], num_computed: int) -> _DraftSlice:
-        return _DraftSlice(
+    def _slice(self, request: Request, token_ids: list[int], num_computed: int) -> ScheduledRequest:
+        """One request's part of a draft step: from `num_computed` to the end of `token_ids`,
+        sampling at the last."""
+        return ScheduledRequest(
+            request.request_id,
             token_ids,
             num_computed,
             len(token_ids) - num_computed,
             self.kv_cache_manager.get_block_ids(request.request_id),
+            sample=True,
         )
 
-    def _greedy(self, slices: list[_DraftSlice]) -> list[int]:
+    def _greedy(self, slices: list[ScheduledRequest]) -> list[int]:
         return self.runner.execute(slices).argmax(dim=-1).tolist()
