@@ -1,9 +1,14 @@
-"""The step loop's own cost per running request (issue 13, item 1), with a tiny 2-layer model so
-the forward is nearly free: for 16 to 1,024 running decodes, the wall time of an engine step,
-the part spent in the runner (input preparation and forward), and what remains per request
-(scheduling, sampling bookkeeping, output building). Target: <= 3 us per running request.
+"""The step loop's own cost per running request (issue 13, items 1 and 2), with a tiny 2-layer
+model so the forward is nearly free.
 
-    .venv/bin/python benchmarks/step_overhead.py [--steps 20]
+1. For 16 to 1,024 running decodes, the wall time of an engine step, the part spent in the
+   runner (input preparation and forward), and what remains per request (scheduling, sampling
+   bookkeeping, output building). Target: <= 3 us per running request.
+2. A stand-in for a GPU: the forward replaced by a sleep of --device-ms (releasing the GIL, as
+   a CUDA stream runs without the host) returning constant logits. Steps per second with async
+   scheduling off and on, as a share of 1 / device time. Target: within 5% with it on.
+
+    .venv/bin/python benchmarks/step_overhead.py [--steps 20] [--device-ms 10]
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pathlib import Path
 import torch
 
 from tandem import LLM, SamplingParams
+from tandem.worker.model_runner import RunnerOutput
 
 RUNNING = (16, 64, 256, 1024)
 
@@ -34,17 +40,25 @@ def tiny_model(folder: Path) -> Path:
     return folder
 
 
-def measure(folder: Path, running: int, steps: int) -> dict[str, float]:
+def decoding_engine(folder: Path, running: int, async_scheduling: bool = False) -> LLM:
+    """An engine with `running` requests, all decoding."""
     llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, max_num_seqs=running,
               max_num_batched_tokens=max(2048, running), num_kv_blocks=running * 4 + 64,
-              enable_prefix_caching=False)  # fmt: skip
+              enable_prefix_caching=False, async_scheduling=async_scheduling)  # fmt: skip
     engine, core = llm.llm_engine, llm.engine.core
     params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
     for index in range(running):
         engine.add_request(str(index), list(range(1, 9)), params)
     while core.scheduler.num_running < running or core.scheduler.num_waiting:
         engine.step()
-    engine.step()  # every request is decoding now
+    for _ in range(2):
+        engine.step()  # every request is decoding now (the one in flight too)
+    return llm
+
+
+def measure(folder: Path, running: int, steps: int) -> dict[str, float]:
+    llm = decoding_engine(folder, running)
+    engine, core = llm.llm_engine, llm.engine.core
     in_runner = 0.0
     run = core.runner.run
 
@@ -66,9 +80,34 @@ def measure(folder: Path, running: int, steps: int) -> dict[str, float]:
             "per_request_us": (wall - in_runner) / running * 1e6}  # fmt: skip
 
 
+def stand_in_steps_per_second(
+    folder: Path, running: int, steps: int, device_seconds: float, async_scheduling: bool
+) -> float:
+    """Steps per second with the forward replaced by a device that takes `device_seconds`."""
+    llm = decoding_engine(folder, running, async_scheduling)
+    engine, core = llm.llm_engine, llm.engine.core
+    vocab_size = core.runner.model_config.vocab_size
+
+    def device_forward(batch, num_prompt_top=0, placeholder_token_ids=None) -> RunnerOutput:
+        if batch.placeholder_indices is not None:
+            batch.input_ids[batch.placeholder_indices] = placeholder_token_ids
+        time.sleep(device_seconds)
+        return RunnerOutput(torch.zeros(len(batch.logits_indices), vocab_size))
+
+    core.runner.forward = device_forward
+    for _ in range(2):
+        engine.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    return steps / (time.perf_counter() - start)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--device-ms", type=float, default=10.0,
+                        help="the stand-in device's time per step")  # fmt: skip
     args = parser.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()  # fmt: skip
@@ -82,6 +121,18 @@ def main() -> None:
             row = measure(model, running, args.steps)
             print(f"| {running} | {row['step_ms']:.2f} | {row['runner_ms']:.2f} | "
                   f"{row['per_request_us']:.1f} |")  # fmt: skip
+        ideal = 1000 / args.device_ms
+        print(f"\nStand-in device, {args.device_ms:g} ms per step: steps/s (share of {ideal:.0f})")
+        print("| running requests | async scheduling off | on |")
+        print("|---:|---:|---:|")
+        for running in RUNNING:
+            device_seconds = args.device_ms / 1000
+            rates = [
+                stand_in_steps_per_second(model, running, args.steps * 3, device_seconds, mode)
+                for mode in (False, True)
+            ]
+            print(f"| {running} | " + " | ".join(f"{r:.1f} ({r / ideal:.0%})" for r in rates)
+                  + " |")  # fmt: skip
 
 
 if __name__ == "__main__":

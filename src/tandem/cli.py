@@ -90,6 +90,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", type=json.loads, default=None,
                         help='speculative decoding, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\'')  # fmt: skip
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=None, help="schedule the next step while the forward runs "
+                        "(default: on for CUDA, off on CPU)")  # fmt: skip
     # vLLM's, accepted and logged where they change nothing (docs/coming-from-vllm.md).
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--swap-space", type=float, default=None)
@@ -142,6 +145,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         peak_bandwidth_gbps=args.peak_bandwidth_gbps,
         target_itl_ms=args.target_itl_ms,
         speculative_config=args.speculative_config,
+        async_scheduling=args.async_scheduling,
     )
 
 

@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 
 from tandem.sampling_params import SamplingParams
 
+# An output token sampled by a step still in flight (async scheduling): its id is known only
+# when that step completes, but the next step is scheduled, and computes it, before then.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 class FinishReason(str, enum.Enum):
     """The OpenAI `finish_reason` strings."""

@@ -4,6 +4,7 @@ and vLLM's queue order (fcfs / priority) for admission and preemption."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from hypothesis import event, given, settings
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.roofline import batch_sums
 from tandem.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from tandem.request import Request, RequestStatus
+from tandem.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus
 from tandem.sampling_params import SamplingParams
 
 EOS = 2
@@ -329,3 +330,91 @@ def run_alone(scheduler: Scheduler) -> None:
     while scheduler.has_unfinished_requests():
         output = scheduler.schedule()
         scheduler.update_from_output(output, runner.execute(output))
+
+
+class InFlightModelRunner(FakeModelRunner):
+    """The fake model of a step launched before the previous one has landed (async
+    scheduling): placeholder tokens read the ids the previous step sampled, as the runner reads
+    them on the device."""
+
+    def execute_in_flight(
+        self, output: SchedulerOutput, previous: dict[str, list[int]]
+    ) -> dict[str, list[int]]:
+        resolved = []
+        for scheduled in output.scheduled:
+            token_ids = list(scheduled.token_ids)
+            for position, token_id in enumerate(token_ids):
+                if token_id == PLACEHOLDER_TOKEN_ID:
+                    token_ids[position] = previous[scheduled.request_id][0]
+            resolved.append(dataclasses.replace(scheduled, token_ids=token_ids))
+        return self.execute(dataclasses.replace(output, scheduled=resolved))
+
+
+def run_async(workload: Workload) -> tuple[Scheduler, list[Request]]:
+    """The workload with every step scheduled while the previous one is in flight: its
+    tokens are placeholders until it lands, after the next step is planned and launched."""
+    kv = KVCacheManager(workload.num_blocks, workload.block_size, workload.enable_caching)
+    scheduler = Scheduler(workload.config, kv)
+    runner = InFlightModelRunner(kv)
+    specs = workload.requests
+    requests = [make_request(index, spec) for index, spec in enumerate(specs)]
+    last_arrival = max(spec.arrival_step for spec in specs)
+    in_flight: tuple[SchedulerOutput, dict[str, list[int]]] | None = None
+    step = 0
+    while step <= last_arrival or scheduler.has_unfinished_requests() or in_flight:
+        for spec, request in zip(specs, requests, strict=True):
+            if spec.arrival_step == step:
+                scheduler.add_request(request)
+        aborts = [r.request_id for s, r in zip(specs, requests, strict=True)
+                  if s.abort_step == step and not s.abort_after_schedule]  # fmt: skip
+        scheduler.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)
+        had_work = scheduler.has_unfinished_requests()
+        output = scheduler.schedule()
+        assert output.scheduled or in_flight or not had_work, "no progress with requests pending"
+        assert output.sums == batch_sums(output.scheduled), "cost sums drifted while planning"
+        launched = None
+        if output.scheduled:
+            sampled = runner.execute_in_flight(output, {} if in_flight is None else in_flight[1])
+            scheduler.mark_in_flight(output)
+            launched = (output, sampled)
+        aborts = [r.request_id for s, r in zip(specs, requests, strict=True)
+                  if s.abort_step == step and s.abort_after_schedule]  # fmt: skip
+        scheduler.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)
+        if in_flight is not None:
+            landed, tokens = in_flight
+            scheduler.settle_in_flight(landed, {i: t[0] for i, t in tokens.items()})
+        in_flight = launched
+        check_blocks(scheduler, requests)
+        step += 1
+        assert step <= 10_000, "no end in sight: preempt/resume loop?"
+    assert in_flight is None
+    return scheduler, requests
+
+
+@settings(max_examples=400, deadline=None)
+@given(workloads())
+def test_async_scheduling_gives_the_same_tokens(workload: Workload) -> None:
+    """Scheduled one step ahead, every request that was not aborted ends with the tokens and
+    status it gets alone and in step, holding no placeholder, and every block comes back."""
+    scheduler, requests = run_async(workload)
+    event(f"preempted: {any(r.num_preemptions for r in requests)}")
+    kv = scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
+    assert scheduler.num_waiting == scheduler.num_running == 0
+    for index, (spec, request) in enumerate(zip(workload.requests, requests, strict=True)):
+        assert request.is_finished
+        assert PLACEHOLDER_TOKEN_ID not in request.all_token_ids
+        assert len(request.token_times) == request.num_output_tokens
+        if request.status is RequestStatus.FINISHED_ABORTED:
+            continue
+        alone = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=64, max_num_seqs=1, max_model_len=scheduler.max_model_len
+            ),
+            KVCacheManager(num_blocks=64, block_size=4),
+        )
+        reference = make_request(index, spec, priority=0)
+        alone.add_request(reference)
+        run_alone(alone)
+        assert request.output_token_ids == reference.output_token_ids
+        assert request.status is reference.status

@@ -62,6 +62,10 @@ class BatchInputs:
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [S] rows of the hidden states to turn into logits
     prompt_logits: PromptLogitsInputs | None = None
+    # Async scheduling: tokens whose ids a step still in flight is sampling (placeholders,
+    # -1 in input_ids until the runner fills them in): their rows, and the request of each.
+    placeholder_indices: torch.Tensor | None = None
+    placeholder_requests_cpu: np.ndarray | None = None
 
 
 # A request with at most this many query tokens (after the first step) is attended to token by
@@ -112,6 +116,7 @@ def build_batch(
     input_ids = np.concatenate(parts)
     if len(input_ids) != num_tokens:
         raise ValueError("a request has fewer known token ids than it asks to compute")
+    placeholders = np.flatnonzero(input_ids < 0)
 
     max_blocks = max((len(r.block_ids) for r in requests), default=0)
     block_table = np.zeros((num_reqs, max(max_blocks, 1)), dtype=np.int64)
@@ -169,6 +174,8 @@ def build_batch(
         attn_metadata=metadata,
         logits_indices=to_device(logits_indices),
         prompt_logits=prompt_logits,
+        placeholder_indices=to_device(placeholders) if len(placeholders) else None,
+        placeholder_requests_cpu=req_of_token[placeholders] if len(placeholders) else None,
     )
 
 

@@ -191,13 +191,17 @@ class KVCacheManager:
         block_ids.extend(new_block_ids)
         return new_block_ids
 
-    def cache_blocks(self, request: Request) -> None:
+    def cache_blocks(self, request: Request, num_computed_tokens: int | None = None) -> None:
         """Index the request's blocks that are now full and computed, for later requests to hit.
-        Called after a step has computed them, so a hit never reads KV still being written."""
+        Called after a step has computed them, so a hit never reads KV still being written.
+        `num_computed_tokens`: the tokens whose KV the completed steps wrote, where the
+        request's own count runs ahead of them (async scheduling counts a step in flight)."""
         if not self.enable_caching:
             return
         request_id = request.request_id
-        num_full_blocks = request.num_computed_tokens // self.block_size
+        if num_computed_tokens is None:
+            num_computed_tokens = request.num_computed_tokens
+        num_full_blocks = num_computed_tokens // self.block_size
         num_cached = self._req_num_cached_blocks.get(request_id, 0)
         if num_full_blocks <= num_cached:
             return

@@ -31,7 +31,7 @@ from tandem.core.roofline import BatchSums, request_sums
 from tandem.core.scheduler_config import BATCHING_POLICIES, BatchingPolicy, SchedulerConfig
 from tandem.core.spec_guard import SpeculationGuard
 from tandem.core.spec_stats import SpecDecodeStats
-from tandem.request import Request, RequestStatus
+from tandem.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus
 
 __all__ = [
     "BATCHING_POLICIES",
@@ -175,6 +175,9 @@ class Scheduler:
         # are verified, so they count in the time of every choice).
         self.speculation_guard = SpeculationGuard(min_gain=MIN_SPECULATION_GAIN)
         self.proposal_seconds = 0.0
+        # Async scheduling: requests whose in-flight token reaches max_tokens or max_model_len,
+        # so they end when it lands and are not scheduled again.
+        self._ending_in_flight: set[str] = set()
 
     @property
     def num_waiting(self) -> int:
@@ -274,6 +277,71 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return updated
 
+    def mark_in_flight(self, scheduler_output: SchedulerOutput) -> None:
+        """Async scheduling: count a step as done before its results are known, so the next
+        step can be scheduled while it runs. Its tokens count as computed, and each sampling
+        request gets a placeholder output token (the runner fills in its id on the device
+        when the next step reads it); settle_in_flight writes the real ids."""
+        if scheduler_output.num_draft_tokens:
+            raise ValueError("a step verifying drafts cannot run in flight: its tokens decide")
+        max_model_len = self.max_model_len
+        for scheduled in scheduler_output.scheduled:
+            request = self.requests[scheduled.request_id]
+            request.num_computed_tokens += scheduled.num_new_tokens
+            if not scheduled.sample:
+                continue
+            request.output_token_ids.append(PLACEHOLDER_TOKEN_ID)
+            request.all_token_ids.append(PLACEHOLDER_TOKEN_ID)
+            max_tokens = request.sampling_params.max_tokens
+            if len(request.all_token_ids) >= max_model_len or (
+                max_tokens is not None and len(request.output_token_ids) >= max_tokens
+            ):
+                self._ending_in_flight.add(request.request_id)
+
+    def settle_in_flight(
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int]
+    ) -> list[Request]:
+        """Record a step that ran in flight (mark_in_flight): its placeholders get their token
+        ids, and stops apply exactly as in update_from_output. A request that stops drops the
+        placeholder the next step gave it; one preempted meanwhile keeps its token (it
+        recomputes it). Returns the requests that got a token."""
+        now = self.clock()
+        updated: list[Request] = []
+        any_finished = False
+        kv = self.kv_cache_manager
+        for scheduled in scheduler_output.scheduled:
+            request = self.requests.get(scheduled.request_id)
+            if request is None:
+                continue  # aborted after it was scheduled
+            running = request.status is RequestStatus.RUNNING
+            num_computed = scheduled.num_computed_tokens + scheduled.num_new_tokens
+            if not scheduled.sample:
+                if running:
+                    kv.cache_blocks(request, num_computed)
+                continue
+            token_id = sampled_token_ids[scheduled.request_id]
+            position = num_computed  # the placeholder's index in all_token_ids
+            num_output_tokens = position - request.num_prompt_tokens + 1
+            request.all_token_ids[position] = token_id
+            request.output_token_ids[num_output_tokens - 1] = token_id
+            request.token_times.append(now)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            updated.append(request)
+            finished_status = self._stop_status(request, token_id, num_output_tokens)
+            if finished_status is None:
+                if running:
+                    kv.cache_blocks(request, num_computed)
+                continue
+            del request.all_token_ids[position + 1 :]
+            del request.output_token_ids[num_output_tokens:]
+            self._finish(request, finished_status, now)
+            any_finished = True
+        if any_finished:
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+            self.waiting.discard_finished()
+        return updated
+
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """End requests from outside (aborts, stop strings); unknown or finished ids are ignored."""
         if not status.is_finished:
@@ -284,6 +352,9 @@ class Scheduler:
             return
         now = self.clock()
         for request in to_finish:
+            while request.output_token_ids and request.all_token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                request.output_token_ids.pop()  # a token in flight that will never land
+                request.all_token_ids.pop()
             self._finish(request, status, now)
         self.running = [r for r in self.running if not r.is_finished]
         self.waiting.discard_finished()
@@ -369,9 +440,12 @@ class Scheduler:
     ) -> None:
         """Schedule the `wanted` running requests, oldest first, while the budget lasts;
         `prompt_chunks`: they are prompts, sized against the ITL target if there is one."""
+        ending = self._ending_in_flight
         for request in list(self.running):
             if plan.token_budget == 0:
                 return
+            if ending and request.request_id in ending:
+                continue  # its token in flight ends it
             if request.status is RequestStatus.RUNNING and wanted(request):
                 num_new_tokens = min(
                     request.num_uncomputed_tokens, plan.token_budget, max_tokens_each
@@ -620,6 +694,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         del self._arrival_order[request.request_id]
+        self._ending_in_flight.discard(request.request_id)
         self._finished_request_ids.append(request.request_id)
 
     def _append_until_stop(
@@ -627,21 +702,31 @@ class Scheduler:
     ) -> RequestStatus | None:
         """Append sampled tokens one by one (several only with speculative decoding) and stop
         at the first one that ends the request; the rest are dropped."""
-        params = request.sampling_params
-        max_tokens = params.max_tokens
         for token_id in token_ids:
             request.append_output_token_ids([token_id])
             request.token_times.append(now)
-            if request.num_output_tokens >= params.min_tokens:
-                if token_id == request.eos_token_id and not params.ignore_eos:
-                    return RequestStatus.FINISHED_STOPPED
-                if token_id in params.stop_token_ids:
-                    request.stop_reason = token_id
-                    return RequestStatus.FINISHED_STOPPED
-            if request.num_tokens >= self.max_model_len or (
-                max_tokens is not None and request.num_output_tokens >= max_tokens
-            ):
-                return RequestStatus.FINISHED_LENGTH
+            status = self._stop_status(request, token_id, request.num_output_tokens)
+            if status is not None:
+                return status
+        return None
+
+    def _stop_status(
+        self, request: Request, token_id: int, num_output_tokens: int
+    ) -> RequestStatus | None:
+        """Whether the request ends at `token_id`, its `num_output_tokens`-th output token
+        (setting its stop_reason for a stop token id)."""
+        params = request.sampling_params
+        if num_output_tokens >= params.min_tokens:
+            if token_id == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        max_tokens = params.max_tokens
+        if request.num_prompt_tokens + num_output_tokens >= self.max_model_len or (
+            max_tokens is not None and num_output_tokens >= max_tokens
+        ):
+            return RequestStatus.FINISHED_LENGTH
         return None
 
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:

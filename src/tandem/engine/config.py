@@ -63,6 +63,8 @@ class EngineConfig:
     # The draft model's runner (speculative method "draft_model"); its KV cache gets as many
     # blocks as the target's, whatever num_kv_blocks says here.
     draft_runner: RunnerConfig | None = None
+    # Schedule and prepare the next step while the current one's forward runs (a thread).
+    async_scheduling: bool = False
 
     @classmethod
     def create(
@@ -103,10 +105,13 @@ class EngineConfig:
         peak_bandwidth_gbps: float | None = None,
         target_itl_ms: float | None = None,
         speculative_config: dict[str, Any] | None = None,
+        async_scheduling: bool | None = None,
     ) -> EngineConfig:
         """Validate every knob before anything heavy loads; raises ValueError/FileNotFoundError
         naming what to change. None for gpu_memory_utilization, swap_space and enforce_eager
-        means "not given" (vLLM's defaults: 0.9, 4 GiB, False)."""
+        means "not given" (vLLM's defaults: 0.9, 4 GiB, False). async_scheduling None: on
+        for CUDA, off on CPU (where the forward's threads use every core and overlap measured
+        slower: BENCHMARKS.md), and off with speculative decoding."""
         if trust_remote_code:
             raise ValueError(
                 "trust_remote_code=True: tandem never runs code shipped with a checkpoint; the "
@@ -139,6 +144,11 @@ class EngineConfig:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
         speculative = SpeculativeConfig.parse(speculative_config)
+        if async_scheduling and speculative is not None:
+            raise ValueError(
+                "async_scheduling cannot be combined with speculative decoding (which drafts "
+                "to verify depends on the tokens still in flight): drop one of them"
+            )
         model_path = resolve_model_path(model)
         model_config = load_model_config(model_path)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -164,6 +174,8 @@ class EngineConfig:
             num_kv_blocks=num_kv_blocks,
             kv_cache_memory=kv_cache_memory,
         )
+        if async_scheduling is None:
+            async_scheduling = device.startswith("cuda") and speculative is None
         draft_runner = None
         if speculative is not None and speculative.method == "draft_model":
             draft_runner = _draft_runner(speculative, runner, model_config, max_model_len)
@@ -202,6 +214,7 @@ class EngineConfig:
             peak_bandwidth_gbps=peak_bandwidth_gbps,
             speculative=speculative,
             draft_runner=draft_runner,
+            async_scheduling=async_scheduling,
         )
 
     @property

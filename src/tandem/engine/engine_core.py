@@ -8,8 +8,11 @@ import dataclasses
 import json
 import logging
 import random
+import sys
+import threading
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -28,17 +31,29 @@ from tandem.request import Request, RequestStatus
 from tandem.sampling_params import num_top_logprobs
 from tandem.spec_decode.draft_model import DraftModelProposer
 from tandem.spec_decode.ngram import NgramProposer, Proposer
+from tandem.worker.logits_processors import reads_output_tokens
 from tandem.worker.model_runner import ModelRunner
 from tandem.worker.rejection_sampler import verify
-from tandem.worker.sampler import LogprobsTensors, SamplingInputs, logprob_dicts, sample
+from tandem.worker.sampler import (
+    LogprobsTensors,
+    SamplerOutput,
+    SamplingInputs,
+    logprob_dicts,
+    sample,
+)
 
 if TYPE_CHECKING:
+    from tandem.attention.metadata import BatchInputs
     from tandem.core.scheduler import ScheduledRequest
     from tandem.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
 RETRY_DECLINED_EVERY = 8
+# With async scheduling two threads run Python: the one holding the GIL keeps it up to the
+# switch interval (5 ms by default) while the other waits, which is a whole step of a small
+# model. Switching every 0.2 ms lets the executor launch its step while this thread plans.
+ASYNC_SWITCH_INTERVAL = 0.0002
 
 
 @dataclass
@@ -63,6 +78,28 @@ class EngineCoreOutput:
     # Speculative decoding so far: draft tokens verified for the request, and those accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+
+
+@dataclass
+class _InFlightStep:
+    """A step whose forward and sampling run on the executor thread while the next step is
+    scheduled and prepared (async scheduling)."""
+
+    scheduled: SchedulerOutput
+    requests: list[Request]  # the sampling requests, in the order of their rows
+    row_of: dict[str, int]  # request id -> row of its sampled token
+    result: Future[_StepResult]
+    start: float  # when it was scheduled (perf_counter)
+    # Set by the executor as it starts the forward: this thread waits for it before its own
+    # work, so that the executor's few steps between two forwards do not wait for the GIL.
+    started: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class _StepResult:
+    sampled: SamplerOutput  # token ids on the device: the next step's placeholders read them
+    host_token_ids: torch.Tensor  # their copy in host memory, complete once `ready` is
+    ready: torch.cuda.Event | None  # None on CPU
 
 
 def set_random_seed(seed: int) -> None:
@@ -102,6 +139,7 @@ class EngineCore:
         # and decode steps do not look at it.
         self.prompt_logprobs_sent: dict[str, int] = {}
         self.step_stats: deque[StepStats] = deque(maxlen=max_step_stats)
+        self._init_async_scheduling(config)
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_requests_received = 0
@@ -115,6 +153,24 @@ class EngineCore:
             scheduler_config.max_model_len,
             max_tokens / scheduler_config.max_model_len,
         )
+
+    def _init_async_scheduling(self, config: EngineConfig) -> None:
+        """Async scheduling runs each step's forward and sampling on one executor thread
+        while this thread schedules and prepares the next step and turns the previous one's
+        tokens into outputs; step() then returns the outputs of the step before the one it
+        launched."""
+        self.async_scheduling = config.async_scheduling
+        if self.async_scheduling and self.proposer is not None:
+            raise ValueError("async scheduling cannot verify drafts: the tokens in flight decide")
+        self._executor = None
+        if self.async_scheduling:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-step")
+            sys.setswitchinterval(min(sys.getswitchinterval(), ASYNC_SWITCH_INTERVAL))
+        self._in_flight: _InFlightStep | None = None
+        self._last_completion = 0.0
+        # Requests whose sampling reads their own output tokens (penalties, bad words): while
+        # any is unfinished, steps run one at a time, as the tokens in flight would be missing.
+        self._sync_request_ids: set[str] = set()
 
     @property
     def spec_decode_stats(self) -> SpecDecodeStats:
@@ -168,6 +224,8 @@ class EngineCore:
             self.generators[request.request_id] = generator
         if request.sampling_params.prompt_logprobs is not None and request.num_prompt_tokens > 1:
             self.prompt_logprobs_sent[request.request_id] = 0
+        if self.async_scheduling and reads_output_tokens(request.sampling_params):
+            self._sync_request_ids.add(request.request_id)
 
     def finish_requests(
         self, request_ids: list[str], status: RequestStatus, stop_reason: str | None = None
@@ -179,14 +237,124 @@ class EngineCore:
                 request.stop_reason = stop_reason
             self.generators.pop(request_id, None)
             self.prompt_logprobs_sent.pop(request_id, None)
+            self._sync_request_ids.discard(request_id)
             if self.proposer is not None:
                 self.proposer.forget(request_id)
         self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to step, or a step in flight to land (async scheduling)."""
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def step(self) -> list[EngineCoreOutput]:
+        """Run a step and return what requests got from it; with async scheduling, launch a
+        step and return what the step launched before it produced."""
+        if self._executor is None:
+            return self._step()
+        in_flight = self._in_flight
+        if self.prompt_logprobs_sent or self._sync_request_ids:
+            # Their inputs depend on the tokens in flight: land those, then step one at a time.
+            if in_flight is not None:
+                self._in_flight = None
+                return self._complete(in_flight)
+            return self._step()
+        start = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        launched = self._launch(scheduled, in_flight, start) if scheduled.scheduled else None
+        self._in_flight = launched
+        if in_flight is None:
+            return []
+        outputs = self._complete(in_flight, launched)
+        return outputs
+
+    def _launch(
+        self, scheduled: SchedulerOutput, previous: _InFlightStep | None, start: float
+    ) -> _InFlightStep:
+        """Prepare a step here and hand its forward and sampling to the executor. Tokens the
+        previous step is still sampling are placeholders in the batch: the executor fills
+        them in from that step's sampled ids (on the device) before the forward."""
+        entries = scheduled.scheduled
+        requests = [self.scheduler.requests[s.request_id] for s in entries if s.sample]
+        batch = self.runner.prepare(entries, [s.sample for s in entries])
+        inputs = self._sampling_inputs(requests)
+        fill_rows = None
+        if batch.placeholder_requests_cpu is not None:
+            if previous is None:
+                raise RuntimeError("placeholder tokens with no step in flight to fill them in")
+            rows = [
+                previous.row_of[entries[index].request_id]
+                for index in batch.placeholder_requests_cpu.tolist()
+            ]
+            fill_rows = torch.tensor(rows, device=self.runner.device)
+        self.scheduler.mark_in_flight(scheduled)
+        row_of = {request.request_id: row for row, request in enumerate(requests)}
+        in_flight = _InFlightStep(scheduled, requests, row_of, Future(), start)
+        in_flight.result = self._executor.submit(
+            self._execute, batch, inputs, None if fill_rows is None else previous.result,
+            fill_rows, in_flight.started,
+        )  # fmt: skip
+        return in_flight
+
+    def _execute(
+        self,
+        batch: BatchInputs,
+        inputs: SamplingInputs,
+        previous: Future[_StepResult] | None,
+        fill_rows: torch.Tensor | None,
+        started: threading.Event,
+    ) -> _StepResult:
+        """The executor's half of a step: forward and sampling. The previous step ran on the
+        same thread before it, so its sampled ids are there. On CUDA the ids are copied to
+        the host behind an event, before the next step's kernels are queued, so waiting for
+        them does not wait for that step too."""
+        placeholder_ids = None
+        try:
+            if previous is not None:
+                placeholder_ids = previous.result().sampled.token_ids[fill_rows]
+        finally:
+            started.set()  # also when failing: the caller waits for it
+        run = self.runner.forward(batch, placeholder_token_ids=placeholder_ids)
+        sampled = sample(run.logits, inputs)
+        token_ids = sampled.token_ids
+        if token_ids.device.type != "cuda":
+            return _StepResult(sampled, token_ids, None)
+        host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+        host.copy_(token_ids, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return _StepResult(sampled, host, ready)
+
+    def _complete(
+        self, in_flight: _InFlightStep, launched: _InFlightStep | None = None
+    ) -> list[EngineCoreOutput]:
+        """Wait for a step in flight and record its tokens; its outputs. `launched`: the step
+        launched after it, which the executor takes up first."""
+        if launched is not None:
+            # Its forward starts once this step's work is done: wake up then, not in between.
+            launched.started.wait()
+        result = in_flight.result.result()
+        if result.ready is not None:
+            result.ready.synchronize()
+        output = result.sampled
+        requests = in_flight.requests
+        token_ids = result.host_token_ids.tolist()
+        sampled = {r.request_id: token for r, token in zip(requests, token_ids, strict=True)}
+        logprobs_by_id = {}
+        if output.logprobs is not None:
+            logprobs_by_id = {
+                r.request_id: [row]
+                for r, row in zip(requests, output.logprobs, strict=True)
+                if row is not None
+            }
+        updated = self.scheduler.settle_in_flight(in_flight.scheduled, sampled)
+        outputs = [self._output(r, len(r.token_times) - 1, logprobs_by_id, 1) for r in updated]
+        now = time.perf_counter()
+        step_time = now - max(in_flight.start, self._last_completion)
+        self._last_completion = now
+        self._record_stats(in_flight.scheduled, step_time, 0, 0.0)
+        return outputs
+
+    def _step(self) -> list[EngineCoreOutput]:
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled.scheduled:
@@ -392,12 +560,20 @@ class EngineCore:
         )
 
     def _output(
-        self, request: Request, num_outputs_before: int, logprobs_by_id: dict
+        self,
+        request: Request,
+        num_outputs_before: int,
+        logprobs_by_id: dict,
+        num_new_tokens: int | None = None,
     ) -> EngineCoreOutput:
+        """The request's output tokens from `num_outputs_before` on (`num_new_tokens` of them:
+        all by default; with async scheduling a placeholder may follow them)."""
         if request.is_finished:
             self.generators.pop(request.request_id, None)
+            self._sync_request_ids.discard(request.request_id)
         rows = logprobs_by_id.get(request.request_id)
-        new_token_ids = request.output_token_ids[num_outputs_before:]
+        end = None if num_new_tokens is None else num_outputs_before + num_new_tokens
+        new_token_ids = request.output_token_ids[num_outputs_before:end]
         return EngineCoreOutput(
             request_id=request.request_id,
             new_token_ids=new_token_ids,

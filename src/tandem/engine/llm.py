@@ -78,13 +78,15 @@ class LLM:
         peak_bandwidth_gbps: float | None = None,
         target_itl_ms: float | None = None,
         speculative_config: dict[str, Any] | None = None,
+        async_scheduling: bool | None = None,
         **vllm_kwargs: Any,
     ) -> None:
         """vLLM's arguments with vLLM's defaults, except: `batching_policy` (tandem's
         decode-first / prefill-first), `kv_cache_memory` / `num_kv_blocks` (the KV cache size;
         `kv_cache_memory_bytes` is vLLM's name for the first), `device`, the step telemetry's
         `step_log` (a JSON line per step), `peak_tflops` / `peak_bandwidth_gbps`, and
-        `target_itl_ms` (decode-first sized to a step-time target); and
+        `target_itl_ms` (decode-first sized to a step-time target); async_scheduling defaults to
+        None (on for CUDA, off on CPU); and
         gpu_memory_utilization, swap_space, enforce_eager default to None ("not given")."""
         check_vllm_only_args(vllm_kwargs)
         self.config = EngineConfig.create(
@@ -124,6 +126,7 @@ class LLM:
             peak_bandwidth_gbps=peak_bandwidth_gbps,
             target_itl_ms=target_itl_ms,
             speculative_config=speculative_config,
+            async_scheduling=async_scheduling,
         )  # fmt: skip
         self.chat_template = chat_template
         self.tokenizer = (

@@ -122,6 +122,11 @@ def _add_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> N
     logits.index_put_(_index(row_of, ids, logits.device), bias, accumulate=True)
 
 
+def reads_output_tokens(params: SamplingParams) -> bool:
+    """Whether sampling the request looks at its output so far (penalties, bad words)."""
+    return _uses_penalties(params) or bool(params.bad_words_token_ids)
+
+
 def _uses_penalties(params: SamplingParams) -> bool:
     return (
         params.repetition_penalty != 1.0

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.attention.metadata import RequestSlice, build_batch, forward_context
+from tandem.attention.metadata import BatchInputs, RequestSlice, build_batch, forward_context
 from tandem.cache import cache_root
 from tandem.config import ModelConfig
 from tandem.models.layers import Linear
@@ -143,7 +143,6 @@ class ModelRunner:
         whose `sample_mask` entry is true (all by default), in request order."""
         return self.run(requests, sample_mask).logits
 
-    @torch.inference_mode()
     def run(
         self,
         requests: Sequence[RequestSlice],
@@ -158,10 +157,35 @@ class ModelRunner:
         tokens to score: see build_batch), the logprob of the token after each such position
         with its rank and the `num_prompt_top` most likely tokens there, row by row in request
         order."""
-        batch = build_batch(
+        batch = self.prepare(requests, sample_mask, prompt_logits_ranges, draft_token_ids)
+        return self.forward(batch, num_prompt_top)
+
+    def prepare(
+        self,
+        requests: Sequence[RequestSlice],
+        sample_mask: Sequence[bool] | None = None,
+        prompt_logits_ranges: Sequence[tuple[int, int]] | None = None,
+        draft_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> BatchInputs:
+        """The host half of a step: the flattened batch, its inputs copied to the device."""
+        return build_batch(
             requests, self.block_size, self.device, sample_mask, prompt_logits_ranges,
             draft_token_ids,
         )  # fmt: skip
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        batch: BatchInputs,
+        num_prompt_top: int = 0,
+        placeholder_token_ids: torch.Tensor | None = None,
+    ) -> RunnerOutput:
+        """The device half of a step. `placeholder_token_ids`: the ids of the batch's
+        placeholder tokens, sampled by the step before, already on the device."""
+        if batch.placeholder_indices is not None:
+            if placeholder_token_ids is None:
+                raise ValueError("the batch has placeholder tokens and no ids to fill them in")
+            batch.input_ids[batch.placeholder_indices] = placeholder_token_ids
         with forward_context(batch.attn_metadata):
             hidden = self.model(batch.input_ids, batch.positions)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
