@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import chain
 from typing import Protocol
 
 import numpy as np
@@ -103,27 +104,30 @@ def build_batch(
     positions = num_computed[req_of_token] + offset_in_req
     seq_lens = num_computed + num_new
 
+    starts, ends = num_computed.tolist(), seq_lens.tolist()
     if draft_token_ids is None:
-        parts = [
-            np.asarray(r.token_ids[c : c + n], dtype=np.int64)
-            for r, c, n in zip(requests, num_computed, num_new, strict=True)
-        ]
+        parts = [r.token_ids[c:e] for r, c, e in zip(requests, starts, ends, strict=True)]
     else:
         parts = [
-            np.asarray([*r.token_ids[c : c + n - len(d)], *d], dtype=np.int64)
-            for r, c, n, d in zip(requests, num_computed, num_new, draft_token_ids, strict=True)
+            [*r.token_ids[c : e - len(d)], *d]
+            for r, c, e, d in zip(requests, starts, ends, draft_token_ids, strict=True)
         ]
-    input_ids = np.concatenate(parts)
-    if len(input_ids) != num_tokens:
+    num_ids = sum(map(len, parts))
+    if num_ids != num_tokens:
         raise ValueError("a request has fewer known token ids than it asks to compute")
+    input_ids = np.fromiter(chain.from_iterable(parts), np.int64, num_ids)
     placeholders = np.flatnonzero(input_ids < 0)
 
-    max_blocks = max((len(r.block_ids) for r in requests), default=0)
-    block_table = np.zeros((num_reqs, max(max_blocks, 1)), dtype=np.int64)
-    for row, r in enumerate(requests):
-        block_table[row, : len(r.block_ids)] = r.block_ids
+    block_lists = [r.block_ids for r in requests]
+    held_blocks = np.fromiter(map(len, block_lists), np.int64, num_reqs)
+    num_held = int(held_blocks.sum())
+    block_table = np.zeros((num_reqs, max(int(held_blocks.max(initial=0)), 1)), dtype=np.int64)
+    first_of_row = np.cumsum(held_blocks) - held_blocks
+    rows_of_blocks = np.repeat(np.arange(num_reqs), held_blocks)
+    block_table[rows_of_blocks, np.arange(num_held) - first_of_row[rows_of_blocks]] = np.fromiter(
+        chain.from_iterable(block_lists), np.int64, num_held
+    )
     needed_blocks = -(-seq_lens // block_size)
-    held_blocks = np.fromiter((len(r.block_ids) for r in requests), np.int64, num_reqs)
     if np.any(needed_blocks > held_blocks):
         raise ValueError("a request's block table is too short for its context")
     slot_mapping = (

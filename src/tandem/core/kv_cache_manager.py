@@ -191,6 +191,14 @@ class KVCacheManager:
         block_ids.extend(new_block_ids)
         return new_block_ids
 
+    def has_slots(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether the request's blocks already hold its next `num_new_tokens` tokens (then
+        allocate_slots would allocate nothing)."""
+        blocks = self._req_to_blocks.get(request.request_id)
+        if blocks is None:
+            return False
+        return request.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size
+
     def cache_blocks(self, request: Request, num_computed_tokens: int | None = None) -> None:
         """Index the request's blocks that are now full and computed, for later requests to hit.
         Called after a step has computed them, so a hit never reads KV still being written.

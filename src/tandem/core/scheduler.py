@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """What the model runner needs for one request this step."""
 
@@ -97,46 +97,66 @@ MIN_SPECULATION_GAIN = 0.05
 @dataclass
 class _StepPlan:
     """The step being built: request id -> (request, new tokens), in scheduling order, and the
-    sums its cost is predicted from."""
+    sums its cost is predicted from (kept as plain counts: a plan of a thousand decodes adds a
+    thousand entries)."""
 
     token_budget: int
     entries: dict[str, tuple[Request, int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
     admitted: set[str] = field(default_factory=set)
-    sums: BatchSums = field(default_factory=BatchSums)
-    entry_sums: dict[str, BatchSums] = field(default_factory=dict)
     has_prefill: bool = False  # a prompt chunk was sized against the ITL target
-
     drafts: dict[str, int] = field(default_factory=dict)  # request id -> draft tokens
+    # BatchSums' fields, summed over the entries.
+    num_new_tokens: int = 0
+    num_attended: int = 0
+    num_context: int = 0
+    num_sampled: int = 0
+
+    @property
+    def sums(self) -> BatchSums:
+        return BatchSums(self.num_new_tokens, self.num_attended, self.num_context,
+                         self.num_sampled)  # fmt: skip
 
     def add(self, request: Request, num_new_tokens: int, num_drafts: int = 0) -> None:
         """Schedule the request's tokens (a request already planned is replanned in place,
         keeping its place in the order)."""
         request_id = request.request_id
         if request_id in self.entries:
-            self.token_budget += self.entries[request_id][1]
-            self.sums -= self.entry_sums[request_id]
-            self.drafts.pop(request_id, None)
+            self._count(request, self.entries[request_id][1], self.drafts.pop(request_id, 0), -1)
         self.entries[request_id] = (request, num_new_tokens)
-        self.token_budget -= num_new_tokens
-        before = request.num_computed_tokens
-        sample = before + num_new_tokens - num_drafts == request.num_tokens
-        sums = request_sums(before, num_new_tokens, sample, num_drafts)
-        self.entry_sums[request.request_id] = sums
-        self.sums += sums
+        self._count(request, num_new_tokens, num_drafts, 1)
         if num_drafts:
-            self.drafts[request.request_id] = num_drafts
+            self.drafts[request_id] = num_drafts
 
-    def num_new_tokens(self, request: Request) -> int:
+    def add_decode(self, request: Request) -> None:
+        """add(request, 1) for a request not planned yet whose one token is its last."""
+        self.entries[request.request_id] = (request, 1)
+        self.token_budget -= 1
+        num_computed = request.num_computed_tokens
+        self.num_new_tokens += 1
+        self.num_attended += num_computed + 1
+        self.num_context += num_computed + 1
+        self.num_sampled += 1
+
+    def _count(self, request: Request, num_new: int, num_drafts: int, sign: int) -> None:
+        """Add (sign 1) or take out (-1) an entry's part (request_sums) of the sums and
+        budget; the request's counts do not change while a step is planned."""
+        before = request.num_computed_tokens
+        sample = before + num_new - num_drafts == request.num_tokens
+        self.token_budget -= sign * num_new
+        self.num_new_tokens += sign * num_new
+        self.num_attended += sign * (num_new * before + num_new * (num_new + 1) // 2)
+        self.num_context += sign * (before + num_new)
+        self.num_sampled += sign * ((1 + num_drafts) if sample else 0)
+
+    def num_new_tokens_of(self, request: Request) -> int:
         entry = self.entries.get(request.request_id)
         return 0 if entry is None else entry[1]
 
     def drop(self, request: Request) -> None:
         entry = self.entries.pop(request.request_id, None)
         if entry is not None:
-            self.token_budget += entry[1]
-            self.sums -= self.entry_sums.pop(request.request_id)
-            self.drafts.pop(request.request_id, None)
+            self._count(request, entry[1], self.drafts.pop(request.request_id, 0), -1)
 
 
 def _num_decodes(plan: _StepPlan) -> int:
@@ -241,6 +261,7 @@ class Scheduler:
         updated: list[Request] = []
         any_finished = False
         kv = self.kv_cache_manager
+        caching = kv.enable_caching
         for scheduled in scheduler_output.scheduled:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
@@ -258,20 +279,30 @@ class Scheduler:
                     f"request {scheduled.request_id!r} got {len(token_ids)} tokens from a step "
                     f"that verified {num_drafts} drafts"
                 )
-            if num_drafts:
-                self._record_verification(request, num_drafts, len(token_ids) - 1)
             if request.first_token_time is None:
                 request.first_token_time = now
-            finished_status = self._append_until_stop(request, token_ids, now)
+            if num_drafts:
+                self._record_verification(request, num_drafts, len(token_ids) - 1)
+                finished_status = self._append_until_stop(request, token_ids, now)
+            else:  # the common case, inline
+                token_id = token_ids[0]
+                request.output_token_ids.append(token_id)
+                request.all_token_ids.append(token_id)
+                request.token_times.append(now)
+                finished_status = self._stop_status(
+                    request, token_id, len(request.output_token_ids)
+                )
             # Every appended token but the last was computed this step (an accepted draft);
             # rejected drafts' KV is dropped by moving back, and blocks holding only them go.
-            request.num_computed_tokens = request.num_tokens - 1
-            kv.cache_blocks(request)
+            request.num_computed_tokens = len(request.all_token_ids) - 1
+            if caching:
+                kv.cache_blocks(request)
             updated.append(request)
             if finished_status is not None:
                 self._finish(request, finished_status, now)
                 any_finished = True
-            else:  # blocks past its tokens: rejected drafts', or a proposer's unverified ones
+            elif num_drafts or request.spec_token_ids:
+                # Blocks past its tokens: rejected drafts', or a proposer's unverified ones.
                 kv.free_tail(request, request.num_tokens)
         if any_finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
@@ -364,15 +395,18 @@ class Scheduler:
     def _schedule_decode_first(self, plan: _StepPlan) -> None:
         # 1. every decoding request its token, 2. in-flight prompts their chunks;
         limit = self.config.long_prefill_token_limit
-        self._schedule_running_requests(plan, lambda r: r.is_prefill_done, limit)
-        self._schedule_running_requests(plan, lambda r: not r.is_prefill_done, limit, True)
+        self._schedule_running_requests(plan, True, limit)
+        self._schedule_running_requests(plan, False, limit, True)
         if plan.preempted:
             return  # blocks are short: admitting more (or drafts) would only preempt again
         # 3. new (and preempted) requests, in queue order.
+        if not self.waiting:
+            self._schedule_drafts(plan)
+            return
         num_partial = sum(
             1
             for r in self.running
-            if r.num_computed_tokens + plan.num_new_tokens(r) < r.num_prompt_tokens
+            if r.num_computed_tokens + plan.num_new_tokens_of(r) < r.num_prompt_tokens
         )
         skipped: list[Request] = []
         while self.waiting and plan.token_budget > 0:
@@ -406,11 +440,11 @@ class Scheduler:
     def _schedule_prefill_first(self, plan: _StepPlan) -> None:
         # Prompts longer than the budget are chunked; continue those first.
         limit = self.config.max_num_batched_tokens
-        self._schedule_running_requests(plan, lambda r: not r.is_prefill_done, limit)
+        self._schedule_running_requests(plan, False, limit)
         if not plan.preempted:
             self._admit_whole_prompts(plan)
         if not plan.entries:  # otherwise a prefill step: never mixed with decodes
-            self._schedule_running_requests(plan, lambda r: True, limit)
+            self._schedule_running_requests(plan, None, limit)
             if not plan.preempted:
                 self._schedule_drafts(plan)
 
@@ -434,32 +468,37 @@ class Scheduler:
     def _schedule_running_requests(
         self,
         plan: _StepPlan,
-        wanted: Callable[[Request], bool],
+        decoding: bool | None,
         max_tokens_each: int,
         prompt_chunks: bool = False,
     ) -> None:
-        """Schedule the `wanted` running requests, oldest first, while the budget lasts;
-        `prompt_chunks`: they are prompts, sized against the ITL target if there is one."""
+        """Schedule the running requests that are decoding (`decoding` True), still in their
+        prompt (False) or either (None), oldest first, while the budget lasts; `prompt_chunks`:
+        they are prompts, sized against the ITL target if there is one."""
         ending = self._ending_in_flight
+        kv = self.kv_cache_manager
+        running = RequestStatus.RUNNING
         for request in list(self.running):
             if plan.token_budget == 0:
                 return
             if ending and request.request_id in ending:
                 continue  # its token in flight ends it
-            if request.status is RequestStatus.RUNNING and wanted(request):
-                num_new_tokens = min(
-                    request.num_uncomputed_tokens, plan.token_budget, max_tokens_each
+            num_computed = request.num_computed_tokens
+            is_decoding = num_computed >= len(request.prompt_token_ids)
+            if request.status is not running or (decoding is not None and is_decoding != decoding):
+                continue
+            num_uncomputed = len(request.all_token_ids) - num_computed
+            if num_uncomputed == 1 and not prompt_chunks and kv.has_slots(request, 1):
+                plan.add_decode(request)  # the common case, without allocate_slots
+                continue
+            num_new_tokens = min(num_uncomputed, plan.token_budget, max_tokens_each)
+            if prompt_chunks:
+                num_new_tokens = self._within_target(
+                    plan, num_computed, num_uncomputed, num_new_tokens
                 )
-                if prompt_chunks:
-                    num_new_tokens = self._within_target(
-                        plan,
-                        request.num_computed_tokens,
-                        request.num_uncomputed_tokens,
-                        num_new_tokens,
-                    )
-                    if num_new_tokens == 0:
-                        return
-                self._schedule_running(request, num_new_tokens, plan)
+                if num_new_tokens == 0:
+                    return
+            self._schedule_running(request, num_new_tokens, plan)
 
     def _within_target(
         self, plan: _StepPlan, num_computed: int, num_remaining: int, num_tokens: int
@@ -734,23 +773,28 @@ class Scheduler:
         decodes: list[ScheduledRequest] = []
         prefills: list[ScheduledRequest] = []
         num_decode_tokens = 0
+        get_block_ids = self.kv_cache_manager.get_block_ids
+        drafts, admitted = plan.drafts, plan.admitted
         for request, num_new_tokens in plan.entries.values():
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
+            request_id = request.request_id
             num_computed = request.num_computed_tokens
-            num_drafts = plan.drafts.get(request.request_id, 0)
+            num_drafts = drafts.get(request_id, 0) if drafts else 0
+            token_ids = request.all_token_ids
             scheduled = ScheduledRequest(
-                request_id=request.request_id,
-                token_ids=request.all_token_ids,
-                num_computed_tokens=num_computed,
-                num_new_tokens=num_new_tokens,
-                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                sample=num_computed + num_new_tokens - num_drafts == request.num_tokens,
-                draft_token_ids=request.spec_token_ids[:num_drafts],
+                request_id,
+                token_ids,
+                num_computed,
+                num_new_tokens,
+                get_block_ids(request_id),
+                num_computed + num_new_tokens - num_drafts == len(token_ids),
+                request.spec_token_ids[:num_drafts] if num_drafts else [],
             )
             assert not num_drafts or scheduled.sample, "drafts follow a request's last token"
             # A request (re)admitted this step is catching up even if its prompt was a cache hit.
-            if request.is_prefill_done and request.request_id not in plan.admitted:
+            prefill_done = num_computed >= len(request.prompt_token_ids)
+            if prefill_done and (not admitted or request_id not in admitted):
                 decodes.append(scheduled)
                 num_decode_tokens += num_new_tokens
             else:

@@ -52,11 +52,11 @@ logger = logging.getLogger(__name__)
 RETRY_DECLINED_EVERY = 8
 # With async scheduling two threads run Python: the one holding the GIL keeps it up to the
 # switch interval (5 ms by default) while the other waits, which is a whole step of a small
-# model. Switching every 0.2 ms lets the executor launch its step while this thread plans.
-ASYNC_SWITCH_INTERVAL = 0.0002
+# model. Switching every 0.1 ms lets the executor launch its step while this thread plans.
+ASYNC_SWITCH_INTERVAL = 0.0001
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     """What one request got from a step. Requests that sampled or finished appear, and prompt
     chunks that scored prompt logprobs (with no new tokens)."""
@@ -359,26 +359,31 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         if not scheduled.scheduled:
             return []
-        sampled_requests = [
-            self.scheduler.requests[s.request_id] for s in scheduled.scheduled if s.sample
-        ]
-        prompt_ranges, num_prompt_top = self._prompt_logits_ranges(scheduled.scheduled)
+        entries = scheduled.scheduled
+        requests_by_id = self.scheduler.requests
+        sampled_requests = [requests_by_id[s.request_id] for s in entries if s.sample]
+        prompt_ranges, num_prompt_top = self._prompt_logits_ranges(entries)
         drafts = None
         if scheduled.num_draft_tokens:
-            drafts = [s.draft_token_ids for s in scheduled.scheduled]
+            drafts = [s.draft_token_ids for s in entries]
         run = self.runner.run(
-            scheduled.scheduled, [s.sample for s in scheduled.scheduled], prompt_ranges,
-            num_prompt_top, drafts,
-        )  # fmt: skip
-        sampled, logprobs_by_id = self._sample(run.logits, sampled_requests, scheduled)
-        prompt_logprobs_by_id = self._prompt_logprobs(
-            scheduled.scheduled, prompt_ranges, run.prompt_logprobs
+            entries, [s.sample for s in entries], prompt_ranges, num_prompt_top, drafts
         )
-        num_outputs_before = {r.request_id: r.num_output_tokens for r in sampled_requests}
-        updated = self.scheduler.update_from_output(scheduled, sampled)
-        outputs = [
-            self._output(r, num_outputs_before[r.request_id], logprobs_by_id) for r in updated
-        ]
+        sampled, logprobs_by_id = self._sample(run.logits, sampled_requests, scheduled)
+        prompt_logprobs_by_id = self._prompt_logprobs(entries, prompt_ranges, run.prompt_logprobs)
+        if drafts is None:  # one token each
+            updated = self.scheduler.update_from_output(scheduled, sampled)
+            outputs = [
+                self._output(r, len(r.output_token_ids) - 1, logprobs_by_id) for r in updated
+            ]
+            num_accepted = 0
+        else:
+            num_outputs_before = {r.request_id: r.num_output_tokens for r in sampled_requests}
+            updated = self.scheduler.update_from_output(scheduled, sampled)
+            outputs = [
+                self._output(r, num_outputs_before[r.request_id], logprobs_by_id) for r in updated
+            ]
+            num_accepted = sum(map(len, sampled.values())) - len(sampled)
         if self.proposer is not None:
             for request_id in scheduled.preempted_request_ids:
                 self.proposer.forget(request_id)  # its KV is gone, the draft's too
@@ -389,7 +394,6 @@ class EngineCore:
             propose_time = 0.0
         if prompt_logprobs_by_id:
             outputs = self._with_prompt_logprobs(outputs, prompt_logprobs_by_id)
-        num_accepted = sum(map(len, sampled.values())) - len(sampled)
         self._record_stats(scheduled, time.perf_counter() - start, num_accepted, propose_time)
         return outputs
 
@@ -402,6 +406,14 @@ class EngineCore:
         speculates); the others are verified."""
         inputs = self._sampling_inputs(requests)
         ids = [r.request_id for r in requests]
+        if not scheduled.num_draft_tokens:
+            output = sample(logits, inputs)
+            tokens = zip(ids, output.token_ids.tolist(), strict=True)
+            sampled_ids = {i: [token] for i, token in tokens}
+            if output.logprobs is None:
+                return sampled_ids, {}
+            rows = zip(ids, output.logprobs, strict=True)
+            return sampled_ids, {i: [row] for i, row in rows if row is not None}
         drafts = [s.draft_token_ids for s in scheduled.scheduled if s.sample]
         plain = [i for i, d in enumerate(drafts) if not d]
         speculative = [i for i, d in enumerate(drafts) if d]
@@ -543,19 +555,20 @@ class EngineCore:
         return outputs
 
     def _sampling_inputs(self, requests: list[Request]) -> SamplingInputs:
-        blocked = []
-        for request in requests:
-            params = request.sampling_params
-            if request.num_output_tokens < params.min_tokens:
+        params = [r.sampling_params for r in requests]
+        blocked: list[list[int]] = [[]] * len(requests)  # shared, never written
+        for row, (request, request_params) in enumerate(zip(requests, params, strict=True)):
+            if request_params.min_tokens > len(request.output_token_ids):
                 eos = [] if request.eos_token_id is None else [request.eos_token_id]
-                blocked.append(eos + params.stop_token_ids)
-            else:
-                blocked.append([])
+                blocked[row] = eos + request_params.stop_token_ids
+        generators = self.generators
         return SamplingInputs(
-            params=[r.sampling_params for r in requests],
+            params=params,
             prompt_token_ids=[r.prompt_token_ids for r in requests],
             output_token_ids=[r.output_token_ids for r in requests],
-            generators=[self.generators.get(r.request_id) for r in requests],
+            generators=[generators.get(r.request_id) for r in requests]
+            if generators
+            else [None] * len(requests),
             stop_token_ids_to_block=blocked,
         )
 
@@ -568,26 +581,30 @@ class EngineCore:
     ) -> EngineCoreOutput:
         """The request's output tokens from `num_outputs_before` on (`num_new_tokens` of them:
         all by default; with async scheduling a placeholder may follow them)."""
-        if request.is_finished:
-            self.generators.pop(request.request_id, None)
-            self._sync_request_ids.discard(request.request_id)
-        rows = logprobs_by_id.get(request.request_id)
+        request_id = request.request_id
+        finish_reason = request.status.finish_reason
+        if finish_reason is not None:
+            self.generators.pop(request_id, None)
+            self._sync_request_ids.discard(request_id)
+            finish_reason = finish_reason.value
+        rows = logprobs_by_id.get(request_id) if logprobs_by_id else None
         end = None if num_new_tokens is None else num_outputs_before + num_new_tokens
         new_token_ids = request.output_token_ids[num_outputs_before:end]
         return EngineCoreOutput(
-            request_id=request.request_id,
-            new_token_ids=new_token_ids,
-            new_logprobs=None if rows is None else rows[: len(new_token_ids)],
-            finish_reason=None if not request.is_finished else str(request.status.finish_reason),
-            stop_reason=request.stop_reason,
-            num_cached_tokens=request.num_cached_tokens,
-            num_preemptions=request.num_preemptions,
-            first_scheduled_time=request.first_scheduled_time,
-            first_token_time=request.first_token_time,
-            token_times=request.token_times[num_outputs_before:],
-            finished_time=request.finished_time,
-            num_draft_tokens=request.num_draft_tokens,
-            num_accepted_tokens=request.num_accepted_tokens,
+            request_id,
+            new_token_ids,
+            None if rows is None else rows[: len(new_token_ids)],
+            finish_reason,
+            request.stop_reason,
+            request.num_cached_tokens,
+            request.num_preemptions,
+            request.first_scheduled_time,
+            request.first_token_time,
+            request.token_times[num_outputs_before:],
+            request.finished_time,
+            None,
+            request.num_draft_tokens,
+            request.num_accepted_tokens,
         )
 
     def scheduler_stats(self) -> SchedulerStats:

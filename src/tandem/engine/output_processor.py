@@ -192,11 +192,12 @@ class OutputProcessor:
                 touched[state.request_id] = state  # not for a prompt chunk's logprobs alone
         outputs = []
         for state in touched.values():
-            if state.finished:
+            done = state.finished
+            if done:
                 del self.requests[state.request_id]
                 for sequence in state.sequences:
                     self._sequence_owner.pop(sequence.request_id, None)
-            if state.output_kind is not RequestOutputKind.FINAL_ONLY or state.finished:
+            if done or state.output_kind is not RequestOutputKind.FINAL_ONLY:
                 outputs.append(self._request_output(state))
         return ProcessedOutputs(outputs, stopped, finished)
 

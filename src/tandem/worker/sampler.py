@@ -74,10 +74,27 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
         raise ValueError(
             f"logits must be [num_rows={len(inputs.params)}, vocab], got {tuple(logits.shape)}"
         )
+    if all(map(_argmax_only, inputs.params)) and not any(inputs.stop_token_ids_to_block):
+        return SamplerOutput(logits.argmax(dim=-1), None)  # a batch of plain greedy rows
     # Our own float32 copy: the steps below work in place, and raw logprobs need the input.
     work = process_logits(logits.to(torch.float32, copy=True), inputs)
     tokens = _pick_tokens(work, inputs.params, inputs.generators)
     return SamplerOutput(tokens, _logprobs(logits, work, tokens, inputs.params))
+
+
+def _argmax_only(params: SamplingParams) -> bool:
+    """Greedy with nothing to change the logits or to report: the token is the argmax (one
+    pass over the row's attributes, where the general path makes one per feature)."""
+    return (
+        params.temperature < GREEDY_TEMPERATURE
+        and params.logprobs is None
+        and params.allowed_token_ids is None
+        and not params.logit_bias
+        and not params._bad_words_token_ids
+        and params.repetition_penalty == 1.0
+        and params.frequency_penalty == 0.0
+        and params.presence_penalty == 0.0
+    )
 
 
 def _wants_processed(params: SamplingParams) -> bool:
