@@ -10,8 +10,11 @@ recording the tokens, building outputs.
 2. Device time --device-ms, sampling included (as on a GPU, where it is kernels behind the
    forward): steps per second with async scheduling off and on, as a share of 1 / device time.
    Target: within 5% with it on, at 256 running.
+3. With --embedded-model ROUNDS: the embedded model on this CPU (a real forward, using every
+   core), output tok/s at batch 1 and 32 with async scheduling off and on.
 
     .venv/bin/python benchmarks/step_overhead.py [--steps 50] [--device-ms 10] [--step-loop-only]
+        [--embedded-model ROUNDS]
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
+import statistics
 import subprocess
 import tempfile
 import time
@@ -124,11 +128,31 @@ def steps_per_second(
         engine_core.sample = host_sample
 
 
+def embedded_model_rates(rounds: int) -> dict[tuple[bool, int], list[float]]:
+    """Output tok/s of the embedded model (dtype auto) with async scheduling off and on, at
+    batch 1 and 32 (128 new tokens each), the two modes alternating round by round."""
+    prompts = [f"Write a long story about a lighthouse keeper, part {i}." for i in range(32)]
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    engines = {mode: LLM("default", async_scheduling=mode) for mode in (False, True)}
+    rates: dict[tuple[bool, int], list[float]] = {}
+    for _ in range(rounds):
+        for batch in (1, 32):
+            for mode, llm in engines.items():
+                llm.generate(prompts[:1], params, use_tqdm=False)  # warm
+                start = time.perf_counter()
+                llm.generate(prompts[:batch], params, use_tqdm=False)
+                elapsed = time.perf_counter() - start
+                rates.setdefault((mode, batch), []).append(batch * 128 / elapsed)
+    return rates
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--device-ms", type=float, default=10.0,
                         help="the stand-in device's time per step, part 2")  # fmt: skip
+    parser.add_argument("--embedded-model", type=int, default=0, metavar="ROUNDS",
+                        help="part 3: the embedded model, async off and on")  # fmt: skip
     parser.add_argument("--step-loop-only", action="store_true",
                         help="part 1 only (runs on engines without async scheduling)")  # fmt: skip
     args = parser.parse_args()
@@ -162,6 +186,15 @@ def main() -> None:
             ]
             print(f"| {running} | " + " | ".join(f"{r:.1f} ({r / ideal:.0%})" for r in rates)
                   + " |")  # fmt: skip
+    if args.embedded_model:
+        rates = embedded_model_rates(args.embedded_model)
+        print("\nEmbedded model, dtype auto, this CPU: output tok/s, median of "
+              f"{args.embedded_model} rounds")  # fmt: skip
+        print("| batch | async scheduling off | on | on / off |")
+        print("|---:|---:|---:|---:|")
+        for batch in (1, 32):
+            off, on = (statistics.median(rates[(mode, batch)]) for mode in (False, True))
+            print(f"| {batch} | {off:.1f} | {on:.1f} | {on / off:.2f} |")
 
 
 if __name__ == "__main__":

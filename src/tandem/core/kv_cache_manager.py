@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 try:  # a declared dependency, but the engine core must import where only torch is installed
     import xxhash
@@ -191,13 +191,11 @@ class KVCacheManager:
         block_ids.extend(new_block_ids)
         return new_block_ids
 
-    def has_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Whether the request's blocks already hold its next `num_new_tokens` tokens (then
-        allocate_slots would allocate nothing)."""
-        blocks = self._req_to_blocks.get(request.request_id)
-        if blocks is None:
-            return False
-        return request.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size
+    @property
+    def held_blocks(self) -> Mapping[str, list[KVCacheBlock]]:
+        """Request id -> the blocks it holds, for reading only (the scheduler's decode path
+        checks that a request's blocks hold its next token without a call per request)."""
+        return self._req_to_blocks
 
     def cache_blocks(self, request: Request, num_computed_tokens: int | None = None) -> None:
         """Index the request's blocks that are now full and computed, for later requests to hit.

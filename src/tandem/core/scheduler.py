@@ -128,15 +128,18 @@ class _StepPlan:
         if num_drafts:
             self.drafts[request_id] = num_drafts
 
-    def add_decode(self, request: Request) -> None:
-        """add(request, 1) for a request not planned yet whose one token is its last."""
-        self.entries[request.request_id] = (request, 1)
-        self.token_budget -= 1
-        num_computed = request.num_computed_tokens
-        self.num_new_tokens += 1
-        self.num_attended += num_computed + 1
-        self.num_context += num_computed + 1
-        self.num_sampled += 1
+    def add_decodes(self, requests: list[Request], num_context: int) -> None:
+        """add(request, 1) for requests not planned yet whose one token is their last;
+        `num_context`: the sum of their num_computed_tokens + 1."""
+        entries = self.entries
+        for request in requests:
+            entries[request.request_id] = (request, 1)
+        count = len(requests)
+        self.token_budget -= count
+        self.num_new_tokens += count
+        self.num_attended += num_context
+        self.num_context += num_context
+        self.num_sampled += count
 
     def _count(self, request: Request, num_new: int, num_drafts: int, sign: int) -> None:
         """Add (sign 1) or take out (-1) an entry's part (request_sums) of the sums and
@@ -262,22 +265,26 @@ class Scheduler:
         any_finished = False
         kv = self.kv_cache_manager
         caching = kv.enable_caching
+        requests = self.requests
+        running = RequestStatus.RUNNING
+        stop_status = self._stop_status
         for scheduled in scheduler_output.scheduled:
-            request = self.requests.get(scheduled.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
+            request_id = scheduled.request_id
+            request = requests.get(request_id)
+            if request is None or request.status is not running:
                 continue  # aborted after it was scheduled
             if not scheduled.sample:
                 request.num_computed_tokens += scheduled.num_new_tokens
                 kv.cache_blocks(request)
                 continue
-            token_ids = sampled_token_ids.get(scheduled.request_id)
-            if not token_ids:
-                raise ValueError(f"no sampled token for request {scheduled.request_id!r}")
+            token_ids = sampled_token_ids.get(request_id)
             num_drafts = len(scheduled.draft_token_ids)
+            if not token_ids:
+                raise ValueError(f"no sampled token for request {request_id!r}")
             if len(token_ids) > num_drafts + 1:
                 raise ValueError(
-                    f"request {scheduled.request_id!r} got {len(token_ids)} tokens from a step "
-                    f"that verified {num_drafts} drafts"
+                    f"request {request_id!r} got {len(token_ids)} tokens from a step that "
+                    f"verified {num_drafts} drafts"
                 )
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -286,12 +293,11 @@ class Scheduler:
                 finished_status = self._append_until_stop(request, token_ids, now)
             else:  # the common case, inline
                 token_id = token_ids[0]
-                request.output_token_ids.append(token_id)
-                request.all_token_ids.append(token_id)
+                outputs, all_token_ids = request.output_token_ids, request.all_token_ids
+                outputs.append(token_id)
+                all_token_ids.append(token_id)
                 request.token_times.append(now)
-                finished_status = self._stop_status(
-                    request, token_id, len(request.output_token_ids)
-                )
+                finished_status = stop_status(request, token_id, len(outputs), len(all_token_ids))
             # Every appended token but the last was computed this step (an accepted draft);
             # rejected drafts' KV is dropped by moving back, and blocks holding only them go.
             request.num_computed_tokens = len(request.all_token_ids) - 1
@@ -305,7 +311,7 @@ class Scheduler:
                 # Blocks past its tokens: rejected drafts', or a proposer's unverified ones.
                 kv.free_tail(request, request.num_tokens)
         if any_finished:
-            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+            self.running = [r for r in self.running if r.status is running]
         return updated
 
     def mark_in_flight(self, scheduler_output: SchedulerOutput) -> None:
@@ -359,7 +365,7 @@ class Scheduler:
             if request.first_token_time is None:
                 request.first_token_time = now
             updated.append(request)
-            finished_status = self._stop_status(request, token_id, num_output_tokens)
+            finished_status = self._stop_status(request, token_id, num_output_tokens, position + 1)
             if finished_status is None:
                 if running:
                     kv.cache_blocks(request, num_computed)
@@ -474,13 +480,18 @@ class Scheduler:
     ) -> None:
         """Schedule the running requests that are decoding (`decoding` True), still in their
         prompt (False) or either (None), oldest first, while the budget lasts; `prompt_chunks`:
-        they are prompts, sized against the ITL target if there is one."""
+        they are prompts, sized against the ITL target if there is one. Decodes whose blocks
+        already hold their token, the common case, are gathered and planned in one go."""
         ending = self._ending_in_flight
         kv = self.kv_cache_manager
+        held_blocks, block_size = kv.held_blocks, kv.block_size
         running = RequestStatus.RUNNING
+        decodes: list[Request] = []  # gathered, not planned yet
+        num_context = 0
+        budget = plan.token_budget
         for request in list(self.running):
-            if plan.token_budget == 0:
-                return
+            if budget == 0:
+                break
             if ending and request.request_id in ending:
                 continue  # its token in flight ends it
             num_computed = request.num_computed_tokens
@@ -488,9 +499,15 @@ class Scheduler:
             if request.status is not running or (decoding is not None and is_decoding != decoding):
                 continue
             num_uncomputed = len(request.all_token_ids) - num_computed
-            if num_uncomputed == 1 and not prompt_chunks and kv.has_slots(request, 1):
-                plan.add_decode(request)  # the common case, without allocate_slots
-                continue
+            if num_uncomputed == 1 and not prompt_chunks:
+                blocks = held_blocks.get(request.request_id)
+                if blocks is not None and num_computed < len(blocks) * block_size:
+                    decodes.append(request)
+                    num_context += num_computed + 1
+                    budget -= 1
+                    continue
+            plan.add_decodes(decodes, num_context)
+            decodes, num_context = [], 0
             num_new_tokens = min(num_uncomputed, plan.token_budget, max_tokens_each)
             if prompt_chunks:
                 num_new_tokens = self._within_target(
@@ -499,6 +516,8 @@ class Scheduler:
                 if num_new_tokens == 0:
                     return
             self._schedule_running(request, num_new_tokens, plan)
+            budget = plan.token_budget
+        plan.add_decodes(decodes, num_context)
 
     def _within_target(
         self, plan: _StepPlan, num_computed: int, num_remaining: int, num_tokens: int
@@ -540,8 +559,10 @@ class Scheduler:
         decoding its one last token takes drafts (one resuming after a preemption has more
         to recompute first)."""
         config = self.config
+        if config.num_speculative_tokens == 0:
+            return
         num_decodes = _num_decodes(plan)
-        if config.num_speculative_tokens == 0 or num_decodes == 0:
+        if num_decodes == 0:
             return
         adaptive = config.adaptive_speculation and self.cost_model is not None
         # Asked every decode step, drafts or not, so its exploring steps come round.
@@ -744,16 +765,18 @@ class Scheduler:
         for token_id in token_ids:
             request.append_output_token_ids([token_id])
             request.token_times.append(now)
-            status = self._stop_status(request, token_id, request.num_output_tokens)
+            status = self._stop_status(
+                request, token_id, request.num_output_tokens, request.num_tokens
+            )
             if status is not None:
                 return status
         return None
 
     def _stop_status(
-        self, request: Request, token_id: int, num_output_tokens: int
+        self, request: Request, token_id: int, num_output_tokens: int, num_tokens: int
     ) -> RequestStatus | None:
-        """Whether the request ends at `token_id`, its `num_output_tokens`-th output token
-        (setting its stop_reason for a stop token id)."""
+        """Whether the request ends at `token_id`, its `num_output_tokens`-th output token and
+        `num_tokens`-th token (setting its stop_reason for a stop token id)."""
         params = request.sampling_params
         if num_output_tokens >= params.min_tokens:
             if token_id == request.eos_token_id and not params.ignore_eos:
@@ -762,7 +785,7 @@ class Scheduler:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
         max_tokens = params.max_tokens
-        if request.num_prompt_tokens + num_output_tokens >= self.max_model_len or (
+        if num_tokens >= self.max_model_len or (
             max_tokens is not None and num_output_tokens >= max_tokens
         ):
             return RequestStatus.FINISHED_LENGTH

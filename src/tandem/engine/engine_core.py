@@ -582,11 +582,12 @@ class EngineCore:
         """The request's output tokens from `num_outputs_before` on (`num_new_tokens` of them:
         all by default; with async scheduling a placeholder may follow them)."""
         request_id = request.request_id
-        finish_reason = request.status.finish_reason
-        if finish_reason is not None:
+        status = request.status
+        finish_reason = None
+        if status is not RequestStatus.RUNNING and status.is_finished:
             self.generators.pop(request_id, None)
             self._sync_request_ids.discard(request_id)
-            finish_reason = finish_reason.value
+            finish_reason = status.finish_reason.value
         rows = logprobs_by_id.get(request_id) if logprobs_by_id else None
         end = None if num_new_tokens is None else num_outputs_before + num_new_tokens
         new_token_ids = request.output_token_ids[num_outputs_before:end]
