@@ -97,8 +97,8 @@ def main() -> None:
             params = SamplingParams(**fields)
             fast = sampler_ms(logits, params)
 
-            def sorted_floor(logits, top, k, p):  # the sort-based floor (the oracle)
-                return sampler._top_k_top_p_floor_sorted(logits, k, p)
+            def sorted_floor(logits, top, k, p, min_floor=None):  # the sort-based oracle
+                return sampler._top_k_top_p_floor_sorted(logits, k, p, min_floor)
 
             with mock.patch.object(sampler, "_top_k_top_p_floor", sorted_floor):
                 full = sampler_ms(logits, params)

@@ -617,3 +617,31 @@ def test_draws_among_candidates_match_the_filtered_distribution():
     assert set(tokens[0::2].tolist()) <= set((expected[0] > 0).nonzero().squeeze(-1).tolist())
     assert (counts - expected[0].double()).abs().max() < 0.015
     assert len(set(tokens[1::2].tolist())) > 600  # the flat row keeps ~900 tokens
+
+
+@pytest.mark.parametrize("min_p", [0.001, 0.05, 0.5])
+@pytest.mark.parametrize(("top_k", "top_p"), [(0, 1.0), (0, 0.9), (50, 1.0), (50, 0.5), (0, 0.5)])
+def test_min_p_from_the_candidates_keeps_the_reference_set(min_p, top_k, top_p):
+    """Min-p's floor comes from the candidates (no pass over the row), and top-p weighs what
+    it left within the candidates, or over the whole row where its set reaches past them (the
+    flat row keeps all 4,096 tokens): the kept set is the float64 reference's, up to a token
+    whose preceding mass is p within float rounding, or one tied with the last kept (a floor
+    keeps ties, as the sort-based floor does; the reference breaks them by position)."""
+    generator = torch.Generator().manual_seed(int(min_p * 1000) + top_k)
+    logits = _adversarial_rows(4096, generator)
+    params = [SamplingParams(min_p=min_p, top_k=top_k, top_p=top_p)] * len(logits)
+    kept = sampler.filter_logits(logits.clone(), params) > -math.inf
+    for row in range(len(logits)):
+        expected = reference_probs(logits[row], top_k=top_k, top_p=top_p, min_p=min_p) > 0
+        differing = (kept[row] != expected).nonzero().squeeze(-1).tolist()
+        if not differing:
+            continue
+        probs = reference_probs(logits[row], top_k=top_k, min_p=min_p)  # what top-p weighs
+        order = probs.argsort(descending=True)
+        mass_before = probs[order].cumsum(0) - probs[order]
+        position = {int(t): i for i, t in enumerate(order.tolist())}
+        last_kept = logits[row][expected].min()
+        for token in differing:
+            tied = bool(logits[row][token] == last_kept)
+            assert tied or abs(float(mass_before[position[token]]) - top_p) < 1e-5, (row, token)
+    assert bool(kept[0].all())  # the flat row: min-p's set is the whole row, and all tie

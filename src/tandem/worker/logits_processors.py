@@ -122,6 +122,16 @@ def _add_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> N
     logits.index_put_(_index(row_of, ids, logits.device), bias, accumulate=True)
 
 
+def modifies_logits(inputs: SamplingInputs) -> bool:
+    """Whether process_logits changes anything for this batch (otherwise it hands the tensor
+    back untouched)."""
+    return any(inputs.stop_token_ids_to_block) or any(
+        p.allowed_token_ids is not None or p.logit_bias or p.bad_words_token_ids
+        or _uses_penalties(p)
+        for p in inputs.params
+    )  # fmt: skip
+
+
 def reads_output_tokens(params: SamplingParams) -> bool:
     """Whether sampling the request looks at its output so far (penalties, bad words)."""
     return _uses_penalties(params) or bool(params.bad_words_token_ids)

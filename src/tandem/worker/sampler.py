@@ -19,7 +19,7 @@ import torch
 
 from tandem.outputs import Logprob
 from tandem.sampling_params import GREEDY_TEMPERATURE, SamplingParams, num_top_logprobs
-from tandem.worker.logits_processors import column, process_logits
+from tandem.worker.logits_processors import column, modifies_logits, process_logits
 
 
 @dataclass
@@ -76,10 +76,16 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
         )
     if all(map(_argmax_only, inputs.params)) and not any(inputs.stop_token_ids_to_block):
         return SamplerOutput(logits.argmax(dim=-1), None)  # a batch of plain greedy rows
-    # Our own float32 copy: the steps below work in place, and raw logprobs need the input.
-    work = process_logits(logits.to(torch.float32, copy=True), inputs)
-    tokens = _pick_tokens(work, inputs.params, inputs.generators)
-    return SamplerOutput(tokens, _logprobs(logits, work, tokens, inputs.params))
+    params = inputs.params
+    if logits.dtype != torch.float32 or modifies_logits(inputs):
+        # Our own float32 copy: the steps below work in place, and raw logprobs need the input.
+        work = process_logits(logits.to(torch.float32, copy=True), inputs)
+        tokens = _pick_tokens(work, params, inputs.generators)
+    else:  # nothing comes before temperature: applied out of place, it makes our copy
+        temperatures = [p.temperature if _draws(p) else 1.0 for p in params]
+        work = logits / column(temperatures, logits.device)
+        tokens = _pick_tokens(work, params, inputs.generators, tempered=True)
+    return SamplerOutput(tokens, _logprobs(logits, work, tokens, params))
 
 
 def _argmax_only(params: SamplingParams) -> bool:
@@ -113,14 +119,16 @@ def _pick_tokens(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    tempered: bool = False,
 ) -> torch.Tensor:
     """Argmax for greedy rows, a random draw for the rest. Afterwards `logits` holds what each
     row picked from (the processed logits): as given for greedy rows, and after temperature and
-    the cuts for drawn rows (those are written back only when a row wants them as logprobs)."""
+    the cuts for drawn rows (those are written back only when a row wants them as logprobs).
+    `tempered`: the drawn rows are divided by their temperature already."""
     random_rows = [i for i, p in enumerate(params) if _draws(p)]
     keep_filtered = any(_wants_processed(params[i]) for i in random_rows)
     if len(random_rows) == len(params):
-        return _sample_random(logits, params, generators, keep_filtered)
+        return _sample_random(logits, params, generators, keep_filtered, tempered)
     tokens = logits.argmax(dim=-1)
     if random_rows:
         index = torch.tensor(random_rows, device=logits.device)
@@ -130,6 +138,7 @@ def _pick_tokens(
             [params[i] for i in random_rows],
             [generators[i] for i in random_rows],
             keep_filtered,
+            tempered,
         )
         if keep_filtered:
             logits[index] = drawn
@@ -141,14 +150,16 @@ def _sample_random(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     keep_filtered: bool = True,
+    tempered: bool = False,
 ) -> torch.Tensor:
-    """Temperature, then min-p, top-k and top-p in vLLM's order (top-p weighs what min-p and
-    top-k left), then one draw per row. Each cut raises a per-row logit floor, and a cut no row
-    uses costs nothing. A row whose kept set lies within its top candidates draws among them
-    (no pass over the vocabulary), the others over the whole row; which one depends only on the
-    row itself, so seeded rows stay reproducible. `keep_filtered`: leave `logits` filtered
-    (processed logprobs need them), and draw every row over the whole row."""
-    cut = _cut_floor(logits, params)
+    """Temperature (unless `tempered`), then min-p, top-k and top-p in vLLM's order (top-p
+    weighs what min-p and top-k left), then one draw per row. Each cut raises a per-row logit
+    floor, and a cut no row uses costs nothing. A row whose kept set lies within its top
+    candidates draws among them (no pass over the vocabulary), the others over the whole row;
+    which one depends only on the row itself, so seeded rows stay reproducible.
+    `keep_filtered`: leave `logits` filtered (processed logprobs need them), and draw every row
+    over the whole row."""
+    cut = _cut_floor(logits, params, tempered)
     if cut is None:
         return _inverse_cdf_draw(logits.softmax(dim=-1), generators)
     floor, candidates = cut
@@ -180,32 +191,39 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
 
 
 def _cut_floor(
-    logits: torch.Tensor, params: list[SamplingParams]
+    logits: torch.Tensor, params: list[SamplingParams], tempered: bool = False
 ) -> tuple[torch.Tensor, torch.return_types.topk] | None:
-    """Temperature and min-p in place, then top-k and top-p as one per-row logit floor with
-    the row's top candidates it was found among; None when no row cuts by top-k or top-p."""
+    """Temperature in place (unless `tempered`), then min-p, top-k and top-p as one per-row
+    logit floor with the row's top candidates it was found among; None when no row cuts.
+    Min-p's floor (a token's probability under min_p times the largest: its logit under the
+    largest plus log min_p) comes from the candidates' first, so it costs no pass over the
+    row."""
     device, vocab = logits.device, logits.shape[1]
     temperatures = [p.temperature for p in params]
-    if any(t != 1.0 for t in temperatures):
+    if not tempered and any(t != 1.0 for t in temperatures):
         logits.div_(column(temperatures, device))
     min_p = [p.min_p for p in params]
-    if any(m > 0.0 for m in min_p):
-        # prob < min_p * max_prob, in logit space: logit < max_logit + log(min_p); log(0) = -inf.
-        floor = logits.amax(dim=-1, keepdim=True) + column(min_p, device).log()
-        logits.masked_fill_(logits < floor, -math.inf)
+    wants_min_p = any(m > 0.0 for m in min_p)
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]  # 0: off
     k = torch.tensor(top_k, device=device).unsqueeze(-1) if any(top_k) else None
     wants_top_p = any(p.top_p < 1.0 for p in params)
-    if k is None and not wants_top_p:
+    if k is None and not wants_top_p and not wants_min_p:
         return None
     num_candidates = min(vocab, max(TOP_P_CANDIDATES, max(top_k)))
     candidates = logits.topk(num_candidates, dim=-1)  # descending
+    min_floor = None
+    if wants_min_p:  # log(0) = -inf: rows without min-p keep everything
+        min_floor = candidates.values[:, :1] + column(min_p, device).log()
     if wants_top_p:
         # Off rows get p = inf: float rounding in the cumsum must not drop their tail.
         top_p = column([p.top_p if p.top_p < 1.0 else math.inf for p in params], device)
-        floor = _top_k_top_p_floor(logits, candidates.values.clone(), k, top_p)
+        floor = _top_k_top_p_floor(logits, candidates.values.clone(), k, top_p, min_floor)
+    elif k is None:
+        floor = min_floor
     else:
         floor = _kth_largest(candidates.values, k)
+        if min_floor is not None:
+            floor = torch.maximum(floor, min_floor)
     return floor, candidates
 
 
@@ -231,51 +249,82 @@ TOP_P_CANDIDATES = 128
 
 
 def _top_k_top_p_floor(
-    logits: torch.Tensor, top: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor
+    logits: torch.Tensor,
+    top: torch.Tensor,
+    k: torch.Tensor | None,
+    p: torch.Tensor,
+    min_floor: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Top-k and top-p as one per-row floor, without sorting the vocabulary: the cut is looked
-    for among the row's top candidates (a topk, ~10x cheaper than a sort on CPU), with each
-    candidate's probability taken against the whole row (or the top-k set), and only rows
-    whose kept mass lies beyond the candidates fall back to the full sort. The kept set is the
-    sort's, up to float rounding of the running mass right at p. `top`: the row's largest
-    logits, descending (at least TOP_P_CANDIDATES and k of them); it is overwritten."""
+    """Min-p, top-k and top-p as one per-row floor, without sorting the vocabulary: the top-p
+    cut is looked for among the row's top candidates (a topk, ~10x cheaper than a sort on
+    CPU), each candidate's probability taken against what min-p (`min_floor`, a logit floor
+    per row) and top-k leave: within the candidates when their floor is above the last one (no
+    pass over the row), against the whole row otherwise; only rows whose kept mass lies beyond
+    the candidates fall back to the full sort. The kept set is the sort's, up to float rounding
+    of the running mass right at p. `top`: the row's largest logits, descending (at least
+    TOP_P_CANDIDATES and k of them); it is overwritten."""
     num_candidates = top.shape[1]
-    normalizer = logits.logsumexp(dim=-1, keepdim=True)
+    floor_before = min_floor  # what min-p and top-k leave: the logits at or above it
     kth = None
     if k is not None:
         kth = _kth_largest(top, k)
-        top.masked_fill_(top < kth, -math.inf)
-        normalizer = torch.where(k > 0, top.logsumexp(dim=-1, keepdim=True), normalizer)
+        floor_before = kth if floor_before is None else torch.maximum(floor_before, kth)
+    top_p_on = ~torch.isinf(p)
+    if floor_before is None:
+        whole_row = top_p_on
+    else:
+        top.masked_fill_(top < floor_before, -math.inf)
+        whole_row = top_p_on & (floor_before <= top[:, -1:])  # the set reaches past the top
+        if k is not None:
+            whole_row &= k == 0  # the top-k set is the candidates at or above the kth
+    normalizer = top.logsumexp(dim=-1, keepdim=True)
+    if bool(whole_row.all()):  # no copy of the rows (the common case of top-p alone)
+        if min_floor is not None:
+            logits = logits.masked_fill(logits < min_floor, -math.inf)
+        normalizer = logits.logsumexp(dim=-1, keepdim=True)
+    elif whole_row.any():
+        rows = whole_row.squeeze(-1).nonzero().squeeze(-1)
+        full = logits[rows]
+        if min_floor is not None:
+            full.masked_fill_(full < min_floor[rows], -math.inf)
+        normalizer[rows] = full.logsumexp(dim=-1, keepdim=True)
     mass = top.sub(normalizer).exp_().cumsum_(dim=-1)
     below = (mass < p).sum(dim=-1, keepdim=True)
     floor = top.gather(-1, below.clamp(max=num_candidates - 1))
-    top_p_off = torch.isinf(p)
-    floor.masked_fill_(top_p_off, -math.inf)
-    beyond = ((below == num_candidates) & ~top_p_off).squeeze(-1)
+    floor.masked_fill_(~top_p_on, -math.inf)
+    beyond = ((below == num_candidates) & top_p_on).squeeze(-1)
     if beyond.any():
         rows = beyond.nonzero().squeeze(-1)
         floor[rows] = _top_k_top_p_floor_sorted(
-            logits[rows], None if k is None else k[rows], p[rows]
+            logits[rows],
+            None if k is None else k[rows],
+            p[rows],
+            None if min_floor is None else min_floor[rows],
         )
-    return floor if kth is None else torch.maximum(floor, kth)
+    return floor if floor_before is None else torch.maximum(floor, floor_before)
 
 
 def _top_k_top_p_floor_sorted(
-    logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor
+    logits: torch.Tensor,
+    k: torch.Tensor | None,
+    p: torch.Tensor,
+    min_floor: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One descending sort serves both filters. Top-p keeps a token while the mass of the more
-    likely tokens (after top-k) is still below p: the smallest set reaching p, never empty.
-    The result is a floor in the original order, so nothing is scattered back."""
+    """One descending sort serves every filter. Top-p keeps a token while the mass of the more
+    likely tokens (after min-p and top-k) is still below p: the smallest set reaching p, never
+    empty. The result is a floor in the original order, so nothing is scattered back."""
     sorted_logits = logits.sort(dim=-1, descending=True).values
-    kth = None
+    floor_before = min_floor
     if k is not None:
         kth = _kth_largest(sorted_logits, k)
-        sorted_logits.masked_fill_(sorted_logits < kth, -math.inf)
+        floor_before = kth if floor_before is None else torch.maximum(floor_before, kth)
+    if floor_before is not None:
+        sorted_logits.masked_fill_(sorted_logits < floor_before, -math.inf)
     mass = sorted_logits.softmax(dim=-1).cumsum_(dim=-1)
     # Token j stays iff mass[j - 1] < p, and token 0 always: a prefix, as mass never decreases.
     kept = (mass < p).sum(dim=-1, keepdim=True).add_(1).clamp_(max=logits.shape[1])
     floor = sorted_logits.gather(-1, kept - 1)
-    return floor if kth is None else torch.maximum(floor, kth)
+    return floor if floor_before is None else torch.maximum(floor, floor_before)
 
 
 def _inverse_cdf_draw(
