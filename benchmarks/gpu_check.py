@@ -75,6 +75,27 @@ def parity(tmp: str) -> None:
                 )
             same += out.outputs[0].token_ids == reference[0, len(p) :].tolist()
         check(f"engine greedy {name}", same == len(prompts), f"{same}/{len(prompts)} equal")
+        async_scheduling_matches(folder, prompts, name)
+
+
+def async_scheduling_matches(folder: str, prompts: list[list[int]], name: str) -> None:
+    """Async scheduling (the CUDA default) gives the tokens of stepping one at a time, greedy
+    and seeded, with a preempting cache and stop tokens."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=12),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=12, stop_token_ids=[5, 9]),
+    ]
+    results = {}
+    for mode in (False, True):
+        llm = LLM(folder, device=DEVICE, dtype="float32", skip_tokenizer_init=True,
+                  max_num_batched_tokens=32, max_num_seqs=8, num_kv_blocks=8, block_size=8,
+                  prefix_caching_hash_algo="sha256", async_scheduling=mode)  # fmt: skip
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results[mode] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+    check(f"async scheduling {name}", results[True] == results[False],
+          f"{sum(a == b for a, b in zip(results[True], results[False], strict=True))}/"
+          f"{len(prompts)} equal")  # fmt: skip
 
 
 def synchronize() -> None:
