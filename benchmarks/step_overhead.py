@@ -1,15 +1,16 @@
 """The step loop's own cost per running request (issue 13, items 1 and 2). The model is a
-stand-in for a device: a tiny Llama whose forward is replaced by a wait of --device-ms (a sleep,
-which releases the GIL as a CUDA stream runs without the host) returning constant logits, so
-what is timed is tandem's own work: scheduling, input preparation, sampling bookkeeping,
-recording the tokens, building outputs.
+stand-in for a device: a tiny Llama whose forward is replaced by a device step of --device-ms
+(a sleep, which releases the GIL) returning constant logits, so what is timed is tandem's own
+work: scheduling, input preparation, sampling bookkeeping, recording the tokens, building
+outputs.
 
 1. Device time 0: for 16 to 1,024 running decodes, the engine core's step (what the server's
    core process runs) per running request, and the front end's output processing per request
    (the API process's work in the server). Target: <= 3 us per running request.
 2. Device time --device-ms, sampling included (as on a GPU, where it is kernels behind the
-   forward): steps per second with async scheduling off and on, as a share of 1 / device time.
-   Target: within 5% with it on, at 256 running.
+   forward), the device asynchronous as a CUDA stream is (StandInDevice): steps per second
+   with async scheduling off and on, as a share of 1 / device time. Target: within 5% with it
+   on, at 256 running.
 3. With --embedded-model ROUNDS: the embedded model on this CPU (a real forward, using every
    core), output tok/s at batch 1 and 32 with async scheduling off and on.
 
@@ -48,9 +49,35 @@ def tiny_model(folder: Path) -> Path:
     return folder
 
 
+class StandInDevice:
+    """A device whose steps each take `seconds` and run one after another without holding the
+    host, as a CUDA stream does: a launch queues a step behind the previous one, and the host
+    waits only when it reads a result (completion_event)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.free_at = 0.0  # when the last queued step is done (perf_counter)
+
+    def launch(self) -> None:
+        self.free_at = max(time.perf_counter(), self.free_at) + self.seconds
+
+    def completion_event(self) -> StandInEvent:
+        return StandInEvent(self.free_at)
+
+
+class StandInEvent:
+    def __init__(self, done_at: float) -> None:
+        self.done_at = done_at
+
+    def synchronize(self) -> None:
+        time.sleep(max(0.0, self.done_at - time.perf_counter()))
+
+
 def stand_in_engine(folder: Path, running: int, device_seconds: float, **kwargs) -> LLM:
     """An engine with `running` requests, all decoding, on a device that takes
-    `device_seconds` per forward."""
+    `device_seconds` per forward. With async scheduling the device runs asynchronously
+    (StandInDevice); without, the forward blocks for it, as reading the sampled ids right
+    after the launch does on a GPU."""
     llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, max_num_seqs=running,
               max_num_batched_tokens=max(2048, running), num_kv_blocks=running * 4 + 64,
               enable_prefix_caching=False, **kwargs)  # fmt: skip
@@ -59,14 +86,19 @@ def stand_in_engine(folder: Path, running: int, device_seconds: float, **kwargs)
     # The device's output buffers: what it computes costs the host nothing.
     hidden = torch.zeros(max(2048, running), model.config.hidden_size)
     logits = torch.zeros(max(2048, running), model.config.vocab_size)
+    device = StandInDevice(device_seconds)
 
     def device_forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if device_seconds:
+        if core.async_scheduling:
+            device.launch()
+        elif device_seconds:
             time.sleep(device_seconds)
         return hidden[: len(input_ids)]
 
     model.forward = device_forward
     model.compute_logits = lambda rows: logits[: len(rows)]
+    if core.async_scheduling:
+        core.runner.completion_event = device.completion_event
     params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
     for index in range(running):
         engine.add_request(str(index), list(range(1, 9)), params)

@@ -99,7 +99,7 @@ class _InFlightStep:
 class _StepResult:
     sampled: SamplerOutput  # token ids on the device: the next step's placeholders read them
     host_token_ids: torch.Tensor  # their copy in host memory, complete once `ready` is
-    ready: torch.cuda.Event | None  # None on CPU
+    ready: torch.cuda.Event | None  # None where the device's work is done when calls return
 
 
 def set_random_seed(seed: int) -> None:
@@ -315,14 +315,8 @@ class EngineCore:
             started.set()  # also when failing: the caller waits for it
         run = self.runner.forward(batch, placeholder_token_ids=placeholder_ids)
         sampled = sample(run.logits, inputs)
-        token_ids = sampled.token_ids
-        if token_ids.device.type != "cuda":
-            return _StepResult(sampled, token_ids, None)
-        host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-        host.copy_(token_ids, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return _StepResult(sampled, host, ready)
+        host = self.runner.to_host(sampled.token_ids)
+        return _StepResult(sampled, host, self.runner.completion_event())
 
     def _complete(
         self, in_flight: _InFlightStep, launched: _InFlightStep | None = None

@@ -202,6 +202,23 @@ class ModelRunner:
         ]
         return RunnerOutput(logits, LogprobsTensors.cat(parts) if parts else None)
 
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host copy of `tensor`, queued on the device's stream (pinned, not waited for: read
+        it after completion_event); the tensor itself on CPU."""
+        if tensor.device.type != "cuda":
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return host.copy_(tensor, non_blocking=True)
+
+    def completion_event(self) -> torch.cuda.Event | None:
+        """An event that completes with the work queued on the device so far; None on CPU,
+        where that work is done when the calls return."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
 
 @dataclass
 class RunnerOutput:
