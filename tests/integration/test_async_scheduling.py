@@ -180,3 +180,43 @@ def test_async_scheduling_refuses_speculative_decoding(tiny_llama):
     with pytest.raises(ValueError, match="async_scheduling cannot be combined with speculative"):
         LLM(tiny_llama[0], skip_tokenizer_init=True, async_scheduling=True,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})  # fmt: skip
+
+
+def test_server_with_async_scheduling(server_factory):
+    """`tandem serve --async-scheduling`: a real client gets the offline engine's greedy text,
+    streamed with a stop string, and a client that leaves mid-stream frees its blocks."""
+    import httpx
+    import openai
+
+    from server_process import KV_CACHE_MEMORY_BYTES, wait_until_idle
+
+    prompts = ["The three primary colors are", "A short poem about the sea:"]
+    offline = LLM("default", dtype="float32", kv_cache_memory=KV_CACHE_MEMORY_BYTES,
+                  async_scheduling=False)  # fmt: skip
+    expected = [
+        o.outputs[0].text
+        for o in offline.generate(prompts, SamplingParams(temperature=0, max_tokens=24),
+                                  use_tqdm=False)
+    ]  # fmt: skip
+    server = server_factory.start("--async-scheduling", name="async-server")
+    client = openai.OpenAI(base_url=server.base_url, api_key="none")
+    completion = client.completions.create(
+        model="default", prompt=prompts, max_tokens=24, temperature=0
+    )
+    assert [choice.text for choice in completion.choices] == expected
+    stop = expected[1].split()[3]
+    stream = client.completions.create(
+        model="default", prompt=prompts[1], max_tokens=24, temperature=0, stop=[stop],
+        stream=True,
+    )  # fmt: skip
+    streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+    assert streamed == expected[1][: expected[1].index(stop)]
+    body = {"model": "default", "prompt": prompts[0], "max_tokens": 2000, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=60) as reply:
+        for number, _ in enumerate(reply.iter_lines()):
+            if number == 5:
+                break  # the client leaves mid-stream
+    metrics = wait_until_idle(server.url)
+    assert metrics["tandem:num_requests_running"] == 0
+    assert "async scheduling: on" in server.log_path.read_text()

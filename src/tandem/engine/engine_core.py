@@ -38,6 +38,7 @@ from tandem.worker.sampler import (
     LogprobsTensors,
     SamplerOutput,
     SamplingInputs,
+    argmax_only,
     logprob_dicts,
     sample,
 )
@@ -166,6 +167,7 @@ class EngineCore:
         if self.async_scheduling:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-step")
             sys.setswitchinterval(min(sys.getswitchinterval(), ASYNC_SWITCH_INTERVAL))
+            logger.info("async scheduling: on (the next step is planned while one runs)")
         self._in_flight: _InFlightStep | None = None
         self._last_completion = 0.0
         # Requests whose sampling reads their own output tokens (penalties, bad words): while
@@ -398,8 +400,13 @@ class EngineCore:
         and one more), and their logprob dicts for the requests that asked. Requests without
         drafts sample as in any step (their seeded draws do not depend on whether a batch mate
         speculates); the others are verified."""
-        inputs = self._sampling_inputs(requests)
         ids = [r.request_id for r in requests]
+        if not scheduled.num_draft_tokens:
+            params = [r.sampling_params for r in requests]
+            if all(map(argmax_only, params)) and not any(p.min_tokens for p in params):
+                tokens = zip(ids, logits.argmax(dim=-1).tolist(), strict=True)
+                return {i: [token] for i, token in tokens}, {}
+        inputs = self._sampling_inputs(requests)
         if not scheduled.num_draft_tokens:
             output = sample(logits, inputs)
             tokens = zip(ids, output.token_ids.tolist(), strict=True)

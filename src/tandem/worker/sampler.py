@@ -74,7 +74,7 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
         raise ValueError(
             f"logits must be [num_rows={len(inputs.params)}, vocab], got {tuple(logits.shape)}"
         )
-    if all(map(_argmax_only, inputs.params)) and not any(inputs.stop_token_ids_to_block):
+    if all(map(argmax_only, inputs.params)) and not any(inputs.stop_token_ids_to_block):
         return SamplerOutput(logits.argmax(dim=-1), None)  # a batch of plain greedy rows
     params = inputs.params
     if logits.dtype != torch.float32 or modifies_logits(inputs):
@@ -88,7 +88,7 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
     return SamplerOutput(tokens, _logprobs(logits, work, tokens, params))
 
 
-def _argmax_only(params: SamplingParams) -> bool:
+def argmax_only(params: SamplingParams) -> bool:
     """Greedy with nothing to change the logits or to report: the token is the argmax (one
     pass over the row's attributes, where the general path makes one per feature)."""
     return (
