@@ -645,3 +645,29 @@ def test_min_p_from_the_candidates_keeps_the_reference_set(min_p, top_k, top_p):
             tied = bool(logits[row][token] == last_kept)
             assert tied or abs(float(mass_before[position[token]]) - top_p) < 1e-5, (row, token)
     assert bool(kept[0].all())  # the flat row: min-p's set is the whole row, and all tie
+
+
+def test_rows_sampled_in_chunks_equal_one_pass(monkeypatch):
+    """On CPU a large batch is sampled a few rows at a time (its temporaries stay under the
+    mmap threshold): greedy rows, seeded rows, penalties and logprobs come out as in one pass."""
+    vocab = 500
+    logits = torch.randn(10, vocab, generator=torch.Generator().manual_seed(4)) * 3
+    params = [
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=0.9, top_p=0.8, seed=1),
+        SamplingParams(temperature=1.0, min_p=0.1, seed=2, logprobs=1),
+        SamplingParams(temperature=0.7, top_k=20, seed=3, repetition_penalty=1.2),
+        SamplingParams(temperature=0.0),
+    ] * 2
+
+    def run() -> tuple[list[int], list]:
+        generators = [
+            None if p.seed is None else torch.Generator().manual_seed(p.seed) for p in params
+        ]
+        inputs = make_inputs(params, outputs=[[1, 2, 3]] * 10, generators=generators)
+        out = sample(logits, inputs)
+        return out.token_ids.tolist(), out.logprobs
+
+    whole = run()
+    monkeypatch.setattr(sampler, "SAMPLE_CHUNK_BYTES", 4 * vocab * 3)  # 3 rows a chunk
+    assert run() == whole

@@ -68,6 +68,13 @@ class SamplerOutput:
     logprobs: list[dict[int, Logprob] | None] | None
 
 
+# On CPU, rows are sampled in chunks of at most this many bytes of logits: a temporary under
+# glibc's mmap threshold (32 MB, model_runner.keep_freed_memory_in_heap) comes back from the
+# heap, while a bigger one (a float32 copy of 256 rows of a 49k vocabulary is 50 MB) is
+# page-faulted in on every step: 3-6x the time of the pass itself.
+SAMPLE_CHUNK_BYTES = 16 << 20
+
+
 def sample(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
     """Sample one token per row of `logits` [num_rows, vocab]; the input is not modified."""
     if logits.dim() != 2 or logits.shape[0] != len(inputs.params):
@@ -76,6 +83,23 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
         )
     if all(map(argmax_only, inputs.params)) and not any(inputs.stop_token_ids_to_block):
         return SamplerOutput(logits.argmax(dim=-1), None)  # a batch of plain greedy rows
+    num_rows = logits.shape[0]
+    chunk_rows = max(1, SAMPLE_CHUNK_BYTES // (4 * logits.shape[1]))
+    if logits.device.type != "cpu" or num_rows <= chunk_rows:
+        return _sample_rows(logits, inputs)
+    parts = [
+        _sample_rows(logits[start : start + chunk_rows],
+                     inputs.select(range(start, min(start + chunk_rows, num_rows))))
+        for start in range(0, num_rows, chunk_rows)
+    ]  # fmt: skip
+    logprobs = None
+    if any(part.logprobs is not None for part in parts):
+        logprobs = [row for part in parts for row in part.logprobs or [None] * len(part.token_ids)]
+    return SamplerOutput(torch.cat([part.token_ids for part in parts]), logprobs)
+
+
+def _sample_rows(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
+    """sample() over one chunk of rows."""
     params = inputs.params
     if logits.dtype != torch.float32 or modifies_logits(inputs):
         # Our own float32 copy: the steps below work in place, and raw logprobs need the input.
