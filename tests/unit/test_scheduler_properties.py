@@ -312,24 +312,23 @@ def test_random_workloads_keep_every_invariant(workload: Workload) -> None:
     for index, (spec, request) in enumerate(zip(workload.requests, requests, strict=True)):
         if request.status is RequestStatus.FINISHED_ABORTED:
             continue
-        alone = Scheduler(
-            SchedulerConfig(
-                max_num_batched_tokens=64, max_num_seqs=1, max_model_len=scheduler.max_model_len
-            ),
-            KVCacheManager(num_blocks=64, block_size=4),
-        )
-        reference = make_request(index, spec, priority=0)
-        alone.add_request(reference)
-        run_alone(alone)
+        reference = run_alone(make_request(index, spec, priority=0), scheduler.max_model_len)
         assert request.output_token_ids == reference.output_token_ids
         assert request.status is reference.status
 
 
-def run_alone(scheduler: Scheduler) -> None:
+def run_alone(request: Request, max_model_len: int) -> Request:
+    """The request run to its end alone, with room to spare: the reference for its tokens."""
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1, max_model_len=max_model_len),
+        KVCacheManager(num_blocks=64, block_size=4),
+    )
+    scheduler.add_request(request)
     runner = FakeModelRunner(scheduler.kv_cache_manager)
     while scheduler.has_unfinished_requests():
         output = scheduler.schedule()
         scheduler.update_from_output(output, runner.execute(output))
+    return request
 
 
 class InFlightModelRunner(FakeModelRunner):
@@ -407,14 +406,6 @@ def test_async_scheduling_gives_the_same_tokens(workload: Workload) -> None:
         assert len(request.token_times) == request.num_output_tokens
         if request.status is RequestStatus.FINISHED_ABORTED:
             continue
-        alone = Scheduler(
-            SchedulerConfig(
-                max_num_batched_tokens=64, max_num_seqs=1, max_model_len=scheduler.max_model_len
-            ),
-            KVCacheManager(num_blocks=64, block_size=4),
-        )
-        reference = make_request(index, spec, priority=0)
-        alone.add_request(reference)
-        run_alone(alone)
+        reference = run_alone(make_request(index, spec, priority=0), scheduler.max_model_len)
         assert request.output_token_ids == reference.output_token_ids
         assert request.status is reference.status

@@ -38,7 +38,6 @@ from tandem.worker.sampler import (
     LogprobsTensors,
     SamplerOutput,
     SamplingInputs,
-    argmax_only,
     logprob_dicts,
     sample,
 )
@@ -93,7 +92,7 @@ class _InFlightStep:
     start: float  # when it was scheduled (perf_counter)
     # Set by the executor as it starts the forward: this thread waits for it before its own
     # work, so that the executor's few steps between two forwards do not wait for the GIL.
-    started: threading.Event = field(default_factory=threading.Event)
+    started: threading.Event
 
 
 @dataclass
@@ -264,10 +263,7 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         launched = self._launch(scheduled, in_flight, start) if scheduled.scheduled else None
         self._in_flight = launched
-        if in_flight is None:
-            return []
-        outputs = self._complete(in_flight, launched)
-        return outputs
+        return [] if in_flight is None else self._complete(in_flight, launched)
 
     def _launch(
         self, scheduled: SchedulerOutput, previous: _InFlightStep | None, start: float
@@ -289,13 +285,13 @@ class EngineCore:
             ]
             fill_rows = torch.tensor(rows, device=self.runner.device)
         self.scheduler.mark_in_flight(scheduled)
-        row_of = {request.request_id: row for row, request in enumerate(requests)}
-        in_flight = _InFlightStep(scheduled, requests, row_of, Future(), start)
-        in_flight.result = self._executor.submit(
+        started = threading.Event()
+        result = self._executor.submit(
             self._execute, batch, inputs, None if fill_rows is None else previous.result,
-            fill_rows, in_flight.started,
+            fill_rows, started,
         )  # fmt: skip
-        return in_flight
+        row_of = {request.request_id: row for row, request in enumerate(requests)}
+        return _InFlightStep(scheduled, requests, row_of, result, start, started)
 
     def _execute(
         self,
@@ -401,11 +397,6 @@ class EngineCore:
         drafts sample as in any step (their seeded draws do not depend on whether a batch mate
         speculates); the others are verified."""
         ids = [r.request_id for r in requests]
-        if not scheduled.num_draft_tokens:
-            params = [r.sampling_params for r in requests]
-            if all(map(argmax_only, params)) and not any(p.min_tokens for p in params):
-                tokens = zip(ids, logits.argmax(dim=-1).tolist(), strict=True)
-                return {i: [token] for i, token in tokens}, {}
         inputs = self._sampling_inputs(requests)
         if not scheduled.num_draft_tokens:
             output = sample(logits, inputs)

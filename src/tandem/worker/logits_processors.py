@@ -122,14 +122,21 @@ def _add_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> N
     logits.index_put_(_index(row_of, ids, logits.device), bias, accumulate=True)
 
 
+def changes_logits(params: SamplingParams) -> bool:
+    """Whether process_logits changes the request's row whatever its output so far (the
+    min_tokens hold aside, which depends on it)."""
+    return (
+        params.allowed_token_ids is not None
+        or bool(params.logit_bias)
+        or bool(params.bad_words_token_ids)
+        or _uses_penalties(params)
+    )
+
+
 def modifies_logits(inputs: SamplingInputs) -> bool:
     """Whether process_logits changes anything for this batch (otherwise it hands the tensor
     back untouched)."""
-    return any(inputs.stop_token_ids_to_block) or any(
-        p.allowed_token_ids is not None or p.logit_bias or p.bad_words_token_ids
-        or _uses_penalties(p)
-        for p in inputs.params
-    )  # fmt: skip
+    return any(inputs.stop_token_ids_to_block) or any(map(changes_logits, inputs.params))
 
 
 def reads_output_tokens(params: SamplingParams) -> bool:

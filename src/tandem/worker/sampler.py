@@ -19,7 +19,12 @@ import torch
 
 from tandem.outputs import Logprob
 from tandem.sampling_params import GREEDY_TEMPERATURE, SamplingParams, num_top_logprobs
-from tandem.worker.logits_processors import column, modifies_logits, process_logits
+from tandem.worker.logits_processors import (
+    changes_logits,
+    column,
+    modifies_logits,
+    process_logits,
+)
 
 
 @dataclass
@@ -81,7 +86,7 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
         raise ValueError(
             f"logits must be [num_rows={len(inputs.params)}, vocab], got {tuple(logits.shape)}"
         )
-    if all(map(argmax_only, inputs.params)) and not any(inputs.stop_token_ids_to_block):
+    if all(map(_argmax_only, inputs.params)) and not any(inputs.stop_token_ids_to_block):
         return SamplerOutput(logits.argmax(dim=-1), None)  # a batch of plain greedy rows
     num_rows = logits.shape[0]
     chunk_rows = max(1, SAMPLE_CHUNK_BYTES // (4 * logits.shape[1]))
@@ -112,18 +117,13 @@ def _sample_rows(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
     return SamplerOutput(tokens, _logprobs(logits, work, tokens, params))
 
 
-def argmax_only(params: SamplingParams) -> bool:
+def _argmax_only(params: SamplingParams) -> bool:
     """Greedy with nothing to change the logits or to report: the token is the argmax (one
     pass over the row's attributes, where the general path makes one per feature)."""
     return (
         params.temperature < GREEDY_TEMPERATURE
         and params.logprobs is None
-        and params.allowed_token_ids is None
-        and not params.logit_bias
-        and not params._bad_words_token_ids
-        and params.repetition_penalty == 1.0
-        and params.frequency_penalty == 0.0
-        and params.presence_penalty == 0.0
+        and not changes_logits(params)
     )
 
 
