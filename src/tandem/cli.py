@@ -109,6 +109,27 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
 
 
+def add_kv_transfer_args(parser: argparse.ArgumentParser) -> None:
+    from tandem.kv_transfer.config import DEFAULT_KV_PORT, ROLES
+
+    parser.add_argument("--role", default="both", choices=ROLES,
+                        help="disaggregated serving: prefill (computes prompts, keeps their KV "
+                        "for decode instances), decode (pulls it), or both (default)")  # fmt: skip
+    parser.add_argument("--kv-host", default=os.environ.get("TANDEM_KV_HOST", "127.0.0.1"),
+                        help="address peers reach this instance's KV transfers at "
+                        "(or TANDEM_KV_HOST)")  # fmt: skip
+    parser.add_argument("--kv-port", type=int,
+                        default=int(os.environ.get("TANDEM_KV_PORT", DEFAULT_KV_PORT)),
+                        help="prefill role: KV control port, and port + 1 "
+                        "(or TANDEM_KV_PORT)")  # fmt: skip
+    parser.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+                        help="decode role: seconds before a KV pull falls back to a local "
+                        "prefill")  # fmt: skip
+    parser.add_argument("--kv-hold-seconds", type=float, default=120.0,
+                        help="prefill role: seconds a finished prompt's KV waits to be "
+                        "pulled")  # fmt: skip
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The engine knobs, as EngineConfig.create (and LLM) take them."""
     return dict(
@@ -160,7 +181,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from tandem.server.launcher import run_server
 
     model = args.model_tag or args.model
-    config = EngineConfig.create(model, **engine_kwargs(args))
+    config = EngineConfig.create(
+        model, **engine_kwargs(args), kv_transfer_config=kv_transfer_config(args)
+    )
     run_server(
         config,
         host=args.host,
@@ -172,6 +195,35 @@ def cmd_serve(args: argparse.Namespace) -> None:
         trust_request_chat_template=args.trust_request_chat_template,
         shutdown_timeout=args.shutdown_timeout,
         log_requests=not args.disable_log_requests,
+    )
+
+
+def kv_transfer_config(args: argparse.Namespace):
+    """The serve command's disaggregation settings; None for role both."""
+    from tandem.kv_transfer.config import KVTransferConfig
+
+    if args.role == "both":
+        return None
+    return KVTransferConfig(
+        role=args.role,
+        host=args.kv_host,
+        port=args.kv_port,
+        timeout=args.kv_transfer_timeout,
+        hold_seconds=args.kv_hold_seconds,
+    )
+
+
+def cmd_router(args: argparse.Namespace) -> None:
+    from tandem.router.app import run_router
+
+    run_router(
+        prefill_urls=args.prefill,
+        decode_urls=args.decode,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
+        poll_interval=args.poll_interval,
+        request_timeout=args.request_timeout,
     )
 
 
@@ -313,7 +365,26 @@ def main(argv: list[str] | None = None) -> None:
                        help="seconds in-flight requests get to finish after SIGTERM")  # fmt: skip
     serve.add_argument("--disable-log-requests", action="store_true",
                        help="no log line per finished request")  # fmt: skip
+    add_kv_transfer_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    router = commands.add_parser(
+        "router", help="OpenAI-compatible front of disaggregated prefill and decode instances"
+    )
+    router.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                        help="base URLs of instances started with --role prefill")  # fmt: skip
+    router.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                        help="base URLs of instances started with --role decode")  # fmt: skip
+    router.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    router.add_argument("--port", type=int, default=8000)
+    router.add_argument("--api-key", default=None,
+                        help="require 'Bearer KEY' on /v1 and send it on "
+                        "(or TANDEM_API_KEY)")  # fmt: skip
+    router.add_argument("--poll-interval", type=float, default=1.0,
+                        help="seconds between health and load polls of each instance")  # fmt: skip
+    router.add_argument("--request-timeout", type=float, default=600.0,
+                        help="seconds an instance may take to answer a request")  # fmt: skip
+    router.set_defaults(func=cmd_router)
 
     from tandem.bench.cli import add_bench_parser
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -100,6 +101,9 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: the whole list, in the first output that has it (DELTA
     # outputs carry it once); None otherwise.
     prompt_logprobs: PromptLogprobs | None = None
+    # Disaggregation: from a prefill instance, where the prompt's KV waits for a decode
+    # instance (vLLM's field; set on the finished output).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def num_cached_tokens(self) -> int:

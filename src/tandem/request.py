@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tandem.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.kv_transfer.params import RemotePrefill
 
 # An output token sampled by a step still in flight (async scheduling): its id is known only
 # when that step completes, but the next step is scheduled, and computes it, before then.
@@ -28,6 +32,9 @@ class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()  # waiting again, its KV freed; it will recompute its tokens
+    # Disaggregation (decode side): blocks allocated, its prompt's KV on the way from the
+    # prefill instance that computed it.
+    WAITING_FOR_REMOTE_KV = enum.auto()
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
@@ -90,6 +97,11 @@ class Request:
     # the estimate follows the request's recent text: the scheduler's acceptance estimate.
     recent_accepted: float = field(init=False, default=0.0)
     recent_rejections: float = field(init=False, default=0.0)
+    # Disaggregation. Prefill side: keep the prompt's blocks when the request finishes, for a
+    # decode instance to pull. Decode side: where the prompt's KV waits (the request arrives
+    # with its first token; set until the KV has arrived or the pull failed).
+    hold_kv: bool = field(init=False, default=False)
+    remote_prefill: RemotePrefill | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if self.cache_salt is not None and (

@@ -320,7 +320,6 @@ UNSUPPORTED_COMMON = [
     ("guided_grammar", "root ::= 'a'"),
     ("guided_decoding_backend", "xgrammar"),
     ("structural_tag", "{}"),
-    ("kv_transfer_params", {"do_remote_prefill": True}),
     ("vllm_xargs", {"k": 1}),
     ("thinking_token_budget", 100),
 ]

@@ -263,6 +263,19 @@ class KVCacheManager:
         self._req_num_cached_blocks.pop(request_id, None)
         self._req_next_parent.pop(request_id, None)
 
+    def detach(self, request: Request) -> list[KVCacheBlock]:
+        """Take the request's blocks out of its table without freeing them: they stay held
+        (and cached) until `release` (KV a decode instance will pull, or blocks a transfer is
+        still writing)."""
+        blocks = self._req_to_blocks.get(request.request_id, [])
+        self._req_to_blocks[request.request_id] = []
+        self.free(request)
+        return blocks
+
+    def release(self, blocks: list[KVCacheBlock]) -> None:
+        """Free blocks that `detach` took, tail first (as `free`)."""
+        self.block_pool.free_blocks(reversed(blocks))
+
     def _on_admission(self, request: Request, num_cached_tokens: int) -> None:
         """A request gets its first blocks: count its lookup if this is its first admission
         (a resume after preemption recomputes tokens it had; that is no cache hit)."""

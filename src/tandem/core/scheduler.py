@@ -31,6 +31,7 @@ from tandem.core.roofline import BatchSums, request_sums
 from tandem.core.scheduler_config import BATCHING_POLICIES, BatchingPolicy, SchedulerConfig
 from tandem.core.spec_guard import SpeculationGuard
 from tandem.core.spec_stats import SpecDecodeStats
+from tandem.kv_transfer.params import KVLoad
 from tandem.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus
 
 __all__ = [
@@ -72,6 +73,9 @@ class SchedulerOutput:
     finished_request_ids: list[str]  # finished or aborted since the previous schedule()
     sums: BatchSums  # what the step's cost depends on (core/roofline.py), summed while planning
     num_draft_tokens: int = 0  # of the decode tokens, those that verify guesses
+    # Disaggregation (decode side): prompt KV to pull for requests whose blocks were allocated
+    # this step; they compute nothing until it has arrived.
+    kv_loads: list[KVLoad] = field(default_factory=list)
 
 
 class StepCostPredictor(Protocol):
@@ -106,6 +110,7 @@ class _StepPlan:
     admitted: set[str] = field(default_factory=set)
     has_prefill: bool = False  # a prompt chunk was sized against the ITL target
     drafts: dict[str, int] = field(default_factory=dict)  # request id -> draft tokens
+    kv_loads: list[KVLoad] = field(default_factory=list)
     # BatchSums' fields, summed over the entries.
     num_new_tokens: int = 0
     num_attended: int = 0
@@ -201,6 +206,12 @@ class Scheduler:
         # Async scheduling: requests whose in-flight token reaches max_tokens or max_model_len,
         # so they end when it lands and are not scheduled again.
         self._ending_in_flight: set[str] = set()
+        # Disaggregation. Decode side: requests whose prompt KV is being pulled (they hold
+        # blocks and a seat). Both sides: blocks taken from finished requests but not freed
+        # yet, by request id: a prefill instance's prompts waiting to be pulled, and the blocks
+        # of a request aborted while a transfer still writes them.
+        self.receiving: dict[str, Request] = {}
+        self.detached: dict[str, list[KVCacheBlock]] = {}
 
     @property
     def num_waiting(self) -> int:
@@ -212,6 +223,47 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_schedulable_requests(self) -> bool:
+        """Requests a step could work on: all unfinished ones but those waiting for their KV."""
+        return len(self.requests) > len(self.receiving)
+
+    @property
+    def num_seated(self) -> int:
+        """Requests holding a seat of max_num_seqs: running, or receiving their KV."""
+        return len(self.running) + len(self.receiving)
+
+    def stop_status(self, request: Request) -> RequestStatus | None:
+        """Whether the request ends at its last output token (a decode instance checks the
+        first token, sampled by the prefill instance, before scheduling anything)."""
+        return self._stop_status(
+            request, request.all_token_ids[-1], request.num_output_tokens, request.num_tokens
+        )
+
+    def finish_kv_load(self, request_id: str, ok: bool) -> Request | None:
+        """A pull of prompt KV has ended. Arrived: the request decodes from the next step on,
+        its prompt blocks in the prefix cache. Failed: it computes its prompt here, from its
+        local prefix-cache hits. A request aborted meanwhile gets its blocks freed now, as no
+        transfer writes them any more. Returns the request unless it was aborted."""
+        request = self.receiving.pop(request_id, None)
+        if request is None:
+            self.release_detached(request_id)
+            return None
+        remote = request.remote_prefill
+        assert remote is not None
+        request.remote_prefill = None
+        if ok:
+            request.num_computed_tokens = request.num_prompt_tokens
+            request.num_cached_tokens = remote.num_cached_tokens
+            self.kv_cache_manager.cache_blocks(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return request
+
+    def release_detached(self, request_id: str) -> None:
+        blocks = self.detached.pop(request_id, None)
+        if blocks is not None:
+            self.kv_cache_manager.release(blocks)
 
     def priority_key(self, request: Request) -> tuple[int, float, int]:
         """Priority order (smaller first): priority value, arrival time, add_request order."""
@@ -416,9 +468,13 @@ class Scheduler:
         )
         skipped: list[Request] = []
         while self.waiting and plan.token_budget > 0:
-            if len(self.running) >= self.config.max_num_seqs:
+            if self.num_seated >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek()
+            if request.remote_prefill is not None:
+                if not self._start_kv_load(request, plan):
+                    break
+                continue
             computed_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_remaining = request.num_tokens - num_cached_tokens
             num_new_tokens = self._within_target(
@@ -456,9 +512,13 @@ class Scheduler:
 
     def _admit_whole_prompts(self, plan: _StepPlan) -> None:
         while self.waiting and plan.token_budget > 0:
-            if len(self.running) >= self.config.max_num_seqs:
+            if self.num_seated >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek()
+            if request.remote_prefill is not None:
+                if not self._start_kv_load(request, plan):
+                    break
+                continue
             computed_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_cached_tokens
             if num_new_tokens > plan.token_budget:
@@ -734,6 +794,31 @@ class Scheduler:
         plan.admitted.add(request.request_id)
         return True
 
+    def _start_kv_load(self, request: Request, plan: _StepPlan) -> bool:
+        """Give a request that arrives with its prompt computed elsewhere (and its first token)
+        the blocks of its whole prompt and first token, and plan the pull of the prompt
+        blocks its local prefix-cache hits lack. Like any admission, refused unless they all
+        fit now. It takes no token budget: it computes nothing until its KV is here."""
+        kv = self.kv_cache_manager
+        computed_blocks, num_cached_tokens = kv.get_computed_blocks(request)
+        if not kv.can_allocate(request, request.num_tokens, computed_blocks):
+            return False
+        num_new_tokens = request.num_tokens - num_cached_tokens
+        new_block_ids = kv.allocate_slots(request, num_new_tokens, computed_blocks)
+        assert new_block_ids is not None, "can_allocate has checked these blocks"
+        self.waiting.pop()
+        request.num_computed_tokens = num_cached_tokens
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.receiving[request.request_id] = request
+        first_block = num_cached_tokens // kv.block_size
+        num_prompt_blocks = kv.blocks_needed(request.num_prompt_tokens)
+        block_ids = kv.get_block_ids(request.request_id)[first_block:num_prompt_blocks]
+        assert request.remote_prefill is not None
+        plan.kv_loads.append(
+            KVLoad(request.request_id, request.remote_prefill, first_block, list(block_ids))
+        )
+        return True
+
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         """Free the request's KV and send it back to the queue (fcfs: to the front) to recompute
         later. Its output tokens are kept; it samples again once it has caught up with them."""
@@ -748,14 +833,21 @@ class Scheduler:
         plan.preempted.append(request)
 
     def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
-        """Mark finished and free its blocks; the caller removes it from running/waiting."""
+        """Mark finished and free its blocks (detach them, where a decode instance will pull
+        them or a transfer still writes them); the caller removes it from running/waiting."""
+        request_id = request.request_id
+        kv = self.kv_cache_manager
+        receiving = self.receiving.pop(request_id, None) is not None
+        if receiving or (request.hold_kv and status is not RequestStatus.FINISHED_ABORTED):
+            self.detached[request_id] = kv.detach(request)
+        else:
+            kv.free(request)
         request.status = status
         request.finished_time = now
-        self.kv_cache_manager.free(request)
-        del self.requests[request.request_id]
-        del self._arrival_order[request.request_id]
-        self._ending_in_flight.discard(request.request_id)
-        self._finished_request_ids.append(request.request_id)
+        del self.requests[request_id]
+        del self._arrival_order[request_id]
+        self._ending_in_flight.discard(request_id)
+        self._finished_request_ids.append(request_id)
 
     def _append_until_stop(
         self, request: Request, token_ids: list[int], now: float
@@ -833,4 +925,5 @@ class Scheduler:
             finished_request_ids=finished_ids,
             sums=plan.sums,
             num_draft_tokens=sum(plan.drafts.values()),
+            kv_loads=plan.kv_loads,
         )

@@ -232,10 +232,13 @@ class AsyncLLM:
         output_kind: OutputKind | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        kv_transfer_params: dict | None = None,
     ) -> RequestStream:
         """Queue a request now (it counts as waiting from this call on, so an admission check
         right before it holds under a burst) and return its outputs' stream. Raises ValueError
-        for a request that cannot run."""
+        for a request that cannot run. `kv_transfer_params`: disaggregation (vLLM's field)."""
+        if kv_transfer_params is not None and sampling_params.n != 1:
+            raise ValueError("kv_transfer_params needs n=1: the first token is one sequence's")
         if self.dead_error is not None:
             raise self.dead_error
         if self._shutting_down:
@@ -267,6 +270,7 @@ class AsyncLLM:
                     arrival_time,
                     cache_salt,
                     priority,
+                    kv_transfer_params,
                 )
             )
         self._num_requests_sent += len(core_requests)
@@ -282,6 +286,7 @@ class AsyncLLM:
         output_kind: OutputKind | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        kv_transfer_params: dict | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Queue a request and yield its outputs (as sampling_params.output_kind says, unless
         `output_kind` is given) until it finishes. Raises ValueError for a request that cannot
@@ -294,6 +299,7 @@ class AsyncLLM:
             output_kind=output_kind,
             cache_salt=cache_salt,
             priority=priority,
+            kv_transfer_params=kv_transfer_params,
         )
         try:
             async for output in stream:

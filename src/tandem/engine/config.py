@@ -20,6 +20,7 @@ import torch
 from tandem.config import ModelConfig
 from tandem.core.scheduler import SchedulerConfig
 from tandem.generation_config import SAMPLING_KEYS, generation_config_defaults
+from tandem.kv_transfer.config import KVTransferConfig
 from tandem.models.gguf_loader import gguf_has_packable_weights
 from tandem.models.loader import DEFAULT_MODEL, load_model_config, resolve_model_path
 from tandem.sampling_params import LOGPROBS_MODES, SamplingParams, num_top_logprobs
@@ -65,6 +66,9 @@ class EngineConfig:
     draft_runner: RunnerConfig | None = None
     # Schedule and prepare the next step while the current one's forward runs (a thread).
     async_scheduling: bool = False
+    # Disaggregated serving: this instance's role and where its KV transfers meet; None:
+    # prefill and decode both happen here (role "both").
+    kv_transfer: KVTransferConfig | None = None
 
     @classmethod
     def create(
@@ -106,6 +110,7 @@ class EngineConfig:
         target_itl_ms: float | None = None,
         speculative_config: dict[str, Any] | None = None,
         async_scheduling: bool | None = None,
+        kv_transfer_config: KVTransferConfig | None = None,
     ) -> EngineConfig:
         """Validate every knob before anything heavy loads; raises ValueError/FileNotFoundError
         naming what to change. None for gpu_memory_utilization, swap_space and enforce_eager
@@ -215,6 +220,7 @@ class EngineConfig:
             speculative=speculative,
             draft_runner=draft_runner,
             async_scheduling=async_scheduling,
+            kv_transfer=kv_transfer_config,
         )
 
     @property

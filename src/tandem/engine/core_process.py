@@ -36,8 +36,11 @@ from tandem.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
-# How long an idle core waits for input before checking that its parent is still alive.
+# How long an idle core waits for input before checking that its parent is still alive (and
+# that held KV has not expired).
 IDLE_POLL_SECONDS = 0.5
+# Put in the input queue by KV transfer threads: they have news for the core.
+_WAKE = object()
 
 
 def _reset_prefix_cache(core: EngineCore) -> bool:
@@ -79,17 +82,21 @@ class _CoreLoop:
 
     def run(self, inputs: queue.Queue) -> None:
         while self.running:
-            if not self.core.has_unfinished_requests():
+            if not self.core.has_work():
                 try:
                     self._handle(inputs.get(timeout=IDLE_POLL_SECONDS))
                 except queue.Empty:
                     self._check_parent()
-                    continue
+                    if self.core.kv_connector is None:
+                        continue
             changed = self._drain(inputs)
             if not self.running:
                 return
             num_steps = self.core.num_steps
-            outputs = self.core.step() if self.core.has_unfinished_requests() else []
+            if self.core.kv_connector is not None:
+                self.core.poll_kv_transfers()
+                changed = True  # its counters may have moved: report them
+            outputs = self.core.step() if self.core.has_work() else []
             stepped = self.core.num_steps != num_steps
             if outputs or stepped or changed or self.errors:
                 steps = [self.core.step_stats[-1]] if stepped else []
@@ -122,7 +129,8 @@ class _CoreLoop:
                         message.arrival_time,
                         message.cache_salt,
                         message.priority,
-                    )
+                    ),
+                    message.kv_transfer_params,
                 )
             except ValueError as error:
                 self.errors.append(RequestError(message.request_id, str(error)))
@@ -177,6 +185,8 @@ def run_engine_core(
             )
         )
         inputs: queue.Queue = queue.Queue()
+        if core.kv_connector is not None:
+            core.kv_connector.set_wake(lambda: inputs.put(_WAKE))
         reader = threading.Thread(
             target=_read_inputs, args=(context, input_address, inputs), daemon=True
         )

@@ -4,6 +4,7 @@ stop strings and n > 1 live in the front end (llm_engine.py)."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import logging
@@ -14,7 +15,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -26,6 +27,12 @@ from tandem.core.spec_stats import SpecDecodeStats
 from tandem.core.step_cost import StepCostModel
 from tandem.engine.machine_peaks import machine_peaks
 from tandem.engine.stats import SchedulerStats, StepStats
+from tandem.kv_transfer.params import (
+    KVLoad,
+    first_logprobs_row,
+    wants_remote_decode,
+    wants_remote_prefill,
+)
 from tandem.outputs import Logprob
 from tandem.request import Request, RequestStatus
 from tandem.sampling_params import num_top_logprobs
@@ -78,6 +85,9 @@ class EngineCoreOutput:
     # Speculative decoding so far: draft tokens verified for the request, and those accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Disaggregation, prefill side: where the finished request's prompt KV waits (the
+    # response's kv_transfer_params).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -100,6 +110,11 @@ class _StepResult:
     sampled: SamplerOutput  # token ids on the device: the next step's placeholders read them
     host_token_ids: torch.Tensor  # their copy in host memory, complete once `ready` is
     ready: torch.cuda.Event | None  # None where the device's work is done when calls return
+
+
+def restore_generator(generator: torch.Generator, state: str) -> None:
+    """Put a generator where another instance's was (base64 of get_state())."""
+    generator.set_state(torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8))
 
 
 def set_random_seed(seed: int) -> None:
@@ -140,6 +155,14 @@ class EngineCore:
         self.prompt_logprobs_sent: dict[str, int] = {}
         self.step_stats: deque[StepStats] = deque(maxlen=max_step_stats)
         self._init_async_scheduling(config)
+        self.kv_connector = None
+        if config.kv_transfer is not None:
+            from tandem.kv_transfer.connector import KVConnector  # zmq: server extras only
+
+            self.kv_connector = KVConnector(config.kv_transfer, self.runner.kv_caches)
+        # Outputs made outside a step (a decode instance's first tokens, which arrive with
+        # their requests), returned by the next step().
+        self._pending_outputs: list[EngineCoreOutput] = []
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_requests_received = 0
@@ -212,17 +235,52 @@ class EngineCore:
             None if config.step_log is None else open(config.step_log, "a", buffering=1)  # noqa: SIM115
         )
 
-    def add_request(self, request: Request) -> None:
-        """Queue a request; ValueError (nothing queued) for one that cannot run."""
+    def add_request(
+        self, request: Request, kv_transfer_params: dict[str, Any] | None = None
+    ) -> None:
+        """Queue a request; ValueError (nothing queued) for one that cannot run.
+        `kv_transfer_params` (disaggregation): {"do_remote_decode": true} on a prefill
+        instance, or what a prefill instance returned, on a decode instance."""
         self.num_requests_received += 1
-        request.sampling_params.check_vocab(self.runner.model_config.vocab_size)
+        vocab_size = self.runner.model_config.vocab_size
+        request.sampling_params.check_vocab(vocab_size)
         self.config.check_logprobs(request.sampling_params)
+        remote = None
+        if kv_transfer_params is not None:
+            if self.kv_connector is not None:
+                remote = self.kv_connector.accept(request, kv_transfer_params, vocab_size)
+            elif wants_remote_decode(kv_transfer_params) or wants_remote_prefill(
+                kv_transfer_params
+            ):
+                raise ValueError(
+                    "kv_transfer_params asks for disaggregated serving, and this instance's "
+                    "role is both: send it to one started with --role prefill or --role decode"
+                )
+        if remote is not None:
+            request.append_output_token_ids([remote.first_token_id])
+            now = self.scheduler.clock()
+            request.token_times.append(now)
+            request.first_scheduled_time = request.first_token_time = now
+            request.num_cached_tokens = remote.num_cached_tokens
+            first_row = first_logprobs_row(remote.first_logprobs)
+            logprobs_by_id = {} if first_row is None else {request.request_id: [first_row]}
+            status = self.scheduler.stop_status(request)
+            if status is not None:  # it ends at its first token: nothing to pull
+                request.status, request.finished_time = status, now
+                self.kv_connector.release(remote)
+                self._pending_outputs.append(self._output(request, 0, logprobs_by_id))
+                return
+            request.remote_prefill = remote
         self.scheduler.add_request(request)
         seed = request.sampling_params.seed
         if seed is not None:
             generator = torch.Generator(device=self.runner.device)
             generator.manual_seed(seed)
+            if remote is not None and remote.generator_state is not None:
+                restore_generator(generator, remote.generator_state)
             self.generators[request.request_id] = generator
+        if remote is not None:
+            self._pending_outputs.append(self._output(request, 0, logprobs_by_id))
         if request.sampling_params.prompt_logprobs is not None and request.num_prompt_tokens > 1:
             self.prompt_logprobs_sent[request.request_id] = 0
         if self.async_scheduling and reads_output_tokens(request.sampling_params):
@@ -244,12 +302,35 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests to step, or a step in flight to land (async scheduling)."""
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        """Requests to step, or a step in flight to land (async scheduling), or outputs to
+        return."""
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self._in_flight is not None
+            or bool(self._pending_outputs)
+        )
+
+    def has_work(self) -> bool:
+        """Whether step() would do anything now: not while the only requests wait for their
+        KV to arrive (the core's loop then blocks until a transfer wakes it)."""
+        return (
+            self.scheduler.has_schedulable_requests()
+            or self._in_flight is not None
+            or bool(self._pending_outputs)
+        )
 
     def step(self) -> list[EngineCoreOutput]:
         """Run a step and return what requests got from it; with async scheduling, launch a
         step and return what the step launched before it produced."""
+        if self.kv_connector is not None:
+            self.poll_kv_transfers()
+        outputs = self._step_outputs()
+        if self._pending_outputs:
+            outputs = self._pending_outputs + outputs
+            self._pending_outputs = []
+        return outputs
+
+    def _step_outputs(self) -> list[EngineCoreOutput]:
         if self._executor is None:
             return self._step()
         in_flight = self._in_flight
@@ -260,10 +341,34 @@ class EngineCore:
                 return self._complete(in_flight)
             return self._step()
         start = time.perf_counter()
-        scheduled = self.scheduler.schedule()
+        scheduled = self._schedule()
         launched = self._launch(scheduled, in_flight, start) if scheduled.scheduled else None
         self._in_flight = launched
         return [] if in_flight is None else self._complete(in_flight, launched)
+
+    def _schedule(self) -> SchedulerOutput:
+        scheduled = self.scheduler.schedule()
+        if scheduled.kv_loads:
+            self._start_kv_loads(scheduled.kv_loads)
+        return scheduled
+
+    # -- disaggregation -----------------------------------------------------------------------
+
+    def poll_kv_transfers(self) -> None:
+        """Land what the transfer threads finished: a prefill instance frees the blocks that
+        were sent (or released, or held too long); a decode instance lets the requests whose
+        KV arrived decode, and prefills here those whose pull failed."""
+        connector = self.kv_connector
+        assert connector is not None
+        for request_id in connector.take_released():
+            self.scheduler.release_detached(request_id)
+        for result in connector.take_results():
+            self.scheduler.finish_kv_load(result.request_id, result.ok)
+
+    def _start_kv_loads(self, loads: list[KVLoad]) -> None:
+        assert self.kv_connector is not None
+        for load in self.kv_connector.start(loads):
+            self.scheduler.finish_kv_load(load.request_id, True)
 
     def _launch(
         self, scheduled: SchedulerOutput, previous: _InFlightStep | None, start: float
@@ -348,7 +453,7 @@ class EngineCore:
 
     def _step(self) -> list[EngineCoreOutput]:
         start = time.perf_counter()
-        scheduled = self.scheduler.schedule()
+        scheduled = self._schedule()
         if not scheduled.scheduled:
             return []
         entries = scheduled.scheduled
@@ -576,11 +681,14 @@ class EngineCore:
         request_id = request.request_id
         status = request.status
         finish_reason = None
+        rows = logprobs_by_id.get(request_id) if logprobs_by_id else None
+        kv_transfer_params = None
         if status is not RequestStatus.RUNNING and status.is_finished:
-            self.generators.pop(request_id, None)
+            generator = self.generators.pop(request_id, None)
             self._sync_request_ids.discard(request_id)
             finish_reason = status.finish_reason.value
-        rows = logprobs_by_id.get(request_id) if logprobs_by_id else None
+            if request.hold_kv and request_id in self.scheduler.detached:
+                kv_transfer_params = self._hold_kv(request, rows, generator)
         end = None if num_new_tokens is None else num_outputs_before + num_new_tokens
         new_token_ids = request.output_token_ids[num_outputs_before:end]
         return EngineCoreOutput(
@@ -598,11 +706,25 @@ class EngineCore:
             None,
             request.num_draft_tokens,
             request.num_accepted_tokens,
+            kv_transfer_params,
         )
+
+    def _hold_kv(
+        self,
+        request: Request,
+        rows: list[dict[int, Logprob]] | None,
+        generator: torch.Generator | None,
+    ) -> dict[str, Any]:
+        """Prefill side: hand a finished request's prompt blocks to the sender to keep."""
+        assert self.kv_connector is not None
+        blocks = self.scheduler.detached[request.request_id]
+        num_prompt_blocks = self.kv_cache_manager.blocks_needed(request.num_prompt_tokens)
+        block_ids = [block.block_id for block in blocks[:num_prompt_blocks]]
+        return self.kv_connector.hold(request, block_ids, rows[0] if rows else None, generator)
 
     def scheduler_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
-        return SchedulerStats(
+        stats = SchedulerStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=kv.usage,
@@ -618,6 +740,18 @@ class EngineCore:
             spec_num_accepted_tokens=self.spec_decode_stats.num_accepted_tokens,
             spec_accepted_per_position=list(self.spec_decode_stats.accepted_per_position),
         )
+        connector = self.kv_connector
+        if connector is not None and connector.sender is not None:
+            sent = connector.sender.stats
+            stats.kv_num_sent, stats.kv_sent_blocks = sent.num_sent, sent.num_sent_blocks
+            stats.kv_sent_bytes, stats.kv_num_expired = sent.sent_bytes, sent.num_expired
+            stats.kv_held_blocks = connector.sender.num_held_blocks
+        if connector is not None and connector.receiver is not None:
+            loaded = connector.load_stats
+            stats.kv_num_loaded, stats.kv_num_load_failed = loaded.num_loaded, loaded.num_failed
+            stats.kv_loaded_blocks, stats.kv_loaded_bytes = loaded.num_blocks, loaded.num_bytes
+            stats.kv_load_seconds, stats.kv_cached_blocks = loaded.seconds, loaded.num_cached_blocks
+        return stats
 
     def _record_stats(
         self,

@@ -21,6 +21,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     arrival_time: float  # time.monotonic(): one clock for every process on the machine
     cache_salt: str | None = None
     priority: int = 0  # vLLM's: lower first under scheduling_policy="priority"
+    kv_transfer_params: dict[str, Any] | None = None  # disaggregation (kv_transfer/params.py)
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

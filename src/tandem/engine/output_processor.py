@@ -56,6 +56,7 @@ class _RequestState:
     # that sequence computes them; the n sequences share one prompt).
     prompt_logprobs: PromptLogprobs | None = None
     prompt_logprobs_sent: bool = False  # DELTA outputs carry them once
+    kv_transfer_params: dict | None = None  # a prefill instance's answer, once finished
 
     @property
     def finished(self) -> bool:
@@ -183,6 +184,8 @@ class OutputProcessor:
                 if state.params.detokenize:
                     self._decode_logprob_tokens(core_output.new_prompt_logprobs)
                 state.prompt_logprobs.extend(core_output.new_prompt_logprobs)
+            if core_output.kv_transfer_params is not None:
+                state.kv_transfer_params = core_output.kv_transfer_params
             stop_string = self._apply(sequence, core_output)
             if stop_string is not None:
                 stopped.append((sequence.request_id, stop_string))
@@ -323,4 +326,5 @@ class OutputProcessor:
             finished=state.finished,
             metrics=state.sequences[0].metrics,
             prompt_logprobs=state.take_prompt_logprobs(),
+            kv_transfer_params=state.kv_transfer_params,
         )

@@ -66,6 +66,21 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    # Disaggregation. Prefill side: requests whose prompt KV was sent, its blocks and bytes,
+    # holds that expired unpulled, blocks held now. Decode side: pulls that arrived, pulls
+    # that failed (the prompt was computed here instead), blocks and bytes pulled, seconds
+    # spent pulling, and prompt blocks not pulled because this instance had them cached.
+    kv_num_sent: int = 0
+    kv_sent_blocks: int = 0
+    kv_sent_bytes: int = 0
+    kv_num_expired: int = 0
+    kv_held_blocks: int = 0
+    kv_num_loaded: int = 0
+    kv_num_load_failed: int = 0
+    kv_loaded_blocks: int = 0
+    kv_loaded_bytes: int = 0
+    kv_load_seconds: float = 0.0
+    kv_cached_blocks: int = 0
 
 
 @dataclass

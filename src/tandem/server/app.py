@@ -300,6 +300,21 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
                 param="priority",
             )
 
+    def check_kv_transfer(body: CompletionRequest | ChatCompletionRequest) -> None:
+        """A prefill instance's answer (kv_transfer_params) is in its response body only."""
+        params = body.kv_transfer_params
+        if params and params.get("do_remote_decode") is True and body.stream:
+            raise OpenAIError(
+                400,
+                "kv_transfer_params.do_remote_decode returns where the KV waits in the response "
+                "body: send stream false",
+                param="stream",
+            )
+        if params and _or_one(body.n) != 1:
+            raise OpenAIError(
+                400, "kv_transfer_params needs n=1: the first token is one sequence's", param="n"
+            )
+
     def check_capacity() -> None:
         if engine.dead_error is not None:
             raise engine.dead_error
@@ -363,7 +378,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         jobs = await off_loop_if_large(request, completion_jobs, engine, body)
         check_capacity()  # again: the queue may have grown while this request was tokenized
         shaper = CompletionShaper(body, jobs, model_name)
-        streams = start_jobs(engine, jobs, body.cache_salt, body.priority)
+        check_kv_transfer(body)
+        streams = start_jobs(engine, jobs, body.cache_salt, body.priority, body.kv_transfer_params)
         outputs = merge_streams(streams)
         if body.stream:
 
@@ -387,7 +403,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         job = await off_loop_if_large(request, chat_job, engine, body)
         check_capacity()
         shaper = ChatShaper(body, job, model_name)
-        streams = start_jobs(engine, [job], body.cache_salt, body.priority)
+        check_kv_transfer(body)
+        streams = start_jobs(engine, [job], body.cache_salt, body.priority, body.kv_transfer_params)
         outputs = merge_streams(streams)
         if body.stream:
 
@@ -449,6 +466,10 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
 
     return app
+
+
+def _or_one(value: int | None) -> int:
+    return 1 if value is None else value
 
 
 async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]], respond) -> Any:

@@ -68,6 +68,27 @@ def inference_time(metrics: RequestMetrics) -> float | None:
     return metrics.token_times[-1] - metrics.first_scheduled_time
 
 
+# Disaggregation's cumulative counters: (metric name, SchedulerStats field, documentation).
+KV_TRANSFER_COUNTERS = (
+    ("kv_transfer_sent_requests", "kv_num_sent",
+     "Prefill role: requests whose prompt KV was sent to a decode instance."),
+    ("kv_transfer_sent_blocks", "kv_sent_blocks", "Prefill role: KV blocks sent."),
+    ("kv_transfer_sent_bytes", "kv_sent_bytes", "Prefill role: KV bytes sent."),
+    ("kv_transfer_expired_requests", "kv_num_expired",
+     "Prefill role: prompts whose KV no decode instance pulled within the hold time."),
+    ("kv_transfer_loaded_requests", "kv_num_loaded",
+     "Decode role: requests whose prompt KV arrived from a prefill instance."),
+    ("kv_transfer_failed_requests", "kv_num_load_failed",
+     "Decode role: KV pulls that failed or timed out; the prompt was computed here instead."),
+    ("kv_transfer_loaded_blocks", "kv_loaded_blocks", "Decode role: KV blocks pulled."),
+    ("kv_transfer_loaded_bytes", "kv_loaded_bytes", "Decode role: KV bytes pulled."),
+    ("kv_transfer_load_seconds", "kv_load_seconds",
+     "Decode role: seconds spent pulling KV (connecting included)."),
+    ("kv_transfer_cached_blocks", "kv_cached_blocks",
+     "Decode role: prompt blocks found in this instance's prefix cache, so not pulled."),
+)  # fmt: skip
+
+
 class PrometheusStatLogger:
     """A StatLogger that keeps Prometheus metrics for one served model.
 
@@ -127,6 +148,15 @@ class PrometheusStatLogger:
             "Speculative decoding: accepted draft tokens by position in their draft (0: first).",
             ["model_name", "position"],
             registry=registry,
+        )
+        # Disaggregation: (counter name, SchedulerStats field, what it counts).
+        self.kv_transfer_counters = {
+            field: (self._counter(name, documentation), field)
+            for name, field, documentation in KV_TRANSFER_COUNTERS
+        }
+        self.kv_transfer_held_blocks = self._gauge(
+            "kv_transfer_held_blocks",
+            "Prefill role: KV blocks of finished prompts kept for decode instances to pull.",
         )
         # Per finished sequence.
         self.prompt_tokens = self._counter(
@@ -258,6 +288,7 @@ class PrometheusStatLogger:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.kv_transfer_held_blocks.set(stats.kv_held_blocks)
         with self._lock:
             self._advance(
                 self.prefix_cache_queries, "prefix_cache_queries", stats.prefix_cache_queries
@@ -272,6 +303,8 @@ class PrometheusStatLogger:
                 self.spec_decode_num_accepted_tokens, "spec_accepted_tokens",
                 stats.spec_num_accepted_tokens,
             )  # fmt: skip
+            for counter, field in self.kv_transfer_counters.values():
+                self._advance(counter, field, getattr(stats, field))
             for position, total in enumerate(stats.spec_accepted_per_position):
                 self._advance(
                     self.spec_decode_num_accepted_tokens_per_pos.labels(
@@ -327,7 +360,7 @@ class PrometheusStatLogger:
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _advance(self, counter: Counter, key: str, total: int) -> None:
+    def _advance(self, counter: Counter, key: str, total: float) -> None:
         """Increase `counter` by how far the engine's cumulative `total` moved since last time.
         A smaller total means the engine restarted its count: all of it is new."""
         last = self._last_totals.get(key, 0)

@@ -74,7 +74,7 @@ _UNSUPPORTED = (
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
     # disaggregation and extensions
-    "kv_transfer_params", "ec_transfer_params", "vllm_xargs",
+    "ec_transfer_params", "vllm_xargs",
     # completions
     "suffix", "prompt_embeds",
     # chat: tools, media, reasoning, OpenAI-hosted features

@@ -119,6 +119,7 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's (disaggregation)
 
 
 class CompletionResponseStreamChoice(BaseModel):
@@ -179,6 +180,7 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's (disaggregation)
 
 
 class DeltaMessage(BaseModel):

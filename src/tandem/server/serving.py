@@ -131,10 +131,19 @@ def chat_job(engine: AsyncLLM, request: ChatCompletionRequest) -> PromptJob:
 
 
 def start_jobs(
-    engine: AsyncLLM, jobs: Sequence[PromptJob], cache_salt: str | None, priority: int = 0
+    engine: AsyncLLM,
+    jobs: Sequence[PromptJob],
+    cache_salt: str | None,
+    priority: int = 0,
+    kv_transfer_params: dict | None = None,
 ) -> list[RequestStream]:
     """Queue every prompt as its own engine request, now (so they count against the waiting
     limit at once); if one is refused, those already queued are aborted."""
+    if kv_transfer_params is not None and len(jobs) != 1:
+        raise RequestValidationError(
+            "kv_transfer_params is for one prompt: send the prompts as separate requests",
+            "kv_transfer_params",
+        )
     base_id = uuid.uuid4().hex
     streams: list[RequestStream] = []
     try:
@@ -148,6 +157,7 @@ def start_jobs(
                     output_kind=OutputKind.DELTA,
                     cache_salt=cache_salt,
                     priority=priority,
+                    kv_transfer_params=kv_transfer_params,
                 )
             )
     except BaseException:
@@ -354,7 +364,11 @@ class CompletionShaper:
                 )
         choices.sort(key=lambda choice: choice.index)
         return CompletionResponse(
-            id=self.response_id, model=self.model, choices=choices, usage=self.usage.usage()
+            id=self.response_id,
+            model=self.model,
+            choices=choices,
+            usage=self.usage.usage(),
+            kv_transfer_params=outputs[0].kv_transfer_params if len(outputs) == 1 else None,
         )
 
     def chunk(self, prompt_index: int, output: RequestOutput) -> CompletionStreamResponse | None:
@@ -439,6 +453,7 @@ class ChatShaper:
             usage=self.usage.usage(),
             prompt_logprobs=output.prompt_logprobs,
             prompt_token_ids=self.job.token_ids if self.request.return_token_ids else None,
+            kv_transfer_params=output.kv_transfer_params,
         )
 
     def role_chunk(self) -> ChatCompletionStreamResponse:

@@ -1,0 +1,114 @@
+"""`kv_transfer_params`, vLLM's request and response field, as tandem reads and writes it.
+
+A request to a prefill instance carries `{"do_remote_decode": true}`: the instance computes the
+prompt and the first token, keeps the prompt's KV blocks, and answers with a `RemotePrefill`
+dict. The router hands that dict, unchanged, to a decode instance with the same request: the
+decode instance pulls the blocks it lacks and goes on from the first token, never recomputing
+the prompt. Torch-free: the scheduler reads it."""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import MISSING, asdict, dataclass
+from typing import Any
+
+from tandem.outputs import Logprob
+
+try:  # a declared dependency; the engine core must import where only torch is installed
+    import xxhash
+except ImportError:  # pragma: no cover - exercised on bare GPU machines
+    xxhash = None
+
+
+def prompt_digest(token_ids: list[int]) -> str:
+    """A digest of the prompt's token ids: a decode instance that tokenized the request to other
+    ids (another model or tokenizer) must not take this KV."""
+    data = array("q", token_ids).tobytes()
+    if xxhash is not None:
+        return xxhash.xxh3_128_hexdigest(data)
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """Where a prompt's KV waits and what the prefill instance made of the prompt."""
+
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int  # the prefill instance's KV control port
+    remote_request_id: str
+    remote_block_ids: list[int]  # the prompt's blocks there, in order
+    block_size: int
+    num_prompt_tokens: int
+    prompt_digest: str
+    first_token_id: int
+    # The first token's logprobs when the request asked: [token id, logprob, rank] rows, the
+    # sampled token first.
+    first_logprobs: list[list[float]] | None = None
+    # The request's seeded generator after drawing the first token (base64), so a seeded
+    # request samples the same tokens as on one instance.
+    generator_state: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefill instance found in its prefix cache
+    do_remote_prefill: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any]) -> RemotePrefill:
+        """Read a decode request's kv_transfer_params; ValueError naming what is wrong."""
+        fields = cls.__dataclass_fields__
+        missing = [
+            name for name, spec in fields.items() if name not in params and spec.default is MISSING
+        ]
+        if missing:
+            raise ValueError(
+                "kv_transfer_params lacks " + ", ".join(missing) + ": pass the dict a prefill "
+                "instance returned (a request with kv_transfer_params={'do_remote_decode': true})"
+            )
+        unknown = sorted(set(params) - set(fields))
+        if unknown:
+            raise ValueError(f"kv_transfer_params has unknown keys: {', '.join(unknown)}")
+        checks = {
+            "remote_engine_id": str, "remote_host": str, "remote_port": int,
+            "remote_request_id": str, "block_size": int, "num_prompt_tokens": int,
+            "prompt_digest": str, "first_token_id": int, "num_cached_tokens": int,
+        }  # fmt: skip
+        for name, kind in checks.items():
+            value = params.get(name, 0)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ValueError(f"kv_transfer_params.{name} must be a {kind.__name__}")
+        block_ids = params["remote_block_ids"]
+        if not isinstance(block_ids, list) or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in block_ids
+        ):
+            raise ValueError("kv_transfer_params.remote_block_ids must be a list of block ids")
+        return cls(**params)
+
+
+def wants_remote_decode(params: dict[str, Any] | None) -> bool:
+    return bool(params) and params.get("do_remote_decode") is True
+
+
+def wants_remote_prefill(params: dict[str, Any] | None) -> bool:
+    return bool(params) and params.get("do_remote_prefill") is True
+
+
+@dataclass(frozen=True)
+class KVLoad:
+    """A decode instance's pull of one request's prompt KV: blocks from `first_block` on
+    (those before are local prefix-cache hits, not transferred again) into the local blocks
+    `block_ids`. Empty `block_ids`: the whole prompt was a local hit, nothing to pull."""
+
+    request_id: str
+    remote: RemotePrefill
+    first_block: int
+    block_ids: list[int]
+
+
+def first_logprobs_row(rows: list[list[float]] | None) -> dict[int, Logprob] | None:
+    if rows is None:
+        return None
+    return {int(token_id): Logprob(logprob, int(rank)) for token_id, logprob, rank in rows}

@@ -1,0 +1,205 @@
+"""The decode side: pulls the blocks a request lacks from the prefill instance that holds them.
+Each prefill peer gets a thread that owns the control socket and the pair group to it, formed
+on first use and formed again after a failure; it writes received blocks straight into the
+KV cache (blocks the scheduler allocated to the request and nobody else reads until the load
+is reported done) and reports each load's outcome to the engine core."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import msgspec
+import torch
+import zmq
+
+from tandem.kv_transfer.channel import (
+    STATUS_OK,
+    TAG,
+    Hello,
+    Pull,
+    Release,
+    Welcome,
+    block_bytes,
+    cache_layout,
+    chunk_ranges,
+    empty_chunk,
+    pair_group,
+    scatter_blocks,
+)
+from tandem.kv_transfer.config import KVTransferConfig
+from tandem.kv_transfer.params import KVLoad, RemotePrefill
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    request_id: str
+    ok: bool
+    num_blocks: int
+    num_bytes: int
+    seconds: float
+    error: str | None = None
+
+
+class _Peer:
+    """One prefill instance, from one decode instance's side."""
+
+    def __init__(self, receiver: KVReceiver, host: str, port: int) -> None:
+        self.receiver = receiver
+        self.host, self.port = host, port
+        self.jobs: queue.SimpleQueue[KVLoad | Release] = queue.SimpleQueue()
+        self.socket: zmq.Socket | None = None
+        self.group = None
+        threading.Thread(
+            target=self._run, name=f"tandem-kv-recv-{host}:{port}", daemon=True
+        ).start()
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if isinstance(job, Release):
+                self._send_control(job)
+                continue
+            start = time.perf_counter()
+            try:
+                self._connect()
+                self._load(job)
+            except Exception as error:
+                self._disconnect()
+                result = LoadResult(job.request_id, False, 0, 0, time.perf_counter() - start,
+                                    f"{type(error).__name__}: {error}")  # fmt: skip
+            else:
+                num_blocks = len(job.block_ids)
+                num_bytes = num_blocks * block_bytes(self.receiver.kv_caches)
+                result = LoadResult(
+                    job.request_id, True, num_blocks, num_bytes, time.perf_counter() - start
+                )
+            self.receiver._finished(result)
+
+    def _send_control(self, message: Pull | Release | Hello) -> None:
+        if self.socket is None:
+            self.socket = self.receiver.context.socket(zmq.DEALER)
+            self.socket.setsockopt(zmq.LINGER, 0)
+            self.socket.connect(f"tcp://{self.host}:{self.port}")
+        self.socket.send(self.receiver.encoder.encode(message))
+
+    def _connect(self) -> None:
+        if self.group is not None:
+            return
+        receiver = self.receiver
+        self._send_control(Hello(receiver.peer_id, receiver.layout))
+        assert self.socket is not None
+        if not self.socket.poll(int(receiver.config.timeout * 1000)):
+            raise TimeoutError(
+                f"the prefill instance at {self.host}:{self.port} did not answer within "
+                f"{receiver.config.timeout:.0f} s"
+            )
+        welcome = msgspec.msgpack.decode(self.socket.recv(), type=Welcome)
+        if welcome.error is not None:
+            raise RuntimeError(welcome.error)
+        self.group = pair_group(
+            self.host, welcome.store_port, welcome.pair_name, 1, receiver.config.host,
+            receiver.config.timeout,
+        )  # fmt: skip
+
+    def _disconnect(self) -> None:
+        self.group = None
+        if self.socket is not None:
+            self.socket.close(linger=0)
+            self.socket = None
+
+    def _load(self, load: KVLoad) -> None:
+        receiver = self.receiver
+        num_blocks = len(load.block_ids)
+        self._send_control(
+            Pull(receiver.peer_id, load.remote.remote_request_id, load.first_block, num_blocks)
+        )
+        header = torch.empty(2, dtype=torch.int64)
+        self.group.recv([header], 0, TAG).wait()
+        status, num_sent = header.tolist()
+        if status != STATUS_OK or num_sent != num_blocks:
+            raise LookupError(
+                f"the prefill instance no longer holds request {load.remote.remote_request_id} "
+                "(its hold expired, or it restarted)"
+            )
+        block_ids = torch.tensor(load.block_ids, dtype=torch.int64)
+        caches = receiver.kv_caches
+        ranges = chunk_ranges(num_blocks, receiver.blocks_per_chunk)
+        # Two receives posted ahead, so the wire stays busy while a chunk is written.
+        posted = []
+        for start, stop in ranges[:2]:
+            chunk = empty_chunk(caches, stop - start)
+            posted.append((self.group.recv([chunk], 0, TAG), chunk, start, stop))
+        next_range = 2
+        while posted:
+            work, chunk, start, stop = posted.pop(0)
+            work.wait()
+            if next_range < len(ranges):
+                follow_start, follow_stop = ranges[next_range]
+                follow = empty_chunk(caches, follow_stop - follow_start)
+                posted.append(
+                    (self.group.recv([follow], 0, TAG), follow, follow_start, follow_stop)
+                )
+                next_range += 1
+            scatter_blocks(caches, block_ids[start:stop], chunk)
+        if caches[0].is_cuda:
+            torch.cuda.current_stream(caches[0].device).synchronize()
+
+
+class KVReceiver:
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        kv_caches: Sequence[torch.Tensor],
+        notify: Callable[[], None],
+    ) -> None:
+        """`notify`: called (from a transfer thread) when a load has finished."""
+        self.config = config
+        self.kv_caches = list(kv_caches)
+        self.layout = cache_layout(self.kv_caches)
+        self.blocks_per_chunk = max(1, config.chunk_bytes // block_bytes(self.kv_caches))
+        self.notify = notify
+        self.peer_id = uuid.uuid4().hex
+        self.context = zmq.Context()
+        self.encoder = msgspec.msgpack.Encoder()
+        self._peers: dict[tuple[str, int], _Peer] = {}
+        self._results: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
+        logger.info("KV transfer: decode role, pulling as %s from %s", self.peer_id, config.host)
+
+    def load(self, load: KVLoad) -> None:
+        self._peer(load.remote).jobs.put(load)
+
+    def release(self, remote: RemotePrefill) -> None:
+        """Tell the prefill instance to free a request's blocks: they will not be pulled."""
+        self._peer(remote).jobs.put(Release([remote.remote_request_id]))
+
+    def take_results(self) -> list[LoadResult]:
+        results = []
+        while True:
+            try:
+                results.append(self._results.get_nowait())
+            except queue.Empty:
+                return results
+
+    def _peer(self, remote: RemotePrefill) -> _Peer:
+        key = (remote.remote_host, remote.remote_port)
+        peer = self._peers.get(key)
+        if peer is None:
+            peer = self._peers[key] = _Peer(self, *key)
+        return peer
+
+    def _finished(self, result: LoadResult) -> None:
+        if not result.ok:
+            logger.warning(
+                "KV load of request %s failed after %.2f s (%s): prefilling it here",
+                result.request_id, result.seconds, result.error,
+            )  # fmt: skip
+        self._results.put(result)
+        self.notify()

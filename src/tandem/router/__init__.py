@@ -1,0 +1,1 @@
+"""`tandem router`: one OpenAI-compatible front for disaggregated prefill and decode instances."""
