@@ -224,6 +224,7 @@ def cmd_router(args: argparse.Namespace) -> None:
         api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
         poll_interval=args.poll_interval,
         request_timeout=args.request_timeout,
+        discover=args.dns_discovery,
     )
 
 
@@ -384,6 +385,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="seconds between health and load polls of each instance")  # fmt: skip
     router.add_argument("--request-timeout", type=float, default=600.0,
                         help="seconds an instance may take to answer a request")  # fmt: skip
+    router.add_argument("--dns-discovery", action="store_true",
+                        help="each URL's host name stands for every address it resolves to, "
+                        "looked up at each poll (a Kubernetes headless Service)")  # fmt: skip
     router.set_defaults(func=cmd_router)
 
     from tandem.bench.cli import add_bench_parser

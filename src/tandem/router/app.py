@@ -131,7 +131,10 @@ def build_router(
     decode_urls: list[str],
     settings: RouterSettings,
     poll_interval: float = 1.0,
+    discover: bool = False,
 ) -> FastAPI:
+    """`discover`: each URL's host name stands for all the addresses it resolves to
+    (instances.py)."""
     metrics = _Metrics()
     state: dict[str, Any] = {}
 
@@ -141,7 +144,7 @@ def build_router(
         timeout = httpx.Timeout(settings.request_timeout, connect=5.0)
         async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
             headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
-            pool = InstancePool(prefill_urls, decode_urls, client, headers)
+            pool = InstancePool(prefill_urls, decode_urls, client, headers, discover)
             await pool.poll()
             state["pool"] = pool
             poller = asyncio.create_task(pool.poll_forever(poll_interval))
@@ -380,14 +383,14 @@ def run_router(
     api_key: str | None = None,
     poll_interval: float = 1.0,
     request_timeout: float = 600.0,
+    discover: bool = False,
 ) -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per poll otherwise
-    app = build_router(
-        prefill_urls, decode_urls, RouterSettings(api_key, request_timeout), poll_interval
-    )
+    settings = RouterSettings(api_key, request_timeout)
+    app = build_router(prefill_urls, decode_urls, settings, poll_interval, discover)
     logger.info(
         "router on http://%s:%d: prefill %s, decode %s",
         host, port, ", ".join(prefill_urls), ", ".join(decode_urls),

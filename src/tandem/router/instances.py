@@ -1,11 +1,14 @@
 """The instances behind the router: their health and load, polled, and the choice of one for
 each request (fewest requests waiting, counting those this router has in flight to it, then
-the least KV in use)."""
+the least KV in use). With DNS discovery, each URL's host name stands for every address it
+resolves to (a Kubernetes headless Service: one address per pod), looked up at every poll, so
+instances that come and go are followed without restarting the router."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from dataclasses import dataclass
 
@@ -64,10 +67,13 @@ class InstancePool:
         decode_urls: list[str],
         client: httpx.AsyncClient,
         headers: dict[str, str] | None = None,
+        discover: bool = False,
     ) -> None:
-        self.instances = [Instance(url.rstrip("/"), "prefill") for url in prefill_urls] + [
-            Instance(url.rstrip("/"), "decode") for url in decode_urls
+        self.sources = [(url.rstrip("/"), "prefill") for url in prefill_urls] + [
+            (url.rstrip("/"), "decode") for url in decode_urls
         ]
+        self.discover = discover
+        self.instances = [] if discover else [Instance(url, role) for url, role in self.sources]
         self.client = client
         self.headers = headers or {}
 
@@ -87,7 +93,35 @@ class InstancePool:
             await asyncio.sleep(interval)
 
     async def poll(self) -> None:
+        if self.discover:
+            await self._resolve()
         await asyncio.gather(*(self._poll(instance) for instance in self.instances))
+
+    async def _resolve(self) -> None:
+        """One instance per address each source URL's host resolves to now; a source that
+        does not resolve keeps the instances it had (a DNS hiccup is not a dead pod)."""
+        loop = asyncio.get_running_loop()
+        wanted: dict[tuple[str, str], None] = {}
+        for source, role in self.sources:
+            url = httpx.URL(source)
+            port = url.port or (443 if url.scheme == "https" else 80)
+            try:
+                infos = await loop.getaddrinfo(url.host, port, type=socket.SOCK_STREAM)
+            except OSError as error:
+                logger.warning("%s does not resolve: %s", url.host, error)
+                for instance in self.instances:
+                    if instance.role == role:
+                        wanted[(instance.url, role)] = None
+                continue
+            for *_, address in infos:  # httpx brackets an IPv6 address itself
+                instance_url = str(url.copy_with(host=address[0], port=port)).rstrip("/")
+                wanted[(instance_url, role)] = None
+        known = {(instance.url, instance.role): instance for instance in self.instances}
+        for key in wanted.keys() - known.keys():
+            logger.info("%s instance found: %s", key[1], key[0])
+        for key in known.keys() - wanted.keys():
+            logger.info("%s instance gone: %s", key[1], key[0])
+        self.instances = [known.get(key) or Instance(*key) for key in wanted]
 
     async def _poll(self, instance: Instance) -> None:
         try:
