@@ -69,7 +69,9 @@ def cmdline(pid: int) -> str:
 
 
 class ServerProcess:
-    """`tandem serve` with `args` on a free port. Use as a context manager, or start()/stop()."""
+    """`tandem serve` with `args` on a free port. Use as a context manager, or start()/stop().
+    `command`: another tandem subcommand that serves HTTP with --port and /health (`router`);
+    only `serve` gets the small KV cache and fp32 defaults."""
 
     def __init__(
         self,
@@ -78,10 +80,15 @@ class ServerProcess:
         name: str = "server",
         env: dict[str, str] | None = None,
         ready_timeout: float = READY_TIMEOUT,
+        command: str = "serve",
     ) -> None:
-        # fp32 unless a test asks otherwise: the offline LLM it is compared with runs fp32.
-        dtype = [] if "--dtype" in args else ["--dtype", "float32"]
-        self.args = ["--kv-cache-memory", KV_CACHE_MEMORY, *dtype, *args]
+        self.command = command
+        if command == "serve":
+            # fp32 unless a test asks otherwise: the offline LLM it is compared with runs fp32.
+            dtype = [] if "--dtype" in args else ["--dtype", "float32"]
+            self.args = ["--kv-cache-memory", KV_CACHE_MEMORY, *dtype, *args]
+        else:
+            self.args = list(args)
         self.name = name
         self.log_path = Path(log_dir) / f"{name}.log"
         self.env = {**os.environ, **(env or {})}
@@ -110,15 +117,7 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         for _ in range(3):  # a port taken between free_port() and the bind: try another
-            self.port = free_port()
-            command = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(self.port)]
-            with open(self.log_path, "ab") as log:
-                log.write(f"$ {' '.join(command + self.args)}\n".encode())
-                log.flush()
-                self.process = subprocess.Popen(
-                    command + self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                    stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent, process_group=0,
-                )  # fmt: skip
+            self.launch()
             if self._wait_ready():
                 return self
             if "address already in use" not in self.log().lower():
@@ -126,6 +125,31 @@ class ServerProcess:
         log = self.log()
         self.stop()
         raise RuntimeError(f"{self.name} did not become ready; its log:\n{log}")
+
+    def launch(self) -> None:
+        """Start the process without waiting for it to be ready. Call it from the thread that
+        will outlive the server: the child's parent-death signal follows the launching thread."""
+        self.port = free_port()
+        command = [sys.executable, "-m", "tandem.cli", self.command, "--port", str(self.port)]
+        with open(self.log_path, "ab") as log:
+            log.write(f"$ {' '.join(command + self.args)}\n".encode())
+            log.flush()
+            self.process = subprocess.Popen(
+                command + self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent, process_group=0,
+            )  # fmt: skip
+
+    @staticmethod
+    def start_together(servers: Iterable[ServerProcess]) -> None:
+        """Start several servers side by side (their model loads overlap), then wait for each;
+        one that did not come up is started again on its own (and raises if it cannot)."""
+        servers = list(servers)
+        for server in servers:
+            server.launch()
+        for server in servers:
+            if not server._wait_ready():
+                server.stop()
+                server.start()
 
     def _wait_ready(self) -> bool:
         self.ready_seconds = wait_healthy(self.url, self.process, self.ready_timeout)

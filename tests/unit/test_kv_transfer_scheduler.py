@@ -75,7 +75,9 @@ def add_remote(
     return request
 
 
-def add_local(scheduler: Scheduler, request_id: str, prompt: list[int], **params: object) -> Request:
+def add_local(
+    scheduler: Scheduler, request_id: str, prompt: list[int], **params: object
+) -> Request:
     params.setdefault("max_tokens", 4)
     request = Request(request_id, prompt, SamplingParams(**params), eos_token_id=EOS)
     scheduler.add_request(request)
@@ -496,4 +498,3 @@ def test_kv_transfer_config_accepts_the_edges() -> None:
     config = KVTransferConfig("prefill", port=65534, timeout=0.1, hold_seconds=0.1, chunk_bytes=1)
     assert (config.role, config.host, config.port) == ("prefill", "127.0.0.1", 65534)
     assert KVTransferConfig("decode").port == 14579
-

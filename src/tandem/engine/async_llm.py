@@ -31,7 +31,11 @@ from tandem.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncLLM", "EngineDeadError", "OutputKind"]
+__all__ = ["AsyncLLM", "EngineDeadError", "OutputKind", "RequestRefusedError"]
+
+
+class RequestRefusedError(ValueError):
+    """The engine core refused a request it had been sent (the caller's input: a 400)."""
 
 
 def _merge_delta(old: CompletionOutput, new: CompletionOutput) -> CompletionOutput:
@@ -358,7 +362,7 @@ class AsyncLLM:
             collector = self._collectors.pop(request_id, None)
             self._abort(request_id)
             if collector is not None:
-                collector.put_error(ValueError(error.message))
+                collector.put_error(RequestRefusedError(error.message))
         self.scheduler_stats = message.scheduler_stats
         for stat_logger in self.stat_loggers:
             stat_logger.record_steps(message.scheduler_stats, message.steps)

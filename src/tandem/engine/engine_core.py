@@ -27,12 +27,7 @@ from tandem.core.spec_stats import SpecDecodeStats
 from tandem.core.step_cost import StepCostModel
 from tandem.engine.machine_peaks import machine_peaks
 from tandem.engine.stats import SchedulerStats, StepStats
-from tandem.kv_transfer.params import (
-    KVLoad,
-    first_logprobs_row,
-    wants_remote_decode,
-    wants_remote_prefill,
-)
+from tandem.kv_transfer.params import KVLoad, check_kv_transfer, first_logprobs_row
 from tandem.outputs import Logprob
 from tandem.request import Request, RequestStatus
 from tandem.sampling_params import num_top_logprobs
@@ -249,13 +244,8 @@ class EngineCore:
         if kv_transfer_params is not None:
             if self.kv_connector is not None:
                 remote = self.kv_connector.accept(request, kv_transfer_params, vocab_size)
-            elif wants_remote_decode(kv_transfer_params) or wants_remote_prefill(
-                kv_transfer_params
-            ):
-                raise ValueError(
-                    "kv_transfer_params asks for disaggregated serving, and this instance's "
-                    "role is both: send it to one started with --role prefill or --role decode"
-                )
+            else:
+                check_kv_transfer(kv_transfer_params, "both", [], None, False, 0, vocab_size)
         if remote is not None:
             request.append_output_token_ids([remote.first_token_id])
             now = self.scheduler.clock()
@@ -271,7 +261,12 @@ class EngineCore:
                 self._pending_outputs.append(self._output(request, 0, logprobs_by_id))
                 return
             request.remote_prefill = remote
-        self.scheduler.add_request(request)
+        try:
+            self.scheduler.add_request(request)
+        except ValueError:
+            if remote is not None:  # its KV will never be pulled
+                self.kv_connector.release(remote)
+            raise
         seed = request.sampling_params.seed
         if seed is not None:
             generator = torch.Generator(device=self.runner.device)
@@ -294,6 +289,12 @@ class EngineCore:
             request = self.scheduler.requests.get(request_id)
             if request is not None and stop_reason is not None:
                 request.stop_reason = stop_reason
+            if (
+                request is not None
+                and request.remote_prefill is not None
+                and request_id not in self.scheduler.receiving
+            ):  # still queued: its KV will never be pulled (a pull under way frees it)
+                self.kv_connector.release(request.remote_prefill)
             self.generators.pop(request_id, None)
             self.prompt_logprobs_sent.pop(request_id, None)
             self._sync_request_ids.discard(request_id)

@@ -17,9 +17,9 @@ from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.params import (
     KVLoad,
     RemotePrefill,
+    check_kv_transfer,
     prompt_digest,
     wants_remote_decode,
-    wants_remote_prefill,
 )
 from tandem.kv_transfer.receiver import KVReceiver, LoadResult
 from tandem.kv_transfer.sender import KVSender
@@ -61,44 +61,16 @@ class KVConnector:
     def accept(
         self, request: Request, params: dict[str, Any], vocab_size: int
     ) -> RemotePrefill | None:
-        """Read a request's kv_transfer_params. Prefill side: the request keeps its prompt's
-        blocks when it finishes. Decode side: the request gets its first token and the place
-        its prompt's KV waits (returned). ValueError for params this instance cannot act on."""
+        """Read a request's kv_transfer_params (params.check_kv_transfer). Prefill side: the
+        request keeps its prompt's blocks when it finishes. Decode side: the place its
+        prompt's KV waits, and its first token (returned)."""
+        params_of_request = request.sampling_params
+        remote = check_kv_transfer(
+            params, self.role, request.prompt_token_ids, params_of_request.max_tokens,
+            params_of_request.logprobs is not None, self.block_size, vocab_size,
+        )  # fmt: skip
         if wants_remote_decode(params):
-            if self.role != "prefill":
-                raise ValueError(_wrong_role("do_remote_decode", "prefill", self.role))
-            if request.sampling_params.max_tokens != 1:
-                raise ValueError(
-                    "a request with kv_transfer_params.do_remote_decode computes the prompt and "
-                    "the first token only: send max_tokens 1 (the decode instance does the rest)"
-                )
             request.hold_kv = True
-            return None
-        if not wants_remote_prefill(params):
-            return None
-        if self.role != "decode":
-            raise ValueError(_wrong_role("do_remote_prefill", "decode", self.role))
-        remote = RemotePrefill.from_dict(params)
-        prompt = request.prompt_token_ids
-        if remote.block_size != self.block_size:
-            raise ValueError(
-                f"the prefill instance uses blocks of {remote.block_size} tokens and this "
-                f"instance {self.block_size}: start both with the same --block-size"
-            )
-        if remote.num_prompt_tokens != len(prompt) or remote.prompt_digest != prompt_digest(prompt):
-            raise ValueError(
-                "the prefill instance computed other prompt tokens than this instance's "
-                "tokenizer gives: serve the same model and tokenizer on both"
-            )
-        if len(remote.remote_block_ids) != -(-len(prompt) // self.block_size):
-            raise ValueError("kv_transfer_params.remote_block_ids do not cover the prompt")
-        if not 0 <= remote.first_token_id < vocab_size:
-            raise ValueError(f"kv_transfer_params.first_token_id is not in [0, {vocab_size})")
-        if request.sampling_params.logprobs is not None and remote.first_logprobs is None:
-            raise ValueError(
-                "the request asks for logprobs but kv_transfer_params has none for the first "
-                "token: send the prefill instance the same logprobs setting"
-            )
         return remote
 
     # -- prefill side -----------------------------------------------------------------------
@@ -173,10 +145,3 @@ class KVConnector:
             else:
                 stats.num_failed += 1
         return results
-
-
-def _wrong_role(flag: str, needed: str, role: str) -> str:
-    return (
-        f"kv_transfer_params.{flag} asks for a {needed} instance, and this one's role is "
-        f"{role}: send it to an instance started with --role {needed}"
-    )

@@ -112,3 +112,63 @@ def first_logprobs_row(rows: list[list[float]] | None) -> dict[int, Logprob] | N
     if rows is None:
         return None
     return {int(token_id): Logprob(logprob, int(rank)) for token_id, logprob, rank in rows}
+
+
+def check_kv_transfer(
+    params: dict[str, Any],
+    role: str,
+    prompt_token_ids: list[int],
+    max_tokens: int | None,
+    wants_logprobs: bool,
+    block_size: int,
+    vocab_size: int,
+) -> RemotePrefill | None:
+    """What a request's kv_transfer_params ask of an instance of `role` (prefill, decode or
+    both): the RemotePrefill to pull on a decode instance, None otherwise. ValueError saying
+    what to change for params this instance cannot act on. The API process checks before
+    queuing (a 400), the engine core again (its own callers)."""
+    if wants_remote_decode(params):
+        if role != "prefill":
+            raise ValueError(_wrong_role("do_remote_decode", "prefill", role))
+        if max_tokens != 1:
+            raise ValueError(
+                "a request with kv_transfer_params.do_remote_decode computes the prompt and "
+                "the first token only: send max_tokens 1 (the decode instance does the rest)"
+            )
+        return None
+    if not wants_remote_prefill(params):
+        return None
+    if role != "decode":
+        raise ValueError(_wrong_role("do_remote_prefill", "decode", role))
+    remote = RemotePrefill.from_dict(params)
+    if remote.block_size != block_size:
+        raise ValueError(
+            f"the prefill instance uses blocks of {remote.block_size} tokens and this "
+            f"instance {block_size}: start both with the same --block-size"
+        )
+    num_prompt_tokens = len(prompt_token_ids)
+    if remote.num_prompt_tokens != num_prompt_tokens or remote.prompt_digest != prompt_digest(
+        prompt_token_ids
+    ):
+        raise ValueError(
+            "kv_transfer_params were computed for other prompt tokens than this request's: "
+            "send the decode instance the same request as the prefill instance, and serve the "
+            "same model and tokenizer on both"
+        )
+    if len(remote.remote_block_ids) != -(-num_prompt_tokens // block_size):
+        raise ValueError("kv_transfer_params.remote_block_ids do not cover the prompt")
+    if not 0 <= remote.first_token_id < vocab_size:
+        raise ValueError(f"kv_transfer_params.first_token_id is not in [0, {vocab_size})")
+    if wants_logprobs and remote.first_logprobs is None:
+        raise ValueError(
+            "the request asks for logprobs but kv_transfer_params has none for the first "
+            "token: send the prefill instance the same logprobs setting"
+        )
+    return remote
+
+
+def _wrong_role(flag: str, needed: str, role: str) -> str:
+    return (
+        f"kv_transfer_params.{flag} asks for a {needed} instance, and this one's role is "
+        f"{role}: send it to an instance started with --role {needed}"
+    )

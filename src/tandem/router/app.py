@@ -176,11 +176,22 @@ def build_router(
         auth = request.headers.get("authorization")
         return {"Authorization": auth} if auth else {}
 
+    def note_server_error(instance: Instance, path: str, status: int) -> None:
+        """A 5xx: counted; only 503 (the instance is dying, draining or overloaded) takes it
+        out of the choice until its next good poll, as one request's 500 says nothing of the
+        others'."""
+        metrics.failures.labels(instance.url, instance.role).inc()
+        if status == 503:
+            instance.failed(f"{path} answered 503")
+        else:
+            instance.num_failures += 1
+            instance.last_error = f"{path} answered {status}"
+
     async def post(
         instance: Instance, path: str, body: dict[str, Any], headers: dict[str, str]
     ) -> httpx.Response | None:
-        """POST and read the whole answer; None (the instance marked failed) if it gave
-        none or a 5xx."""
+        """POST and read the whole answer; None if it gave none or a 5xx (the prefill leg
+        then tries another instance)."""
         instance.in_flight += 1
         instance.num_requests += 1
         metrics.requests.labels(instance.url, instance.role).inc()
@@ -193,8 +204,7 @@ def build_router(
         finally:
             instance.in_flight -= 1
         if response.status_code >= 500:
-            instance.failed(f"{path} answered {response.status_code}")
-            metrics.failures.labels(instance.url, instance.role).inc()
+            note_server_error(instance, path, response.status_code)
             return None
         return response
 
@@ -246,8 +256,7 @@ def build_router(
                 "service_unavailable",
             )  # fmt: skip
         if upstream.status_code >= 500:
-            instance.failed(f"{path} answered {upstream.status_code}")
-            metrics.failures.labels(instance.url, instance.role).inc()
+            note_server_error(instance, path, upstream.status_code)
 
         async def chunks() -> AsyncIterator[bytes]:
             try:

@@ -22,7 +22,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import tandem
-from tandem.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream, merge_delta_outputs
+from tandem.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    RequestRefusedError,
+    RequestStream,
+    merge_delta_outputs,
+)
+from tandem.kv_transfer.params import check_kv_transfer as check_kv_transfer_params
 from tandem.outputs import RequestOutput
 from tandem.server.metrics import PrometheusStatLogger
 from tandem.server.protocol import (
@@ -43,6 +50,7 @@ from tandem.server.protocol_responses import (
 from tandem.server.serving import (
     ChatShaper,
     CompletionShaper,
+    PromptJob,
     chat_job,
     completion_jobs,
     encode,
@@ -250,6 +258,10 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     async def _cannot_serve(_: Request, error: RequestValidationError) -> JSONResponse:
         return _error_response(OpenAIError(400, error.message, param=error.param))
 
+    @app.exception_handler(RequestRefusedError)
+    async def _refused(_: Request, error: RequestRefusedError) -> JSONResponse:
+        return _error_response(OpenAIError(400, str(error)))
+
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, error: EngineDeadError) -> JSONResponse:
         return _error_response(OpenAIError(503, str(error), "service_unavailable"))
@@ -300,10 +312,29 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
                 param="priority",
             )
 
-    def check_kv_transfer(body: CompletionRequest | ChatCompletionRequest) -> None:
-        """A prefill instance's answer (kv_transfer_params) is in its response body only."""
+    def check_kv_transfer(
+        body: CompletionRequest | ChatCompletionRequest, jobs: list[PromptJob]
+    ) -> None:
+        """kv_transfer_params this instance can act on, for one prompt: refused here, before
+        anything is queued (a prefill instance's answer is in its response body only)."""
         params = body.kv_transfer_params
-        if params and params.get("do_remote_decode") is True and body.stream:
+        if not params:
+            return
+        if len(jobs) != 1:
+            raise OpenAIError(
+                400, "kv_transfer_params is for one prompt: send the prompts as separate requests",
+                param="kv_transfer_params",
+            )  # fmt: skip
+        transfer = engine.config.kv_transfer
+        try:
+            check_kv_transfer_params(
+                params, "both" if transfer is None else transfer.role, jobs[0].token_ids,
+                jobs[0].params.max_tokens, jobs[0].params.logprobs is not None,
+                engine.config.runner.block_size, engine.vocab_size,
+            )  # fmt: skip
+        except ValueError as error:
+            raise OpenAIError(400, str(error), param="kv_transfer_params") from error
+        if params.get("do_remote_decode") is True and body.stream:
             raise OpenAIError(
                 400,
                 "kv_transfer_params.do_remote_decode returns where the KV waits in the response "
@@ -378,7 +409,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         jobs = await off_loop_if_large(request, completion_jobs, engine, body)
         check_capacity()  # again: the queue may have grown while this request was tokenized
         shaper = CompletionShaper(body, jobs, model_name)
-        check_kv_transfer(body)
+        check_kv_transfer(body, jobs)
         streams = start_jobs(engine, jobs, body.cache_salt, body.priority, body.kv_transfer_params)
         outputs = merge_streams(streams)
         if body.stream:
@@ -403,7 +434,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         job = await off_loop_if_large(request, chat_job, engine, body)
         check_capacity()
         shaper = ChatShaper(body, job, model_name)
-        check_kv_transfer(body)
+        check_kv_transfer(body, [job])
         streams = start_jobs(engine, [job], body.cache_salt, body.priority, body.kv_transfer_params)
         outputs = merge_streams(streams)
         if body.stream:

@@ -139,11 +139,6 @@ def start_jobs(
 ) -> list[RequestStream]:
     """Queue every prompt as its own engine request, now (so they count against the waiting
     limit at once); if one is refused, those already queued are aborted."""
-    if kv_transfer_params is not None and len(jobs) != 1:
-        raise RequestValidationError(
-            "kv_transfer_params is for one prompt: send the prompts as separate requests",
-            "kv_transfer_params",
-        )
     base_id = uuid.uuid4().hex
     streams: list[RequestStream] = []
     try:
