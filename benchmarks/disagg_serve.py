@@ -218,8 +218,8 @@ def main() -> None:
         "ITL columns: the stutter workload's streams only (all requests for chat).",
         "",
         "| run | out tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | ITL max | goodput "
-        "(req/s) | KV per request (pull) | decode side prefill / decode tokens | "
-        "decode side steps |",
+        "(req/s) | KV per request (pull) | decoding instance: prefill / decode tokens | "
+        "its steps by phase: count × median (max) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for workload_name, workload_runs in runs.items():
