@@ -93,10 +93,13 @@ class _CoreLoop:
             if not self.running:
                 return
             num_steps = self.core.num_steps
-            if self.core.kv_connector is not None:
+            has_work = self.core.has_work()
+            if not has_work and self.core.kv_connector is not None:
+                # step() lands transfers itself; idle, land them here (a load may make work)
                 self.core.poll_kv_transfers()
                 changed = True  # its counters may have moved: report them
-            outputs = self.core.step() if self.core.has_work() else []
+                has_work = self.core.has_work()
+            outputs = self.core.step() if has_work else []
             stepped = self.core.num_steps != num_steps
             if outputs or stepped or changed or self.errors:
                 steps = [self.core.step_stats[-1]] if stepped else []

@@ -245,7 +245,11 @@ class EngineCore:
             if self.kv_connector is not None:
                 remote = self.kv_connector.accept(request, kv_transfer_params, vocab_size)
             else:
-                check_kv_transfer(kv_transfer_params, "both", [], None, False, 0, vocab_size)
+                params = request.sampling_params
+                check_kv_transfer(
+                    kv_transfer_params, "both", request.prompt_token_ids, params.max_tokens,
+                    params.logprobs is not None, self.config.runner.block_size, vocab_size,
+                )  # fmt: skip
         if remote is not None:
             request.append_output_token_ids([remote.first_token_id])
             now = self.scheduler.clock()

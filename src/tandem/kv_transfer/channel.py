@@ -69,6 +69,11 @@ def block_bytes(kv_caches: Sequence[torch.Tensor]) -> int:
     return len(kv_caches) * cache[:, 0].numel() * cache.element_size()
 
 
+def blocks_per_chunk(kv_caches: Sequence[torch.Tensor], chunk_bytes: int) -> int:
+    """Blocks in one chunk of about `chunk_bytes` (at least one)."""
+    return max(1, chunk_bytes // block_bytes(kv_caches))
+
+
 def chunk_ranges(num_blocks: int, blocks_per_chunk: int) -> list[tuple[int, int]]:
     return [
         (start, min(start + blocks_per_chunk, num_blocks))

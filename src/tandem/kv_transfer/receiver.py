@@ -26,6 +26,7 @@ from tandem.kv_transfer.channel import (
     Release,
     Welcome,
     block_bytes,
+    blocks_per_chunk,
     cache_layout,
     chunk_ranges,
     empty_chunk,
@@ -164,7 +165,7 @@ class KVReceiver:
         self.config = config
         self.kv_caches = list(kv_caches)
         self.layout = cache_layout(self.kv_caches)
-        self.blocks_per_chunk = max(1, config.chunk_bytes // block_bytes(self.kv_caches))
+        self.blocks_per_chunk = blocks_per_chunk(self.kv_caches, config.chunk_bytes)
         self.notify = notify
         self.peer_id = uuid.uuid4().hex
         self.context = zmq.Context()

@@ -28,6 +28,7 @@ from tandem.kv_transfer.channel import (
     Release,
     Welcome,
     block_bytes,
+    blocks_per_chunk,
     cache_layout,
     chunk_ranges,
     gather_blocks,
@@ -65,7 +66,7 @@ class KVSender:
         self.config = config
         self.kv_caches = list(kv_caches)
         self.layout = cache_layout(self.kv_caches)
-        self.blocks_per_chunk = max(1, config.chunk_bytes // block_bytes(self.kv_caches))
+        self.blocks_per_chunk = blocks_per_chunk(self.kv_caches, config.chunk_bytes)
         self.notify = notify
         self.stats = SenderStats()
         self._held: dict[str, _Held] = {}
