@@ -1,5 +1,6 @@
-"""One prepared pass on a CUDA machine: parity with HF transformers on the GPU, the engine on
-the GPU, and eager forward timings of a Llama-3.2-1B-shaped model against HF.
+"""One prepared pass on a CUDA machine: parity with HF transformers on the GPU (both attention
+backends), the engine on the GPU, the triton attention kernels against the torch backend at
+full size, and eager forward timings of a Llama-3.2-1B-shaped model against HF.
 
     PYTHONPATH=src:tests python benchmarks/gpu_check.py
 
@@ -8,6 +9,8 @@ Prints PASS/FAIL lines and a timing table; exits non-zero if a check failed.
 
 from __future__ import annotations
 
+import functools
+import os
 import statistics
 import sys
 import time
@@ -26,6 +29,10 @@ from helpers import Slice, all_token_logits, hf_logits, relative_error
 FAILURES: list[str] = []
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of the script itself
 SMALL = "--small" in sys.argv  # a scaled-down timing model, for the dry run
+# The triton backend runs on CUDA; the dry run on CPU needs TRITON_INTERPRET=1 for it.
+BACKENDS = (
+    ("torch", "triton") if DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") else ("torch",)
+)
 
 
 def device_name() -> str:
@@ -44,9 +51,13 @@ def parity(tmp: str) -> None:
         folder = f"{tmp}/{name}"
         hf.save_pretrained(folder)
         prompts = [list(range(3, 40)), list(range(100, 117)), [5, 7, 11, 13]]
-        for dtype, tolerance in [("float32", 1e-4), ("bfloat16", 5e-2)]:
+        cases = [(dtype, tolerance, backend)
+                 for dtype, tolerance in [("float32", 1e-4), ("bfloat16", 5e-2)]
+                 for backend in BACKENDS]  # fmt: skip
+        for dtype, tolerance, backend in cases:
             runner = ModelRunner(RunnerConfig(model=folder, dtype=dtype, device=DEVICE,
-                                              num_kv_blocks=16, block_size=16))  # fmt: skip
+                                              num_kv_blocks=16, block_size=16,
+                                              attention_backend=backend))  # fmt: skip
             slices, next_block = [], 0
             for p in prompts:
                 blocks = list(range(next_block, next_block + -(-len(p) // 16)))
@@ -55,7 +66,8 @@ def parity(tmp: str) -> None:
             logits = all_token_logits(runner, slices)
             expected = torch.cat([hf_logits(hf, p) for p in prompts])
             error = relative_error(logits, expected)
-            check(f"logits {name} {dtype}", error <= tolerance, f"relative error {error:.2e}")
+            check(f"logits {name} {dtype} {backend}", error <= tolerance,
+                  f"relative error {error:.2e}")  # fmt: skip
         llm = LLM(folder, device=DEVICE, dtype="float32", skip_tokenizer_init=True,
                   max_num_batched_tokens=32, max_num_seqs=8,
                   prefix_caching_hash_algo="sha256")  # fmt: skip
@@ -89,13 +101,69 @@ def async_scheduling_matches(folder: str, prompts: list[list[int]], name: str) -
     results = {}
     for mode in (False, True):
         llm = LLM(folder, device=DEVICE, dtype="float32", skip_tokenizer_init=True,
-                  max_num_batched_tokens=32, max_num_seqs=8, num_kv_blocks=8, block_size=8,
+                  max_num_batched_tokens=32, max_num_seqs=8, num_kv_blocks=6, block_size=16,
                   prefix_caching_hash_algo="sha256", async_scheduling=mode)  # fmt: skip
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         results[mode] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
     check(f"async scheduling {name}", results[True] == results[False],
           f"{sum(a == b for a, b in zip(results[True], results[False], strict=True))}/"
           f"{len(prompts)} equal")  # fmt: skip
+
+
+def triton_kernels_match() -> None:
+    """The triton kernels against the torch backend at a Llama-3-8B-like head layout (32 query
+    heads, 8 kv heads of 128), bf16: a mixed step (a 2048-token chunk after 1,000 cached
+    tokens, 64 decodes up to 4k context, a draft verification) and a decode-only step with few
+    programs (split-KV)."""
+    import random
+
+    from tandem.attention import torch_backend
+    from tandem.attention.metadata import build_batch
+
+    if "triton" not in BACKENDS:
+        return
+    from tandem.attention import triton_backend
+
+    rng = random.Random(0)
+    small = 32 if SMALL else 1
+    steps = {
+        "mixed": [(1000 // small, 2048 // small), (300 // small, 5)]
+        + [(rng.randint(1, 4096 // small), 1) for _ in range(64 // small * 4)],
+        "decode split-KV": [(rng.randint(2048, 8192) // small, 1) for _ in range(4)],
+    }
+    # The interpreter's tl.dot misreads bf16, so the CPU dry run checks in fp16.
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
+    for name, shapes in steps.items():
+        torch.manual_seed(0)
+        num_blocks = sum(-(-(c + n) // block_size) for c, n in shapes)
+        pool = list(range(num_blocks))
+        rng.shuffle(pool)
+        slices = []
+        for computed, new in shapes:
+            blocks = [pool.pop() for _ in range(-(-(computed + new) // block_size))]
+            slices.append(Slice(list(range(computed + new)), computed, new, blocks))
+        tokens = sum(n for _, n in shapes)
+        cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype,
+                            device=DEVICE)  # fmt: skip
+        q = torch.randn(tokens, heads, head_dim, dtype=dtype, device=DEVICE)
+        k = torch.randn(tokens, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+        v = torch.randn_like(k)
+        outs, caches, seconds = [], [], []
+        for backend in (torch_backend, triton_backend):
+            kv_cache = cache.clone()
+            metadata = build_batch(slices, block_size, torch.device(DEVICE)).attn_metadata
+            call = functools.partial(backend.paged_attention, q, k, v, kv_cache, metadata,
+                                     head_dim**-0.5)  # fmt: skip
+            with torch.inference_mode():
+                outs.append(call())
+                caches.append(kv_cache)
+                # Storing the same k/v again changes nothing.
+                seconds.append(timed(call, repeats=5 if DEVICE == "cuda" else 1))
+        error = (outs[1].float() - outs[0].float()).abs().max().item()
+        check(f"triton attention {name}", error <= 3e-2 and torch.equal(caches[0], caches[1]),
+              f"max abs error {error:.1e}; torch {seconds[0] * 1e3:.2f} ms, triton "
+              f"{seconds[1] * 1e3:.2f} ms per layer")  # fmt: skip
 
 
 def synchronize() -> None:
@@ -165,20 +233,24 @@ def llama_1b_timings() -> None:
     ours.to_empty(device=DEVICE)
     ours.model.rotary.build_table()
     load_weights(ours, iter(hf.state_dict().items()))
-    runner = ModelRunner(
-        RunnerConfig(dtype=torch.bfloat16, device=DEVICE, num_kv_blocks=32 * 160), model=ours
-    )
-
     prompt = list(range(1000, 3048))
     rows = []
-    with torch.inference_mode():
-        ours_prefill = timed(lambda: runner.execute([Slice(prompt, 0, 2048, list(range(128)))]))
-        hf_ids = torch.tensor([prompt], device=DEVICE)
-        hf_prefill = timed(lambda: hf(hf_ids, logits_to_keep=1))
-        rows.append(("prefill 2048 tokens", ours_prefill, hf_prefill))
-        for batch in (1, 32):
-            ours_step, hf_step = decode_step_times(runner, hf, batch)
-            rows.append((f"decode step, batch {batch}, context 512", ours_step, hf_step))
+    hf_ids = torch.tensor([prompt], device=DEVICE)
+    for backend in BACKENDS:  # each runner binds its own cache and backend to the layers
+        runner = ModelRunner(
+            RunnerConfig(dtype=torch.bfloat16, device=DEVICE, num_kv_blocks=32 * 160,
+                         attention_backend=backend),
+            model=ours,
+        )  # fmt: skip
+        with torch.inference_mode():
+            prefill = timed(lambda r=runner: r.execute([Slice(prompt, 0, 2048, list(range(128)))]))
+            hf_prefill = timed(lambda: hf(hf_ids, logits_to_keep=1))
+            rows.append((f"prefill 2048 tokens, {backend}", prefill, hf_prefill))
+            for batch in (1, 32):
+                ours_step, hf_step = decode_step_times(runner, hf, batch)
+                rows.append((f"decode step, batch {batch}, context 512, {backend}", ours_step,
+                             hf_step))  # fmt: skip
+        del runner
     print(f"\n# gpu_check  {device_name()}  torch {torch.__version__}  "
           "Llama-3.2-1B-shaped, random bf16 weights, eager")  # fmt: skip
     print("| case | tandem ms | HF ms | tandem speed-up |")
@@ -193,6 +265,7 @@ def main() -> None:
     print(f"device: {device_name()}  torch {torch.__version__}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         parity(tmp)
+    triton_kernels_match()
     llama_1b_timings()
     if FAILURES:
         print(f"\n{len(FAILURES)} checks failed: {', '.join(FAILURES)}")

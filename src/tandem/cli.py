@@ -90,6 +90,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", type=json.loads, default=None,
                         help='speculative decoding, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\'')  # fmt: skip
+    parser.add_argument("--attention-backend", default="auto",
+                        help="torch (the reference, CPU) or triton (CUDA); auto: triton on "
+                        "CUDA when installed, torch elsewhere")  # fmt: skip
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=None, help="schedule the next step while the forward runs "
                         "(default: on for CUDA, off on CPU)")  # fmt: skip
@@ -167,6 +170,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         target_itl_ms=args.target_itl_ms,
         speculative_config=args.speculative_config,
         async_scheduling=args.async_scheduling,
+        attention_backend=args.attention_backend,
     )
 
 

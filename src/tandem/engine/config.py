@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from tandem.attention.backends import resolve_attention_backend
 from tandem.config import ModelConfig
 from tandem.core.scheduler import SchedulerConfig
 from tandem.generation_config import SAMPLING_KEYS, generation_config_defaults
@@ -111,6 +112,7 @@ class EngineConfig:
         speculative_config: dict[str, Any] | None = None,
         async_scheduling: bool | None = None,
         kv_transfer_config: KVTransferConfig | None = None,
+        attention_backend: str | None = "auto",
     ) -> EngineConfig:
         """Validate every knob before anything heavy loads; raises ValueError/FileNotFoundError
         naming what to change. None for gpu_memory_utilization, swap_space and enforce_eager
@@ -178,7 +180,9 @@ class EngineConfig:
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             kv_cache_memory=kv_cache_memory,
+            attention_backend=resolve_attention_backend(attention_backend, device, block_size),
         )
+        logger.info("attention backend: %s", runner.attention_backend)
         if async_scheduling is None:
             async_scheduling = device.startswith("cuda") and speculative is None
         draft_runner = None
@@ -336,6 +340,7 @@ def _draft_runner(
         packed_max_tokens=packed_max_tokens,
         device=target.device,
         block_size=target.block_size,
+        attention_backend=target.attention_backend,
     )
 
 

@@ -79,6 +79,7 @@ class LLM:
         target_itl_ms: float | None = None,
         speculative_config: dict[str, Any] | None = None,
         async_scheduling: bool | None = None,
+        attention_backend: str | None = "auto",
         **vllm_kwargs: Any,
     ) -> None:
         """vLLM's arguments with vLLM's defaults, except: `batching_policy` (tandem's
@@ -127,6 +128,7 @@ class LLM:
             target_itl_ms=target_itl_ms,
             speculative_config=speculative_config,
             async_scheduling=async_scheduling,
+            attention_backend=attention_backend,
         )  # fmt: skip
         self.chat_template = chat_template
         self.tokenizer = (

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.attention import torch_backend
 from tandem.attention.metadata import get_attn_metadata
-from tandem.attention.torch_backend import paged_attention
 from tandem.config import ModelConfig
 from tandem.models.layers import (
     Linear,
@@ -45,8 +45,10 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        # [2, num_blocks, block_size, num_kv_heads, head_dim], bound by the model runner.
+        # [2, num_blocks, block_size, num_kv_heads, head_dim], bound by the model runner, with
+        # the attention backend that reads it (attention/backends.py).
         self.kv_cache = torch.empty(0)
+        self.paged_attention: Callable[..., torch.Tensor] = torch_backend.paged_attention
 
     def project(
         self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor
@@ -69,7 +71,7 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store k/v in the paged cache and attend over each request's context: the one part
         of a layer that reads the step's metadata, so it stays outside compiled regions."""
-        return paged_attention(q, k, v, self.kv_cache, get_attn_metadata(), self.scale)
+        return self.paged_attention(q, k, v, self.kv_cache, get_attn_metadata(), self.scale)
 
 
 class MLP(nn.Module):

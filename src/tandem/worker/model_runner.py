@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.attention.backends import BACKENDS, attention_function
 from tandem.attention.metadata import BatchInputs, RequestSlice, build_batch, forward_context
 from tandem.cache import cache_root
 from tandem.config import ModelConfig
@@ -74,8 +75,14 @@ class RunnerConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides the size computed from kv_cache_memory
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY  # bytes for the cache on CPU
+    attention_backend: str = "torch"  # attention/backends.py: torch or triton
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(BACKENDS)}, "
+                f"got {self.attention_backend!r}"
+            )
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -131,8 +138,10 @@ class ModelRunner:
         cfg = self.model_config
         shape = (2, self.num_kv_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         caches = []
+        attend = attention_function(self.config.attention_backend)
         for layer in self.model.attention_layers():
             layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.paged_attention = attend
             caches.append(layer.kv_cache)
         return caches
 
