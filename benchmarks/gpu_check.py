@@ -88,6 +88,7 @@ def parity(tmp: str) -> None:
             same += out.outputs[0].token_ids == reference[0, len(p) :].tolist()
         check(f"engine greedy {name}", same == len(prompts), f"{same}/{len(prompts)} equal")
         async_scheduling_matches(folder, prompts, name)
+        decode_graphs_match(folder, prompts, name)
 
 
 def async_scheduling_matches(folder: str, prompts: list[list[int]], name: str) -> None:
@@ -108,6 +109,27 @@ def async_scheduling_matches(folder: str, prompts: list[list[int]], name: str) -
     check(f"async scheduling {name}", results[True] == results[False],
           f"{sum(a == b for a, b in zip(results[True], results[False], strict=True))}/"
           f"{len(prompts)} equal")  # fmt: skip
+
+
+def decode_graphs_match(folder: str, prompts: list[list[int]], name: str) -> None:
+    """Decode steps replayed from CUDA graphs (the CUDA default) give the tokens of eager
+    steps: greedy and seeded, batches that shrink as requests finish (several graph sizes)."""
+    if DEVICE != "cuda":
+        return
+    params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True)
+              for i in range(len(prompts))]  # fmt: skip
+    params[-1] = SamplingParams(temperature=0.8, seed=11, max_tokens=9, ignore_eos=True)
+    results = {}
+    for eager in (True, False):
+        llm = LLM(folder, device=DEVICE, dtype="float32", skip_tokenizer_init=True,
+                  max_num_seqs=8, enforce_eager=eager)  # fmt: skip
+        graphs = llm.llm_engine.core.runner.decode_graphs
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results[eager] = [o.outputs[0].token_ids for o in outs]
+        if graphs is not None:
+            check(f"decode graphs captured {name}", bool(graphs.graphs), f"sizes {graphs.sizes}")
+    same = sum(a == b for a, b in zip(results[True], results[False], strict=True))
+    check(f"decode graphs {name}", same == len(prompts), f"{same}/{len(prompts)} equal")
 
 
 def triton_kernels_match() -> None:
@@ -236,12 +258,18 @@ def llama_1b_timings() -> None:
     prompt = list(range(1000, 3048))
     rows = []
     hf_ids = torch.tensor([prompt], device=DEVICE)
-    for backend in BACKENDS:  # each runner binds its own cache and backend to the layers
+    setups = [(backend, 0) for backend in BACKENDS]
+    if DEVICE == "cuda":
+        setups.append(("triton", 32))  # + decode steps replayed from CUDA graphs
+    for backend, graph_batch in setups:  # each runner binds its cache and backend to the layers
         runner = ModelRunner(
             RunnerConfig(dtype=torch.bfloat16, device=DEVICE, num_kv_blocks=32 * 160,
-                         attention_backend=backend),
+                         attention_backend=backend, decode_graph_max_batch=graph_batch,
+                         max_model_len=8192),
             model=ours,
         )  # fmt: skip
+        if graph_batch:
+            backend += " + CUDA graphs"
         with torch.inference_mode():
             prefill = timed(lambda r=runner: r.execute([Slice(prompt, 0, 2048, list(range(128)))]))
             hf_prefill = timed(lambda: hf(hf_ids, logits_to_keep=1))

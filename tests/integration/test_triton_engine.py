@@ -43,3 +43,39 @@ def test_triton_backend_generates_what_the_torch_backend_does(tiny_llama):
                 if token_id in got_step:
                     assert got_step[token_id].logprob == pytest.approx(logprob.logprob, abs=1e-3)
 
+
+def test_padded_decode_graph_path_matches_eager(tiny_llama):
+    """The decode-graph path (on CPU: the same padded static-buffer forward, run eagerly)
+    gives the logits of the plain path: 5 requests of different lengths padded to 8, over
+    several decode steps, then a batch that grew past a smaller size's buffers."""
+    from tandem.worker.model_runner import ModelRunner, RunnerConfig
+
+    from helpers import Slice
+
+    folder, _ = tiny_llama
+    runners = {
+        graphs: ModelRunner(RunnerConfig(
+            model=folder, dtype="float32", attention_backend="triton", num_kv_blocks=64,
+            decode_graph_max_batch=8 if graphs else 0, max_model_len=256,
+        ))
+        for graphs in (False, True)
+    }  # fmt: skip
+    assert runners[True].decode_graphs.sizes == [1, 2, 4, 8]
+    prompts = random_prompts(6, 320, 3, 40, seed=9)
+    slices, next_block = [], 0
+    for prompt in prompts:
+        slices.append(Slice(list(prompt), 0, len(prompt), list(range(next_block, next_block + 4))))
+        next_block += 4
+    for step, batch in enumerate([slices[:5]] * 4 + [slices[:3]]):
+        logits = {graphs: runner.execute(batch) for graphs, runner in runners.items()}
+        torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)
+        next_ids = logits[False].argmax(-1).tolist()
+        for s, token in zip(batch, next_ids, strict=True):
+            s.num_computed_tokens += s.num_new_tokens
+            s.token_ids.append(token)
+            s.num_new_tokens = 1
+        if step == 0:
+            continue  # the prompts' step is mixed: it ran eagerly
+        graphs = runners[True].decode_graphs
+        size = 8 if len(batch) == 5 else 4
+        assert graphs.slot_mapping[len(batch) : size].eq(-1).all()  # padded rows store nothing

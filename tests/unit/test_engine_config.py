@@ -217,3 +217,28 @@ def test_compilation_on_cuda_is_logged_as_no_effect(caplog):
     with caplog.at_level(logging.WARNING, logger="tandem.engine.config"):
         assert compile_layers(3, "cuda") is False
     assert "no effect on CUDA" in caplog.text
+
+
+def test_attention_backend_and_decode_graphs_per_device(folder):
+    """CUDA: triton attention and decode graphs up to max_num_seqs, unless enforce_eager, the
+    torch backend, or a block size the kernel cannot tile (which falls back to torch); CPU:
+    torch, eager. Nothing here touches a GPU: the choice is made before anything loads."""
+    import importlib.util
+
+    def runner(**kwargs):
+        return EngineConfig.create(folder, max_num_seqs=64, max_model_len=128, **kwargs).runner
+
+    cpu = runner(device="cpu")
+    assert (cpu.attention_backend, cpu.decode_graph_max_batch) == ("torch", 0)
+    if importlib.util.find_spec("triton") is None:
+        return
+    cuda = runner(device="cuda")
+    assert (cuda.attention_backend, cuda.decode_graph_max_batch, cuda.max_model_len) == (
+        "triton", 64, 128,
+    )  # fmt: skip
+    assert runner(device="cuda", enforce_eager=True).decode_graph_max_batch == 0
+    eager_torch = runner(device="cuda", attention_backend="torch")
+    assert (eager_torch.attention_backend, eager_torch.decode_graph_max_batch) == ("torch", 0)
+    assert runner(device="cuda", block_size=8).attention_backend == "torch"
+    with pytest.raises(ValueError, match="power of two"):
+        runner(device="cuda", block_size=8, attention_backend="triton")

@@ -68,7 +68,7 @@ def test_mixed_batch_matches_torch_backend(num_heads, num_kv_heads, head_dim):
     expected, expected_cache, got, got_cache, plan = run_both(
         shapes, num_heads, num_kv_heads, head_dim, 16, torch.float32
     )
-    assert plan.num_splits == 1 and plan.max_query_len == 37
+    assert plan.num_splits == 1
     torch.testing.assert_close(got, expected, **tolerance(torch.float32))
     assert torch.equal(got_cache, expected_cache)  # the store kernel wrote every slot
 

@@ -85,7 +85,6 @@ def _paged_attention(
     output_stride_token,
     output_stride_head,
     block_table_stride,
-    blocks_per_split,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     QUERIES_PER_KV: tl.constexpr,
@@ -95,6 +94,7 @@ def _paged_attention(
     HEAD_DIM_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    MIN_SPLIT_BLOCKS: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     program = tl.program_id(0)
@@ -123,9 +123,12 @@ def _paged_attention(
     )  # fmt: skip
     position = context_len - query_len + query_index  # each row's own place in the context
 
-    # Keys up to the last query of this program; this split's share of their blocks.
+    # Keys up to the last query of this program; this split's share of their blocks (ranges
+    # of at least MIN_SPLIT_BLOCKS, so a short context leaves the later splits empty). Sized
+    # here, from the program's own context, so a captured graph serves any context length.
     last_query = tl.minimum(query_first + BLOCK_Q, query_len) - 1
     num_blocks = tl.cdiv(context_len - query_len + last_query + 1, BLOCK_SIZE)
+    blocks_per_split = tl.maximum(tl.cdiv(num_blocks, NUM_SPLITS), MIN_SPLIT_BLOCKS)
     block_lo = split * blocks_per_split
     block_hi = tl.minimum(num_blocks, block_lo + blocks_per_split)
 
@@ -218,12 +221,22 @@ class _Plan:
     program_query_start: torch.Tensor  # [P] its first query token within the request
     block_q: int  # query tokens per program
     num_splits: int  # > 1: split-KV (decode-only steps)
-    blocks_per_split: int
-    max_query_len: int
 
 
 def _next_power_of_2(value: int) -> int:
     return 1 << max(0, value - 1).bit_length()
+
+
+def _block_q(max_query_len: int, queries_per_kv: int) -> int:
+    """Query tokens per program. Rows (query tokens x packed heads): 16 is tl.dot's least;
+    longer queries get 64, so that each block read serves more of them."""
+    group_p = _next_power_of_2(queries_per_kv)
+    rows = max(16, group_p) if max_query_len * group_p <= 16 else max(64, group_p)
+    return rows // group_p
+
+
+def _decode_splits(num_programs: int) -> int:
+    return min(-(-TARGET_PROGRAMS // num_programs), MAX_SPLITS)
 
 
 def plan_programs(md: AttentionMetadata, queries_per_kv: int, num_kv_heads: int) -> _Plan:
@@ -231,30 +244,35 @@ def plan_programs(md: AttentionMetadata, queries_per_kv: int, num_kv_heads: int)
     decode-only step whose programs would leave the device idle."""
     query_lens = np.diff(md.query_start_loc_cpu)
     max_query_len = int(query_lens.max(initial=1))
-    group_p = _next_power_of_2(queries_per_kv)
-    # Rows per program (query tokens x packed heads): 16 is tl.dot's least; longer queries get
-    # 64 so each block that is read serves more of them.
-    rows = max(16, group_p) if max_query_len * group_p <= 16 else max(64, group_p)
-    block_q = rows // group_p
+    block_q = _block_q(max_query_len, queries_per_kv)
     num_programs_of = -(-query_lens // block_q)
     program_request = np.repeat(np.arange(len(query_lens)), num_programs_of)
     first = np.cumsum(num_programs_of) - num_programs_of
     program_query_start = (np.arange(len(program_request)) - first[program_request]) * block_q
-    max_blocks = int(-(-int(md.seq_lens_cpu.max(initial=1)) // md.block_size))
-    num_splits, blocks_per_split = 1, max_blocks
+    num_splits = 1
     num_programs = len(program_request) * num_kv_heads
     if max_query_len <= block_q and num_programs < TARGET_PROGRAMS:
-        wanted = min(-(-TARGET_PROGRAMS // num_programs), MAX_SPLITS)
-        blocks_per_split = max(MIN_BLOCKS_PER_SPLIT, -(-max_blocks // wanted))
-        num_splits = -(-max_blocks // blocks_per_split)
+        max_blocks = int(-(-int(md.seq_lens_cpu.max(initial=1)) // md.block_size))
+        num_splits = min(_decode_splits(num_programs), -(-max_blocks // MIN_BLOCKS_PER_SPLIT))
     device = md.slot_mapping.device
     return _Plan(
         program_request=torch.from_numpy(program_request).to(device, non_blocking=True),
         program_query_start=torch.from_numpy(program_query_start).to(device, non_blocking=True),
         block_q=block_q,
         num_splits=num_splits,
-        blocks_per_split=blocks_per_split,
-        max_query_len=max_query_len,
+    )
+
+
+def decode_plan(
+    num_requests: int, queries_per_kv: int, num_kv_heads: int, device: torch.device
+) -> _Plan:
+    """The plan of a decode-only step of `num_requests` (one program each), fixed whatever
+    the contexts, for a captured graph: split as if every context were long."""
+    return _Plan(
+        program_request=torch.arange(num_requests, device=device),
+        program_query_start=torch.zeros(num_requests, dtype=torch.int64, device=device),
+        block_q=_block_q(1, queries_per_kv),
+        num_splits=_decode_splits(num_requests * num_kv_heads),
     )
 
 
@@ -313,11 +331,11 @@ def paged_attention(
         metadata.query_start_loc, plan.program_request, plan.program_query_start,
         partial_out, partial_max, partial_sum, scale,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
-        metadata.block_table.stride(0), plan.blocks_per_split,
+        metadata.block_table.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, QUERIES_PER_KV=queries_per_kv,
         GROUP_P=_next_power_of_2(queries_per_kv), BLOCK_Q=plan.block_q, HEAD_DIM=head_dim,
         HEAD_DIM_P=head_dim_p, BLOCK_SIZE=metadata.block_size, NUM_SPLITS=splits,
-        IEEE=query.dtype == torch.float32,
+        MIN_SPLIT_BLOCKS=MIN_BLOCKS_PER_SPLIT, IEEE=query.dtype == torch.float32,
     )  # fmt: skip
     if splits > 1:
         _merge_splits[(num_tokens, num_heads)](

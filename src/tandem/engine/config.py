@@ -171,6 +171,11 @@ class EngineConfig:
             if not enable_chunked_prefill:
                 max_num_batched_tokens = max(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
         dtype_name, packed_max_tokens = resolve_dtype(dtype, device, model_config, model_path)
+        attention = resolve_attention_backend(attention_backend, device, block_size)
+        decode_graphs = device.startswith("cuda") and not enforce_eager
+        if decode_graphs and attention != "triton":
+            logger.info("decode steps run eagerly: CUDA graphs need the triton attention backend")
+            decode_graphs = False
         runner = RunnerConfig(
             compile_layers=compile_layers(compilation_config, device),
             model=model_path,
@@ -180,7 +185,9 @@ class EngineConfig:
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             kv_cache_memory=kv_cache_memory,
-            attention_backend=resolve_attention_backend(attention_backend, device, block_size),
+            attention_backend=attention,
+            decode_graph_max_batch=max_num_seqs if decode_graphs else 0,
+            max_model_len=max_model_len,
         )
         logger.info("attention backend: %s", runner.attention_backend)
         if async_scheduling is None:
@@ -432,9 +439,9 @@ def _note_no_effect(
             "blocks and recomputes them",
             swap_space,
         )
-    if enforce_eager is not None and (not on_gpu or not enforce_eager):
+    if enforce_eager is not None and not on_gpu:
         logger.warning(
-            "enforce_eager=%s has no effect %s: tandem runs the model eagerly",
+            "enforce_eager=%s has no effect on CPU: tandem runs the model eagerly (CUDA graphs "
+            "are for CUDA devices)",
             enforce_eager,
-            "yet (CUDA graphs are not built)" if on_gpu else "on CPU (no CUDA graphs)",
         )

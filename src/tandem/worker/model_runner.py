@@ -76,8 +76,18 @@ class RunnerConfig:
     num_kv_blocks: int | None = None  # overrides the size computed from kv_cache_memory
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY  # bytes for the cache on CPU
     attention_backend: str = "torch"  # attention/backends.py: torch or triton
+    # Decode-only steps of up to this many requests replay CUDA graphs (worker/cuda_graphs.py;
+    # triton backend; off CUDA the same padded path runs eagerly). 0: every step eager.
+    decode_graph_max_batch: int = 0
+    max_model_len: int | None = None  # sizes the graphs' block tables
 
     def __post_init__(self) -> None:
+        if self.decode_graph_max_batch and (
+            self.attention_backend != "triton" or self.max_model_len is None
+        ):
+            raise ValueError(
+                "decode_graph_max_batch needs attention_backend='triton' and max_model_len"
+            )
         if self.attention_backend not in BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(BACKENDS)}, "
@@ -115,6 +125,22 @@ class ModelRunner:
         budget_blocks = max(1, config.kv_cache_memory // bytes_per_block)
         self.num_kv_blocks = config.num_kv_blocks or budget_blocks
         self.kv_caches = self._allocate_kv_cache()
+        self.decode_graphs = self._decode_graphs() if config.decode_graph_max_batch else None
+
+    def _decode_graphs(self):
+        from tandem.worker.cuda_graphs import DecodeGraphs
+
+        cfg = self.model_config
+        assert self.config.max_model_len is not None
+        graphs = DecodeGraphs(
+            self.model, self.config.decode_graph_max_batch,
+            -(-self.config.max_model_len // self.block_size), self.block_size,
+            cfg.num_attention_heads // cfg.num_key_value_heads, cfg.num_key_value_heads,
+            self.device,
+        )  # fmt: skip
+        if self.device.type == "cuda":
+            graphs.capture()
+        return graphs
 
     def packed_weights(self) -> tuple[int, int, int]:
         """(weights kept packed, their packed bytes, the largest step that uses them), for the
@@ -195,8 +221,11 @@ class ModelRunner:
             if placeholder_token_ids is None:
                 raise ValueError("the batch has placeholder tokens and no ids to fill them in")
             batch.input_ids[batch.placeholder_indices] = placeholder_token_ids
-        with forward_context(batch.attn_metadata):
-            hidden = self.model(batch.input_ids, batch.positions)
+        if self.decode_graphs is not None and self.decode_graphs.fits(batch):
+            hidden = self.decode_graphs.run(batch)
+        else:
+            with forward_context(batch.attn_metadata):
+                hidden = self.model(batch.input_ids, batch.positions)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         prompt = batch.prompt_logits
         if prompt is None:
