@@ -69,7 +69,7 @@ def parity(tmp: str) -> None:
             check(f"logits {name} {dtype} {backend}", error <= tolerance,
                   f"relative error {error:.2e}")  # fmt: skip
         llm = LLM(folder, device=DEVICE, dtype="float32", skip_tokenizer_init=True,
-                  max_num_batched_tokens=32, max_num_seqs=8,
+                  max_num_batched_tokens=32, max_num_seqs=8, num_kv_blocks=64,
                   prefix_caching_hash_algo="sha256")  # fmt: skip
         params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -89,6 +89,7 @@ def parity(tmp: str) -> None:
         check(f"engine greedy {name}", same == len(prompts), f"{same}/{len(prompts)} equal")
         async_scheduling_matches(folder, prompts, name)
         decode_graphs_match(folder, prompts, name)
+    memory_profile_sizes_the_cache(folder)
 
 
 def async_scheduling_matches(folder: str, prompts: list[list[int]], name: str) -> None:
@@ -122,7 +123,7 @@ def decode_graphs_match(folder: str, prompts: list[list[int]], name: str) -> Non
     results = {}
     for eager in (True, False):
         llm = LLM(folder, device=DEVICE, dtype="float32", skip_tokenizer_init=True,
-                  max_num_seqs=8, enforce_eager=eager)  # fmt: skip
+                  max_num_seqs=8, num_kv_blocks=64, enforce_eager=eager)  # fmt: skip
         graphs = llm.llm_engine.core.runner.decode_graphs
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         results[eager] = [o.outputs[0].token_ids for o in outs]
@@ -130,6 +131,32 @@ def decode_graphs_match(folder: str, prompts: list[list[int]], name: str) -> Non
             check(f"decode graphs captured {name}", bool(graphs.graphs), f"sizes {graphs.sizes}")
     same = sum(a == b for a, b in zip(results[True], results[False], strict=True))
     check(f"decode graphs {name}", same == len(prompts), f"{same}/{len(prompts)} equal")
+
+
+def memory_profile_sizes_the_cache(folder: str) -> None:
+    """With no cache size given, the cache takes what gpu_memory_utilization leaves after the
+    profiling step: the instance then holds about that share of the device."""
+    import gc
+
+    if DEVICE != "cuda":
+        return
+    gc.collect()
+    torch.cuda.empty_cache()
+    utilization = 0.3
+    llm = LLM(folder, device=DEVICE, dtype="bfloat16", skip_tokenizer_init=True,
+              gpu_memory_utilization=utilization)  # fmt: skip
+    runner = llm.llm_engine.core.runner
+    _, total = torch.cuda.mem_get_info()
+    reserved = torch.cuda.memory_reserved()
+    out = llm.generate([{"prompt_token_ids": list(range(3, 40))}],
+                       SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # fmt: skip
+    share = reserved / total
+    check("memory profile", 0.2 < share <= utilization + 0.02 and len(out[0].outputs[0].token_ids),
+          f"{runner.num_kv_blocks} KV blocks; torch holds {share:.1%} of the device "
+          f"(asked {utilization:.0%})")  # fmt: skip
+    del llm, runner
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def triton_kernels_match() -> None:

@@ -70,8 +70,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-prefill-token-threshold", type=int, default=0,
                         help="max tokens a prompt takes per step (0: half budget)")  # fmt: skip
     parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--kv-cache-memory", type=parse_size, default="2GiB",
-                        help="KV cache size, e.g. 2GiB")  # fmt: skip
+    parser.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                        help="KV cache size, e.g. 2GiB (default: 2 GiB on CPU; on CUDA, what "
+                        "--gpu-memory-utilization leaves after a profiling step)")  # fmt: skip
     parser.add_argument("--generation-config", default="auto",
                         help="sampling defaults: auto (the model's generation_config.json), "
                              "vllm (none), or a folder")  # fmt: skip

@@ -36,6 +36,7 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 DTYPE_CHOICES = ("auto", *DTYPES, *DTYPE_ALIASES)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # with chunked prefill (vLLM's offline default too)
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's
 GENERATION_CONFIG_SOURCES = ("auto", "vllm")  # or a folder holding generation_config.json
 
 
@@ -98,7 +99,7 @@ class EngineConfig:
         long_prefill_token_threshold: int = 0,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
-        kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
+        kv_cache_memory: int | None = None,
         generation_config: str | Path = "auto",
         override_generation_config: dict[str, Any] | None = None,
         gpu_memory_utilization: float | None = None,
@@ -159,7 +160,11 @@ class EngineConfig:
         model_path = resolve_model_path(model)
         model_config = load_model_config(model_path)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        _note_no_effect(device, gpu_memory_utilization, swap_space, enforce_eager)
+        # CUDA sizes the cache by profiling unless its size is given (vLLM's rule).
+        profile_memory = (
+            device.startswith("cuda") and num_kv_blocks is None and kv_cache_memory is None
+        )
+        _note_no_effect(device, gpu_memory_utilization, swap_space, enforce_eager, profile_memory)
         if max_model_len is not None and max_model_len > model_config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={max_model_len} is larger than the model's "
@@ -184,7 +189,12 @@ class EngineConfig:
             device=device,
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
-            kv_cache_memory=kv_cache_memory,
+            kv_cache_memory=kv_cache_memory or DEFAULT_KV_CACHE_MEMORY,
+            gpu_memory_utilization=(gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION)
+            if profile_memory
+            else None,
+            profile_num_tokens=max_num_batched_tokens,
+            profile_num_seqs=max_num_seqs,
             attention_backend=attention,
             decode_graph_max_batch=max_num_seqs if decode_graphs else 0,
             max_model_len=max_model_len,
@@ -194,6 +204,12 @@ class EngineConfig:
             async_scheduling = device.startswith("cuda") and speculative is None
         draft_runner = None
         if speculative is not None and speculative.method == "draft_model":
+            if profile_memory:
+                raise ValueError(
+                    "a draft model on CUDA needs the KV cache size given (the profile that "
+                    "sizes it does not count the draft model's weights and cache): pass "
+                    "kv_cache_memory or num_kv_blocks"
+                )
             draft_runner = _draft_runner(speculative, runner, model_config, max_model_len)
         scheduler = SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
@@ -416,7 +432,7 @@ def compile_layers(compilation_config: int | dict[str, Any] | None, device: str)
 
 def _note_no_effect(
     device: str, gpu_memory_utilization: float | None, swap_space: float | None,
-    enforce_eager: bool | None,
+    enforce_eager: bool | None, profile_memory: bool,
 ) -> None:  # fmt: skip
     """Log the vLLM knobs that were given but change nothing here (after checking them)."""
     on_gpu = device.startswith("cuda")
@@ -425,12 +441,13 @@ def _note_no_effect(
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
             )
-        logger.warning(
-            "gpu_memory_utilization=%s has no effect %s: the KV cache takes kv_cache_memory "
-            "bytes (or num_kv_blocks)",
-            gpu_memory_utilization,
-            "yet (sizing by GPU profiling is not built)" if on_gpu else "on CPU",
-        )
+        if not profile_memory:
+            logger.warning(
+                "gpu_memory_utilization=%s has no effect %s: the KV cache takes "
+                "kv_cache_memory bytes (or num_kv_blocks)",
+                gpu_memory_utilization,
+                "when the KV cache size is given" if on_gpu else "on CPU",
+            )
     if swap_space is not None:
         if swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {swap_space}")

@@ -25,7 +25,6 @@ from tandem.inputs import PromptType, check_prompt_keys
 from tandem.metrics_reader import Metric, snapshot
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
-from tandem.worker.model_runner import DEFAULT_KV_CACHE_MEMORY
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +70,7 @@ class LLM:
         max_num_partial_prefills: int = 1,
         long_prefill_token_threshold: int = 0,
         num_kv_blocks: int | None = None,
-        kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
+        kv_cache_memory: int | None = None,
         device: str | None = None,
         step_log: str | Path | None = None,
         peak_tflops: float | None = None,

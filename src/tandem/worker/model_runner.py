@@ -19,6 +19,7 @@ from tandem.config import ModelConfig
 from tandem.models.layers import Linear
 from tandem.models.llama import CausalLM
 from tandem.models.loader import load_model
+from tandem.worker.gpu_memory import MemoryProfile, profile_requests
 from tandem.worker.sampler import LogprobsTensors, token_logprobs
 
 DTYPES = {
@@ -79,9 +80,24 @@ class RunnerConfig:
     # Decode-only steps of up to this many requests replay CUDA graphs (worker/cuda_graphs.py;
     # triton backend; off CUDA the same padded path runs eagerly). 0: every step eager.
     decode_graph_max_batch: int = 0
-    max_model_len: int | None = None  # sizes the graphs' block tables
+    max_model_len: int | None = None  # sizes the graphs' block tables and the profiling step
+    # CUDA: the cache takes what this fraction of the device leaves after a profiling step of
+    # profile_num_tokens tokens over up to profile_num_seqs requests (worker/gpu_memory.py);
+    # None: kv_cache_memory bytes (or num_kv_blocks).
+    gpu_memory_utilization: float | None = None
+    profile_num_tokens: int = 0
+    profile_num_seqs: int = 1
 
     def __post_init__(self) -> None:
+        if self.gpu_memory_utilization is not None and not (
+            0 < self.gpu_memory_utilization <= 1
+            and self.profile_num_tokens >= 1
+            and self.max_model_len is not None
+        ):
+            raise ValueError(
+                "gpu_memory_utilization must be in (0, 1] and comes with profile_num_tokens "
+                "and max_model_len"
+            )
         if self.decode_graph_max_batch and (
             self.attention_backend != "triton" or self.max_model_len is None
         ):
@@ -112,6 +128,9 @@ class ModelRunner:
         self.block_size = config.block_size
         if self.device.type == "cpu":
             keep_freed_memory_in_heap()
+        profile = None
+        if config.gpu_memory_utilization is not None and config.num_kv_blocks is None:
+            profile = MemoryProfile(self.device, config.gpu_memory_utilization)  # before loading
         self.model = model or load_model(
             config.model, self.dtype, self.device, config.packed_max_tokens
         )
@@ -122,10 +141,31 @@ class ModelRunner:
             self.model.compile_layers(min_tokens=config.packed_max_tokens + 1)
         self.model_config: ModelConfig = self.model.config
         bytes_per_block = kv_cache_bytes_per_block(self.model_config, self.block_size, self.dtype)
-        budget_blocks = max(1, config.kv_cache_memory // bytes_per_block)
-        self.num_kv_blocks = config.num_kv_blocks or budget_blocks
+        cache_bytes = config.kv_cache_memory
+        if profile is not None:
+            cache_bytes = self._profile(profile, bytes_per_block)
+        self.num_kv_blocks = config.num_kv_blocks or max(1, cache_bytes // bytes_per_block)
         self.kv_caches = self._allocate_kv_cache()
         self.decode_graphs = self._decode_graphs() if config.decode_graph_max_batch else None
+
+    def _profile(self, profile: MemoryProfile, bytes_per_block: int) -> int:
+        """Bytes for the cache: run the largest step over a cache just big enough for it."""
+        config = self.config
+        assert config.max_model_len is not None
+        requests = profile_requests(config.profile_num_tokens, config.profile_num_seqs,
+                                    config.max_model_len, self.block_size)  # fmt: skip
+        self.num_kv_blocks = sum(len(r.block_ids) for r in requests)
+        self.kv_caches = self._allocate_kv_cache()
+
+        def step() -> None:
+            torch.softmax(self.execute(requests), dim=-1)  # and the sampler's copy of the logits
+
+        cache_bytes = profile.kv_cache_bytes(step, self.num_kv_blocks * bytes_per_block)
+        self.kv_caches = []
+        for layer in self.model.attention_layers():
+            layer.kv_cache = torch.empty(0)
+        torch.cuda.empty_cache()
+        return cache_bytes
 
     def _decode_graphs(self):
         from tandem.worker.cuda_graphs import DecodeGraphs
