@@ -1,6 +1,9 @@
-"""One prepared pass on a CUDA machine: parity with HF transformers on the GPU (both attention
-backends), the engine on the GPU, the triton attention kernels against the torch backend at
-full size, and eager forward timings of a Llama-3.2-1B-shaped model against HF.
+"""One prepared pass on a CUDA machine (issue 11): parity with HF transformers on the GPU (both
+attention backends), the engine on the GPU (async scheduling, decode graphs, the profiled KV
+cache), the triton attention kernels against the torch backend at full size, and the timing
+table of a Llama-3-8B-shaped model (random weights, no download) against HF transformers with
+each row's roofline floor: batch-1 decode at context 128 and 4k, batch-64 and -256 decode at
+1k, prefill of 2048 and 8192 tokens, a mixed step, and offline throughput.
 
     PYTHONPATH=src:tests python benchmarks/gpu_check.py
 
@@ -19,6 +22,8 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.config import model_config_from_hf
+from tandem.core.roofline import BatchSums, MachinePeaks, ModelShape, request_sums, sums_work
+from tandem.engine.machine_peaks import machine_peaks
 from tandem.models.llama import CausalLM
 from tandem.models.loader import load_weights
 from tandem.worker.model_runner import ModelRunner, RunnerConfig
@@ -232,48 +237,114 @@ def timed(fn, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def decode_step_times(runner: ModelRunner, hf, batch: int, steps: int = 16) -> tuple[float, float]:
-    """Median seconds per decode step over `steps` steps from a 512-token context, both
-    engines (each run restarts from the same context; the prefill is not timed)."""
+# Ceilings measured on the lent H200 (DESIGN.md): copy bandwidth and bf16 matmul.
+H200_MEASURED = MachinePeaks("H200, measured (DESIGN.md)", 776e12, 4.25e12)
+
+
+def hf_cache(hf, batch: int, context: int):
+    """An HF DynamicCache holding `context` positions of `batch` rows (zeros: the timing does
+    not depend on the values), built without a prefill."""
     from transformers import DynamicCache
 
-    context = 512
-    slices = [Slice(list(range(context + steps)), 0, context, list(range(i * 40, i * 40 + 40)))
-              for i in range(batch)]  # fmt: skip
-    runner.execute(slices)
-    ids = torch.randint(0, 1000, (batch, context + steps), device=DEVICE)
-    ours, theirs = [], []
-    for _ in range(4):
+    config = hf.config
+    cache = DynamicCache()
+    shape = (batch, config.num_key_value_heads, context, config.head_dim)
+    for layer in range(config.num_hidden_layers):
+        keys = torch.zeros(shape, dtype=torch.bfloat16, device=DEVICE)
+        cache.update(keys, torch.zeros_like(keys), layer)
+    return cache
+
+
+def decode_rows(batch: int, context: int, first_block: int) -> list[Slice]:
+    """`batch` requests at `context` cached tokens (the cache's contents do not matter to the
+    timing), each with blocks for 16 more steps."""
+    blocks_each = -(-(context + 16) // 16)
+    return [
+        Slice([0] * (context + 16), context, 1,
+              list(range(first_block + i * blocks_each, first_block + (i + 1) * blocks_each)))
+        for i in range(batch)
+    ]  # fmt: skip
+
+
+def time_decode(runner: ModelRunner, rows: list[Slice], steps: int = 16) -> float:
+    """Median seconds per decode step over `steps` steps, in rounds from the same context."""
+    context = rows[0].num_computed_tokens
+    rounds = []
+    for _ in range(3):
         synchronize()
         start = time.perf_counter()
         for step in range(steps):
-            for s in slices:
-                s.num_computed_tokens, s.num_new_tokens = context + step, 1
-            runner.execute(slices)
+            for row in rows:
+                row.num_computed_tokens = context + step
+            runner.execute(rows)
         synchronize()
-        ours.append((time.perf_counter() - start) / steps)
-        cache = DynamicCache()
-        hf(ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
-        synchronize()
-        start = time.perf_counter()
-        for step in range(steps):
-            position = context + step
-            hf(ids[:, position : position + 1], past_key_values=cache, use_cache=True,
-               logits_to_keep=1)  # fmt: skip
-        synchronize()
-        theirs.append((time.perf_counter() - start) / steps)
-    return statistics.median(ours[1:]), statistics.median(theirs[1:])
+        rounds.append((time.perf_counter() - start) / steps)
+    for row in rows:
+        row.num_computed_tokens = context
+    return statistics.median(rounds)
 
 
-def llama_1b_timings() -> None:
+def time_hf_decode(hf, batch: int, context: int, steps: int = 16) -> float:
+    ids = torch.randint(0, 1000, (batch, 1), device=DEVICE)
+    cache = hf_cache(hf, batch, context)
+    hf(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)  # warm-up
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        hf(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    synchronize()
+    return (time.perf_counter() - start) / steps
+
+
+def time_hf_compiled_decode(hf, context: int, steps: int = 32) -> float:
+    """HF's fast path: a static cache and the forward compiled (mode reduce-overhead), one
+    generate call; seconds per new token after the first."""
+    ids = torch.randint(0, 1000, (1, context), device=DEVICE)
+    hf.generation_config.cache_implementation = "static"
+    forward = hf.forward
+    hf.forward = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
+    try:
+        kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0,
+                      attention_mask=torch.ones_like(ids))  # fmt: skip
+        for _ in range(2):  # compiles
+            hf.generate(ids, max_new_tokens=steps, min_new_tokens=steps, **kwargs)
+        totals = {}
+        for new in (1, steps):
+            synchronize()
+            start = time.perf_counter()
+            hf.generate(ids, max_new_tokens=new, min_new_tokens=new, **kwargs)
+            synchronize()
+            totals[new] = time.perf_counter() - start
+        return (totals[steps] - totals[1]) / (steps - 1)
+    finally:
+        hf.forward = forward
+        hf.generation_config.cache_implementation = None
+
+
+def floor_seconds(shape: ModelShape, peaks: MachinePeaks, work: list[tuple[int, int]]) -> float:
+    """The roofline floor of a step of (cached, new) requests, each sampling one row."""
+    sums = BatchSums()
+    for cached, new in work:
+        sums += request_sums(cached, new, True)
+    step = sums_work(shape, sums)
+    return max(step.flops / peaks.flops_per_second, step.bytes / peaks.bytes_per_second)
+
+
+def llama_8b_table(tmp: str) -> None:
+    """The issue's table on a Llama-3-8B-shaped model with random bf16 weights: tandem (its
+    CUDA defaults: triton attention, decode graphs) against HF transformers in the same run,
+    each row with its roofline floor."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    hf_config = LlamaConfig(
-        vocab_size=128256 // (16 if SMALL else 1), hidden_size=2048 // (8 if SMALL else 1),
-        intermediate_size=8192 // (8 if SMALL else 1), num_hidden_layers=2 if SMALL else 16,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=8192,
-        rope_theta=500000.0, tie_word_embeddings=True,
-    )  # fmt: skip
+    sizes = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                 head_dim=128)  # fmt: skip
+    if SMALL:
+        sizes = dict(vocab_size=4096, hidden_size=256, intermediate_size=512,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=64)  # fmt: skip
+    hf_config = LlamaConfig(**sizes, max_position_embeddings=16384, rope_theta=500000.0,
+                            tie_word_embeddings=False)  # fmt: skip
     with torch.device(DEVICE):
         hf = LlamaForCausalLM(hf_config).to(torch.bfloat16).eval()
     config = model_config_from_hf({**hf_config.to_dict(), "architectures": ["LlamaForCausalLM"]})
@@ -282,36 +353,115 @@ def llama_1b_timings() -> None:
     ours.to_empty(device=DEVICE)
     ours.model.rotary.build_table()
     load_weights(ours, iter(hf.state_dict().items()))
-    prompt = list(range(1000, 3048))
-    rows = []
-    hf_ids = torch.tensor([prompt], device=DEVICE)
-    setups = [(backend, 0) for backend in BACKENDS]
+    shape = ModelShape.of(config, 2, 2, 2)
+    peaks = (
+        H200_MEASURED
+        if "H200" in device_name()
+        else machine_peaks(torch.device(DEVICE), torch.bfloat16)
+    )
+    div = 16 if SMALL else 1
+    big_batch = 256 // div
+    backend = "triton" if "triton" in BACKENDS else "torch"
+    runner = ModelRunner(
+        RunnerConfig(dtype=torch.bfloat16, device=DEVICE, attention_backend=backend,
+                     num_kv_blocks=big_batch * 66 + 1200,
+                     decode_graph_max_batch=big_batch if DEVICE == "cuda" else 0,
+                     max_model_len=16384),
+        model=ours,
+    )  # fmt: skip
+    rows = []  # (case, tandem s, HF s or None, floor s)
+    with torch.inference_mode():
+        for batch, context in [(1, 128), (1, 4096 // div), (64 // div, 1024 // div),
+                               (big_batch, 1024 // div)]:  # fmt: skip
+            ours_s = time_decode(runner, decode_rows(batch, context, 0))
+            try:
+                hf_s = time_hf_decode(hf, batch, context)
+            except torch.cuda.OutOfMemoryError:
+                hf_s = None
+            floor = floor_seconds(shape, peaks, [(context, 1)] * batch)
+            rows.append((f"decode, batch {batch}, context {context}", ours_s, hf_s, floor))
+            print(f"  {rows[-1][0]} done", flush=True)
+        prefills = {}
+        for length in (2048 // div, 8192 // div):
+            prompt = Slice([0] * length, 0, length, list(range(-(-length // 16))))
+            prefills[length] = timed(lambda p=prompt, r=runner: r.execute([p]), repeats=3)
+            hf_ids = torch.randint(0, 1000, (1, length), device=DEVICE)
+            hf_s = timed(lambda i=hf_ids: hf(i, logits_to_keep=1), repeats=3)
+            rows.append((f"prefill {length} tokens", prefills[length], hf_s,
+                         floor_seconds(shape, peaks, [(0, length)])))  # fmt: skip
+        chunk = 2048 // div
+        mixed = [Slice([0] * chunk, 0, chunk, list(range(-(-chunk // 16))))]
+        mixed += decode_rows(64 // div, 1024 // div, -(-chunk // 16))
+        mixed_s = timed(lambda r=runner: r.execute(mixed), repeats=3)
+        mixed_floor = floor_seconds(shape, peaks, [(0, chunk)] + [(1024 // div, 1)] * (64 // div))
+        rows.append((f"mixed: {chunk}-token chunk + {64 // div} decodes at {1024 // div} "
+                     f"({mixed_s / prefills[chunk]:.2f}x the chunk alone)", mixed_s, None,
+                     mixed_floor))  # fmt: skip
+        compiled = None
+        if DEVICE == "cuda":
+            try:
+                compiled = time_hf_compiled_decode(hf, 128)
+            except Exception as error:  # its compile is HF's business: report, go on
+                print(f"  HF compiled decode failed: {type(error).__name__}: {error}")
+    del runner
+    graphs = ", decode graphs" if DEVICE == "cuda" else ""
+    print(f"\n# gpu_check  {device_name()}  torch {torch.__version__}  Llama-3-8B-shaped"
+          f"{' (scaled down)' if SMALL else ''}, random bf16 weights; tandem: {backend} "
+          f"attention{graphs}; floor: {peaks.name}")  # fmt: skip
+    print("| case | tandem ms | HF ms | tandem / HF speed-up | floor ms | tandem / floor |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, ours_s, hf_s, floor in rows:
+        hf_text = "—" if hf_s is None else f"{hf_s * 1e3:.2f}"
+        speedup = "—" if hf_s is None else f"{hf_s / ours_s:.2f}×"
+        print(f"| {name} | {ours_s * 1e3:.2f} | {hf_text} | {speedup} | {floor * 1e3:.2f} | "
+              f"{ours_s / floor:.2f}× |")  # fmt: skip
+    if compiled is not None:
+        print(
+            f"HF static cache + torch.compile, batch-1 decode at context 128: "
+            f"{compiled * 1e3:.2f} ms/token"
+        )
+    offline_throughput(tmp, hf)
+
+
+def offline_throughput(tmp: str, hf) -> None:
+    """500 random requests of 1,024 prompt tokens and 256 new ones through LLM.generate
+    against HF generate in batches of 64 (timed on the first two batches)."""
+    import gc
+
+    num_requests, prompt_len, new_tokens = (8, 64, 16) if SMALL else (500, 1024, 256)
+    folder = f"{tmp}/llama-8b-shaped"
+    hf.save_pretrained(folder)
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, 1000, (num_requests, prompt_len), generator=generator)
+    llm = LLM(folder, device=DEVICE, dtype="bfloat16", skip_tokenizer_init=True,
+              gpu_memory_utilization=0.6 if DEVICE == "cuda" else None,
+              **({} if DEVICE == "cuda" else {"num_kv_blocks": 512}))  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts.tolist()], params,
+                        use_tqdm=False)  # fmt: skip
+    ours = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+    del llm, outs
+    gc.collect()
     if DEVICE == "cuda":
-        setups.append(("triton", 32))  # + decode steps replayed from CUDA graphs
-    for backend, graph_batch in setups:  # each runner binds its cache and backend to the layers
-        runner = ModelRunner(
-            RunnerConfig(dtype=torch.bfloat16, device=DEVICE, num_kv_blocks=32 * 160,
-                         attention_backend=backend, decode_graph_max_batch=graph_batch,
-                         max_model_len=8192),
-            model=ours,
-        )  # fmt: skip
-        if graph_batch:
-            backend += " + CUDA graphs"
-        with torch.inference_mode():
-            prefill = timed(lambda r=runner: r.execute([Slice(prompt, 0, 2048, list(range(128)))]))
-            hf_prefill = timed(lambda: hf(hf_ids, logits_to_keep=1))
-            rows.append((f"prefill 2048 tokens, {backend}", prefill, hf_prefill))
-            for batch in (1, 32):
-                ours_step, hf_step = decode_step_times(runner, hf, batch)
-                rows.append((f"decode step, batch {batch}, context 512, {backend}", ours_step,
-                             hf_step))  # fmt: skip
-        del runner
-    print(f"\n# gpu_check  {device_name()}  torch {torch.__version__}  "
-          "Llama-3.2-1B-shaped, random bf16 weights, eager")  # fmt: skip
-    print("| case | tandem ms | HF ms | tandem speed-up |")
-    print("|---|---:|---:|---:|")
-    for name, ours_s, hf_s in rows:
-        print(f"| {name} | {ours_s * 1e3:.2f} | {hf_s * 1e3:.2f} | {hf_s / ours_s:.2f}× |")
+        torch.cuda.empty_cache()
+    hf_batches = [prompts[i : i + 64].to(DEVICE) for i in range(0, min(128, num_requests), 64)]
+    synchronize()
+    start = time.perf_counter()
+    hf_tokens = 0
+    with torch.inference_mode():
+        for ids in hf_batches:
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              eos_token_id=None, pad_token_id=0)  # fmt: skip
+            hf_tokens += out[:, prompt_len:].numel()
+    synchronize()
+    theirs = hf_tokens / (time.perf_counter() - start)
+    print(
+        f"offline, {num_requests} requests x ({prompt_len} in, {new_tokens} out): tandem "
+        f"{ours:.0f} tok/s, HF {theirs:.0f} tok/s (batches of 64, first "
+        f"{sum(len(b) for b in hf_batches)} requests): {ours / theirs:.1f}×"
+    )
 
 
 def main() -> None:
@@ -320,8 +470,8 @@ def main() -> None:
     print(f"device: {device_name()}  torch {torch.__version__}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         parity(tmp)
-    triton_kernels_match()
-    llama_1b_timings()
+        triton_kernels_match()
+        llama_8b_table(tmp)
     if FAILURES:
         print(f"\n{len(FAILURES)} checks failed: {', '.join(FAILURES)}")
         sys.exit(1)
