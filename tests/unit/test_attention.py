@@ -155,3 +155,23 @@ def test_negative_slots_are_not_stored():
     paged_attention(torch.ones(2, 1, 8), k, k, kv_cache, batch.attn_metadata, 1.0)
     assert kv_cache[0, 1, 0].sum() == 8 and kv_cache[0, 1, 1].sum() == 0
     assert kv_cache[:, 0].abs().sum() == 0
+
+
+def test_step_inputs_go_to_the_device_in_one_copy():
+    """A GPU step's inputs travel packed in one buffer (pack, then split_like on the device):
+    every array comes back with its values and shape (2-D block tables, empty arrays, other
+    integer types), each a separate view. On CPU copy_to_device hands back the arrays."""
+    import numpy as np
+
+    from tandem.attention.metadata import copy_to_device, pack, split_like
+
+    arrays = [np.arange(5), np.arange(12).reshape(3, 4) * 7, np.zeros(0, dtype=np.int64),
+              np.array([3, -1], dtype=np.int32)]  # fmt: skip
+    for tensors in (split_like(pack(arrays, pin=False), arrays),
+                    copy_to_device(arrays, torch.device("cpu"))):  # fmt: skip
+        for tensor, array in zip(tensors, arrays, strict=True):
+            assert tensor.dtype == torch.int64 and tensor.shape == array.shape
+            assert tensor.tolist() == array.tolist()
+    packed = split_like(pack(arrays, pin=False), arrays)
+    packed[0].fill_(-9)
+    assert packed[1].tolist() == (np.arange(12).reshape(3, 4) * 7).tolist()

@@ -149,14 +149,24 @@ def build_batch(
     is_decode = (num_new == 1) | ((num_computed > 0) & (num_new <= MAX_DECODE_QUERY))
     decode_tokens = np.flatnonzero(is_decode[req_of_token])
 
-    def to_device(array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(device, non_blocking=True)
-
+    prompt_logits_arrays = None
+    if prompt_logits_ranges is not None:
+        prompt_logits_arrays = _prompt_logits_rows(
+            requests, prompt_logits_ranges, query_start_loc, num_computed, num_new
+        )
+    host_arrays = [input_ids, positions, logits_indices, slot_mapping, query_start_loc, seq_lens,
+                   block_table]  # fmt: skip
+    if len(placeholders):
+        host_arrays.append(placeholders)
+    if prompt_logits_arrays is not None:
+        host_arrays += prompt_logits_arrays[:2]
+    on_device = iter(copy_to_device(host_arrays, device))
+    input_ids_t, positions_t, logits_indices_t = next(on_device), next(on_device), next(on_device)
     metadata = AttentionMetadata(
-        slot_mapping=to_device(slot_mapping),
-        query_start_loc=to_device(query_start_loc),
-        seq_lens=to_device(seq_lens),
-        block_table=to_device(block_table),
+        slot_mapping=next(on_device),
+        query_start_loc=next(on_device),
+        seq_lens=next(on_device),
+        block_table=next(on_device),
         query_start_loc_cpu=query_start_loc,
         seq_lens_cpu=seq_lens,
         num_computed_tokens_cpu=num_computed,
@@ -166,21 +176,44 @@ def build_batch(
         prefill_indices_cpu=np.flatnonzero(~is_decode),
         block_size=block_size,
     )
+    placeholder_indices = next(on_device) if len(placeholders) else None
     prompt_logits = None
-    if prompt_logits_ranges is not None:
-        rows, target_ids, num_rows = _prompt_logits_rows(
-            requests, prompt_logits_ranges, query_start_loc, num_computed, num_new
+    if prompt_logits_arrays is not None:
+        prompt_logits = PromptLogitsInputs(
+            next(on_device), next(on_device), prompt_logits_arrays[2]
         )
-        prompt_logits = PromptLogitsInputs(to_device(rows), to_device(target_ids), num_rows)
     return BatchInputs(
-        input_ids=to_device(input_ids),
-        positions=to_device(positions),
+        input_ids=input_ids_t,
+        positions=positions_t,
         attn_metadata=metadata,
-        logits_indices=to_device(logits_indices),
+        logits_indices=logits_indices_t,
         prompt_logits=prompt_logits,
-        placeholder_indices=to_device(placeholders) if len(placeholders) else None,
+        placeholder_indices=placeholder_indices,
         placeholder_requests_cpu=req_of_token[placeholders] if len(placeholders) else None,
     )
+
+
+def copy_to_device(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Integer host arrays as int64 tensors on `device`. On CPU the arrays themselves (no
+    copy). On a GPU through one pinned buffer and one copy: a step's inputs are many small
+    arrays, and a copy of each pays a fixed cost (from pageable memory, a wait as well); torch's
+    caching host allocator keeps the buffer until the copy has run, so it does not block."""
+    if device.type != "cuda":
+        return [torch.from_numpy(array.astype(np.int64, copy=False)) for array in arrays]
+    return split_like(pack(arrays, pin=True).to(device, non_blocking=True), arrays)
+
+
+def pack(arrays: Sequence[np.ndarray], pin: bool) -> torch.Tensor:
+    """The arrays' values end to end in one int64 host tensor (pinned if `pin`)."""
+    host = torch.empty(sum(array.size for array in arrays), dtype=torch.int64, pin_memory=pin)
+    np.concatenate([array.reshape(-1) for array in arrays], out=host.numpy(), casting="same_kind")
+    return host
+
+
+def split_like(flat: torch.Tensor, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
+    """`pack`'s tensor cut back into views shaped like `arrays`."""
+    parts = flat.split([array.size for array in arrays])
+    return [part.view(array.shape) for part, array in zip(parts, arrays, strict=True)]
 
 
 def _prompt_logits_rows(
