@@ -220,9 +220,9 @@ def test_compilation_on_cuda_is_logged_as_no_effect(caplog):
 
 
 def test_attention_backend_and_decode_graphs_per_device(folder):
-    """CUDA: triton attention and decode graphs up to max_num_seqs, unless enforce_eager, the
-    torch backend, or a block size the kernel cannot tile (which falls back to torch); CPU:
-    torch, eager. Nothing here touches a GPU: the choice is made before anything loads."""
+    """CUDA: triton attention and decode graphs up to max_num_seqs, unless enforce_eager or
+    the torch backend; CPU: torch, eager. Nothing here touches a GPU: the choice is made
+    before anything loads."""
     import importlib.util
 
     def runner(**kwargs):
@@ -239,6 +239,4 @@ def test_attention_backend_and_decode_graphs_per_device(folder):
     assert runner(device="cuda", enforce_eager=True).decode_graph_max_batch == 0
     eager_torch = runner(device="cuda", attention_backend="torch")
     assert (eager_torch.attention_backend, eager_torch.decode_graph_max_batch) == ("torch", 0)
-    assert runner(device="cuda", block_size=8).attention_backend == "torch"
-    with pytest.raises(ValueError, match="power of two"):
-        runner(device="cuda", block_size=8, attention_backend="triton")
+    assert runner(device="cuda", block_size=8).attention_backend == "triton"

@@ -95,24 +95,26 @@ def test_long_decodes_split_the_context():
     torch.testing.assert_close(got, expected, **tolerance(torch.float32))
 
 
-def test_larger_blocks_and_chunk_spanning_programs():
-    """Block size 32; a chunk long enough to take several programs of query tokens."""
-    shapes = [(45, 100), (0, 70), (9, 1)]
-    expected, _, got, _, plan = run_both(shapes, 6, 2, 16, 32, torch.float32, seed=2)
+@pytest.mark.parametrize("block_size", [32, 8, 5])
+def test_any_block_size_and_chunk_spanning_programs(block_size):
+    """Tiles of keys are independent of the cache's block size (each key looks its block
+    up): blocks of 32, 8 and 5 tokens; a chunk long enough to take several programs."""
+    shapes = [(45, 100), (0, 70), (9, 1), (77, 2)]
+    expected, expected_cache, got, got_cache, plan = run_both(
+        shapes, 6, 2, 16, block_size, torch.float32, seed=2
+    )
     assert len(plan.program_request) > len(shapes)
     torch.testing.assert_close(got, expected, **tolerance(torch.float32))
+    assert torch.equal(got_cache, expected_cache)
 
 
 def test_backend_choice():
-    """auto: torch on CPU; triton asked for on CPU only under the interpreter; a block size
-    the kernel cannot tile is refused with what to pass instead; vLLM's names are taken."""
-    assert resolve_attention_backend("auto", "cpu", 16) == "torch"
-    assert resolve_attention_backend(None, "cpu", 8) == "torch"
-    assert resolve_attention_backend("TORCH_SDPA", "cpu", 16) == "torch"
-    assert resolve_attention_backend("TRITON_ATTN", "cuda", 32) == "triton"
-    assert resolve_attention_backend("triton", "cpu", 16) == "triton"  # interpreter set above
-    for bad in (8, 24):
-        with pytest.raises(ValueError, match="power of two of at least 16"):
-            resolve_attention_backend("triton", "cuda", bad)
+    """auto: torch on CPU, triton on CUDA; triton asked for on CPU only under the
+    interpreter; vLLM's names are taken; others refused with the choices."""
+    assert resolve_attention_backend("auto", "cpu") == "torch"
+    assert resolve_attention_backend(None, "cuda") == "triton"
+    assert resolve_attention_backend("TORCH_SDPA", "cpu") == "torch"
+    assert resolve_attention_backend("TRITON_ATTN", "cuda:1") == "triton"
+    assert resolve_attention_backend("triton", "cpu") == "triton"  # interpreter set above
     with pytest.raises(ValueError, match="not one of"):
-        resolve_attention_backend("flash", "cuda", 16)
+        resolve_attention_backend("flash", "cuda")

@@ -21,17 +21,7 @@ ALIASES = {"torch_sdpa": "torch", "cpu_attn": "torch", "triton_attn": "triton"}
 AttentionFn = Callable[..., torch.Tensor]
 
 
-def check_block_size(block_size: int) -> None:
-    """The triton kernel reads one cache block per tile; tl.dot needs tiles of 16 or more."""
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(
-            f"the triton attention backend needs a block_size that is a power of two of at "
-            f"least 16, got {block_size}: pass block_size=16 (or 32, 64), or "
-            "attention_backend='torch'"
-        )
-
-
-def resolve_attention_backend(name: str | None, device: str, block_size: int) -> str:
+def resolve_attention_backend(name: str | None, device: str) -> str:
     """The backend for `name` ("auto", None, or one of BACKENDS or ALIASES) on `device`;
     ValueError naming what to change."""
     requested = (name or "auto").lower()
@@ -49,11 +39,6 @@ def resolve_attention_backend(name: str | None, device: str, block_size: int) ->
         if not has_triton:
             logger.warning("triton is not installed: attention runs on the torch backend")
             return "torch"
-        try:
-            check_block_size(block_size)
-        except ValueError as error:
-            logger.warning("%s; attention runs on the torch backend", error)
-            return "torch"
         return "triton"
     if chosen == "triton":
         if not has_triton:
@@ -63,7 +48,6 @@ def resolve_attention_backend(name: str | None, device: str, block_size: int) ->
                 "the triton attention backend runs on CUDA devices (on CPU only under "
                 "TRITON_INTERPRET=1, for testing): use attention_backend='torch' here"
             )
-        check_block_size(block_size)
     return chosen
 
 

@@ -6,7 +6,8 @@ decodes, draft verification alike), causal attention of its query tokens over it
 context, reading the cache through the block table in place (no gathered copy). One program
 takes up to BLOCK_Q query tokens of one request and one kv head, with that kv head's query
 heads packed as rows (GQA: each key/value block is read once per kv head, not once per query
-head), walks the context one cache block at a time with an online softmax in fp32, and masks
+head), walks the context in tiles of 32 or 64 keys, each key found in its cache block
+through the block table (any block size), with an online softmax in fp32, and masks
 each row at its own position (the causal offset is the tokens already cached). Decode-only
 steps whose programs are too few to fill the device split each context into ranges
 (split-KV): each range's unnormalized output, running max and sum go to scratch, and
@@ -30,9 +31,9 @@ import triton.language as tl
 from tandem.attention.metadata import AttentionMetadata
 
 # Programs a decode-only step should launch to keep a large GPU busy (an H200 has 132 SMs);
-# fewer, and contexts are split into ranges of at least MIN_BLOCKS_PER_SPLIT blocks.
+# fewer, and contexts are split into ranges of at least MIN_SPLIT_KEYS keys.
 TARGET_PROGRAMS = 512
-MIN_BLOCKS_PER_SPLIT = 16
+MIN_SPLIT_KEYS = 256
 MAX_SPLITS = 64
 
 
@@ -93,8 +94,9 @@ def _paged_attention(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    MIN_SPLIT_BLOCKS: tl.constexpr,
+    MIN_SPLIT_TILES: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     program = tl.program_id(0)
@@ -123,31 +125,35 @@ def _paged_attention(
     )  # fmt: skip
     position = context_len - query_len + query_index  # each row's own place in the context
 
-    # Keys up to the last query of this program; this split's share of their blocks (ranges
-    # of at least MIN_SPLIT_BLOCKS, so a short context leaves the later splits empty). Sized
-    # here, from the program's own context, so a captured graph serves any context length.
+    # Keys up to the last query of this program, in tiles of TILE keys (whatever the cache's
+    # block size: each key finds its block through the table); this split's share of the
+    # tiles (at least MIN_SPLIT_TILES, so a short context leaves the later splits empty).
+    # Sized here, from the program's own context, so a captured graph serves any length.
     last_query = tl.minimum(query_first + BLOCK_Q, query_len) - 1
-    num_blocks = tl.cdiv(context_len - query_len + last_query + 1, BLOCK_SIZE)
-    blocks_per_split = tl.maximum(tl.cdiv(num_blocks, NUM_SPLITS), MIN_SPLIT_BLOCKS)
-    block_lo = split * blocks_per_split
-    block_hi = tl.minimum(num_blocks, block_lo + blocks_per_split)
+    num_keys = context_len - query_len + last_query + 1
+    num_tiles = tl.cdiv(num_keys, TILE)
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), MIN_SPLIT_TILES)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(num_tiles, tile_lo + tiles_per_split)
 
     qk_scale = scale * 1.4426950408889634  # exp2 below: scores in log2 units
     running_max = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_P, HEAD_DIM_P], tl.float32)
-    offsets = tl.arange(0, BLOCK_SIZE)
+    offsets = tl.arange(0, TILE)
     slot_stride = NUM_KV_HEADS * HEAD_DIM
-    for i in range(block_lo, block_hi):
-        block = tl.load(block_table + request * block_table_stride + i).to(tl.int64)
-        base = (block * BLOCK_SIZE + offsets) * slot_stride + kv_head * HEAD_DIM
-        keys = tl.load(key_cache + base[None, :] + dims[:, None], mask=dim_valid[:, None],
-                       other=0.0)  # fmt: skip
+    for i in range(tile_lo, tile_hi):
+        key_position = i * TILE + offsets
+        key_valid = key_position < num_keys
+        block = tl.load(block_table + request * block_table_stride + key_position // BLOCK_SIZE,
+                        mask=key_valid, other=0).to(tl.int64)  # fmt: skip
+        base = (block * BLOCK_SIZE + key_position % BLOCK_SIZE) * slot_stride + kv_head * HEAD_DIM
+        keys = tl.load(key_cache + base[None, :] + dims[:, None],
+                       mask=dim_valid[:, None] & key_valid[None, :], other=0.0)  # fmt: skip
         if IEEE:  # noqa: SIM108 (a statement: the branch not taken is never compiled)
             scores = tl.dot(q, keys, input_precision="ieee")
         else:
             scores = tl.dot(q, keys)
-        key_position = i * BLOCK_SIZE + offsets
         allowed = key_position[None, :] <= position[:, None]
         scores = tl.where(allowed, scores * qk_scale, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, 1))
@@ -155,8 +161,8 @@ def _paged_attention(
         probs = tl.exp2(scores - safe_max[:, None])
         correction = tl.exp2(running_max - safe_max)
         running_sum = running_sum * correction + tl.sum(probs, 1)
-        values = tl.load(value_cache + base[:, None] + dims[None, :], mask=dim_valid[None, :],
-                         other=0.0)  # fmt: skip
+        values = tl.load(value_cache + base[:, None] + dims[None, :],
+                         mask=key_valid[:, None] & dim_valid[None, :], other=0.0)  # fmt: skip
         if IEEE:
             update = tl.dot(probs.to(values.dtype), values, input_precision="ieee")
         else:
@@ -220,6 +226,7 @@ class _Plan:
     program_request: torch.Tensor  # [P] the request of each program
     program_query_start: torch.Tensor  # [P] its first query token within the request
     block_q: int  # query tokens per program
+    tile: int  # keys per iteration
     num_splits: int  # > 1: split-KV (decode-only steps)
 
 
@@ -227,12 +234,14 @@ def _next_power_of_2(value: int) -> int:
     return 1 << max(0, value - 1).bit_length()
 
 
-def _block_q(max_query_len: int, queries_per_kv: int) -> int:
-    """Query tokens per program. Rows (query tokens x packed heads): 16 is tl.dot's least;
-    longer queries get 64, so that each block read serves more of them."""
+def _block_q_and_tile(max_query_len: int, queries_per_kv: int) -> tuple[int, int]:
+    """Query tokens per program and keys per iteration. Rows (query tokens x packed heads): 16
+    is tl.dot's least, enough for decodes and draft verification, with tiles of 32 keys;
+    longer queries get 64 rows, so that each key read serves more of them, and tiles of 64."""
     group_p = _next_power_of_2(queries_per_kv)
-    rows = max(16, group_p) if max_query_len * group_p <= 16 else max(64, group_p)
-    return rows // group_p
+    if max_query_len * group_p <= 16:
+        return max(16, group_p) // group_p, 32
+    return max(64, group_p) // group_p, 64
 
 
 def _decode_splits(num_programs: int) -> int:
@@ -244,7 +253,7 @@ def plan_programs(md: AttentionMetadata, queries_per_kv: int, num_kv_heads: int)
     decode-only step whose programs would leave the device idle."""
     query_lens = np.diff(md.query_start_loc_cpu)
     max_query_len = int(query_lens.max(initial=1))
-    block_q = _block_q(max_query_len, queries_per_kv)
+    block_q, tile = _block_q_and_tile(max_query_len, queries_per_kv)
     num_programs_of = -(-query_lens // block_q)
     program_request = np.repeat(np.arange(len(query_lens)), num_programs_of)
     first = np.cumsum(num_programs_of) - num_programs_of
@@ -252,13 +261,14 @@ def plan_programs(md: AttentionMetadata, queries_per_kv: int, num_kv_heads: int)
     num_splits = 1
     num_programs = len(program_request) * num_kv_heads
     if max_query_len <= block_q and num_programs < TARGET_PROGRAMS:
-        max_blocks = int(-(-int(md.seq_lens_cpu.max(initial=1)) // md.block_size))
-        num_splits = min(_decode_splits(num_programs), -(-max_blocks // MIN_BLOCKS_PER_SPLIT))
+        max_keys = int(md.seq_lens_cpu.max(initial=1))
+        num_splits = min(_decode_splits(num_programs), -(-max_keys // MIN_SPLIT_KEYS))
     device = md.slot_mapping.device
     return _Plan(
         program_request=torch.from_numpy(program_request).to(device, non_blocking=True),
         program_query_start=torch.from_numpy(program_query_start).to(device, non_blocking=True),
         block_q=block_q,
+        tile=tile,
         num_splits=num_splits,
     )
 
@@ -268,10 +278,12 @@ def decode_plan(
 ) -> _Plan:
     """The plan of a decode-only step of `num_requests` (one program each), fixed whatever
     the contexts, for a captured graph: split as if every context were long."""
+    block_q, tile = _block_q_and_tile(1, queries_per_kv)
     return _Plan(
         program_request=torch.arange(num_requests, device=device),
         program_query_start=torch.zeros(num_requests, dtype=torch.int64, device=device),
-        block_q=_block_q(1, queries_per_kv),
+        block_q=block_q,
+        tile=tile,
         num_splits=_decode_splits(num_requests * num_kv_heads),
     )
 
@@ -334,8 +346,9 @@ def paged_attention(
         metadata.block_table.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, QUERIES_PER_KV=queries_per_kv,
         GROUP_P=_next_power_of_2(queries_per_kv), BLOCK_Q=plan.block_q, HEAD_DIM=head_dim,
-        HEAD_DIM_P=head_dim_p, BLOCK_SIZE=metadata.block_size, NUM_SPLITS=splits,
-        MIN_SPLIT_BLOCKS=MIN_BLOCKS_PER_SPLIT, IEEE=query.dtype == torch.float32,
+        HEAD_DIM_P=head_dim_p, BLOCK_SIZE=metadata.block_size, TILE=plan.tile,
+        NUM_SPLITS=splits, MIN_SPLIT_TILES=MIN_SPLIT_KEYS // plan.tile,
+        IEEE=query.dtype == torch.float32,
     )  # fmt: skip
     if splits > 1:
         _merge_splits[(num_tokens, num_heads)](

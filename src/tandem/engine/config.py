@@ -176,7 +176,7 @@ class EngineConfig:
             if not enable_chunked_prefill:
                 max_num_batched_tokens = max(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
         dtype_name, packed_max_tokens = resolve_dtype(dtype, device, model_config, model_path)
-        attention = resolve_attention_backend(attention_backend, device, block_size)
+        attention = resolve_attention_backend(attention_backend, device)
         decode_graphs = device.startswith("cuda") and not enforce_eager
         if decode_graphs and attention != "triton":
             logger.info("decode steps run eagerly: CUDA graphs need the triton attention backend")
