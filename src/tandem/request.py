@@ -102,6 +102,9 @@ class Request:
     # with its first token; set until the KV has arrived or the pull failed).
     hold_kv: bool = field(init=False, default=False)
     remote_prefill: RemotePrefill | None = field(init=False, default=None)
+    # Plain greedy with nothing to report (worker/sampler.argmax_only), set by the engine core
+    # when it takes the request: a batch of such rows samples by argmax alone.
+    argmax_only: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         if self.cache_salt is not None and (

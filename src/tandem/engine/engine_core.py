@@ -40,6 +40,7 @@ from tandem.worker.sampler import (
     LogprobsTensors,
     SamplerOutput,
     SamplingInputs,
+    argmax_only,
     logprob_dicts,
     sample,
 )
@@ -240,6 +241,7 @@ class EngineCore:
         vocab_size = self.runner.model_config.vocab_size
         request.sampling_params.check_vocab(vocab_size)
         self.config.check_logprobs(request.sampling_params)
+        request.argmax_only = argmax_only(request.sampling_params)
         remote = None
         if kv_transfer_params is not None:
             if self.kv_connector is not None:
@@ -672,6 +674,7 @@ class EngineCore:
             if generators
             else [None] * len(requests),
             stop_token_ids_to_block=blocked,
+            all_argmax_only=all(r.argmax_only for r in requests),
         )
 
     def _output(

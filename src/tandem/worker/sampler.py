@@ -39,6 +39,9 @@ class SamplingInputs:
     # cannot be sampled anyway and are ignored.
     stop_token_ids_to_block: list[Sequence[int]]
     # (params carry the rest: allowed_token_ids, bad-word token ids, logit_bias, penalties)
+    # Whether every row's params are argmax_only, when the caller knows (it saves a pass over
+    # every row's attributes per step); None: the sampler looks.
+    all_argmax_only: bool | None = None
 
     def __post_init__(self) -> None:
         lengths = {
@@ -59,6 +62,7 @@ class SamplingInputs:
             [self.output_token_ids[i] for i in rows],
             [self.generators[i] for i in rows],
             [self.stop_token_ids_to_block[i] for i in rows],
+            True if self.all_argmax_only else None,
         )
 
 
@@ -86,7 +90,10 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
         raise ValueError(
             f"logits must be [num_rows={len(inputs.params)}, vocab], got {tuple(logits.shape)}"
         )
-    if all(map(_argmax_only, inputs.params)) and not any(inputs.stop_token_ids_to_block):
+    all_argmax_only = inputs.all_argmax_only
+    if all_argmax_only is None:
+        all_argmax_only = all(map(argmax_only, inputs.params))
+    if all_argmax_only and not any(inputs.stop_token_ids_to_block):
         return SamplerOutput(logits.argmax(dim=-1), None)  # a batch of plain greedy rows
     num_rows = logits.shape[0]
     chunk_rows = max(1, SAMPLE_CHUNK_BYTES // (4 * logits.shape[1]))
@@ -117,7 +124,7 @@ def _sample_rows(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
     return SamplerOutput(tokens, _logprobs(logits, work, tokens, params))
 
 
-def _argmax_only(params: SamplingParams) -> bool:
+def argmax_only(params: SamplingParams) -> bool:
     """Greedy with nothing to change the logits or to report: the token is the argmax (one
     pass over the row's attributes, where the general path makes one per feature)."""
     return (
