@@ -149,7 +149,7 @@ def memory_profile_sizes_the_cache(folder: str) -> None:
     torch.cuda.empty_cache()
     utilization = 0.3
     llm = LLM(folder, device=DEVICE, dtype="bfloat16", skip_tokenizer_init=True,
-              gpu_memory_utilization=utilization)  # fmt: skip
+              gpu_memory_utilization=utilization, max_num_seqs=8)  # fmt: skip
     runner = llm.llm_engine.core.runner
     _, total = torch.cuda.mem_get_info()
     reserved = torch.cuda.memory_reserved()
@@ -237,6 +237,7 @@ def timed(fn, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+TABLE_BACKEND = "triton" if "triton" in BACKENDS else "torch"
 # Ceilings measured on the lent H200 (DESIGN.md): copy bandwidth and bf16 matmul.
 H200_MEASURED = MachinePeaks("H200, measured (DESIGN.md)", 776e12, 4.25e12)
 
@@ -330,40 +331,11 @@ def floor_seconds(shape: ModelShape, peaks: MachinePeaks, work: list[tuple[int, 
     return max(step.flops / peaks.flops_per_second, step.bytes / peaks.bytes_per_second)
 
 
-def llama_8b_table(tmp: str) -> None:
-    """The issue's table on a Llama-3-8B-shaped model with random bf16 weights: tandem (its
-    CUDA defaults: triton attention, decode graphs) against HF transformers in the same run,
-    each row with its roofline floor."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    sizes = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                 head_dim=128)  # fmt: skip
-    if SMALL:
-        sizes = dict(vocab_size=4096, hidden_size=256, intermediate_size=512,
-                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=64)  # fmt: skip
-    hf_config = LlamaConfig(**sizes, max_position_embeddings=16384, rope_theta=500000.0,
-                            tie_word_embeddings=False)  # fmt: skip
-    with torch.device(DEVICE):
-        hf = LlamaForCausalLM(hf_config).to(torch.bfloat16).eval()
-    config = model_config_from_hf({**hf_config.to_dict(), "architectures": ["LlamaForCausalLM"]})
-    with torch.device("meta"):
-        ours = CausalLM(config).to(torch.bfloat16)
-    ours.to_empty(device=DEVICE)
-    ours.model.rotary.build_table()
-    load_weights(ours, iter(hf.state_dict().items()))
-    shape = ModelShape.of(config, 2, 2, 2)
-    peaks = (
-        H200_MEASURED
-        if "H200" in device_name()
-        else machine_peaks(torch.device(DEVICE), torch.bfloat16)
-    )
-    div = 16 if SMALL else 1
+def table_rows(ours, hf, shape: ModelShape, peaks: MachinePeaks, div: int) -> list[tuple]:
+    """(case, tandem s, HF s or None, floor s) for each row of the table."""
     big_batch = 256 // div
-    backend = "triton" if "triton" in BACKENDS else "torch"
     runner = ModelRunner(
-        RunnerConfig(dtype=torch.bfloat16, device=DEVICE, attention_backend=backend,
+        RunnerConfig(dtype=torch.bfloat16, device=DEVICE, attention_backend=TABLE_BACKEND,
                      num_kv_blocks=big_batch * 66 + 1200,
                      decode_graph_max_batch=big_batch if DEVICE == "cuda" else 0,
                      max_model_len=16384),
@@ -397,30 +369,67 @@ def llama_8b_table(tmp: str) -> None:
         rows.append((f"mixed: {chunk}-token chunk + {64 // div} decodes at {1024 // div} "
                      f"({mixed_s / prefills[chunk]:.2f}x the chunk alone)", mixed_s, None,
                      mixed_floor))  # fmt: skip
-        compiled = None
-        if DEVICE == "cuda":
-            try:
-                compiled = time_hf_compiled_decode(hf, 128)
-            except Exception as error:  # its compile is HF's business: report, go on
-                print(f"  HF compiled decode failed: {type(error).__name__}: {error}")
     del runner
-    graphs = ", decode graphs" if DEVICE == "cuda" else ""
-    print(f"\n# gpu_check  {device_name()}  torch {torch.__version__}  Llama-3-8B-shaped"
-          f"{' (scaled down)' if SMALL else ''}, random bf16 weights; tandem: {backend} "
-          f"attention{graphs}; floor: {peaks.name}")  # fmt: skip
-    print("| case | tandem ms | HF ms | tandem / HF speed-up | floor ms | tandem / floor |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, ours_s, hf_s, floor in rows:
-        hf_text = "—" if hf_s is None else f"{hf_s * 1e3:.2f}"
-        speedup = "—" if hf_s is None else f"{hf_s / ours_s:.2f}×"
-        print(f"| {name} | {ours_s * 1e3:.2f} | {hf_text} | {speedup} | {floor * 1e3:.2f} | "
-              f"{ours_s / floor:.2f}× |")  # fmt: skip
+    return rows
+
+
+def llama_8b_table(tmp: str, sections: set[str]) -> None:
+    """The issue's table on a Llama-3-8B-shaped model with random bf16 weights: tandem (its
+    CUDA defaults: triton attention, decode graphs) against HF transformers in the same run,
+    each row with its roofline floor."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sizes = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                 head_dim=128)  # fmt: skip
+    if SMALL:
+        sizes = dict(vocab_size=4096, hidden_size=256, intermediate_size=512,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=64)  # fmt: skip
+    hf_config = LlamaConfig(**sizes, max_position_embeddings=16384, rope_theta=500000.0,
+                            tie_word_embeddings=False)  # fmt: skip
+    with torch.device(DEVICE):
+        hf = LlamaForCausalLM(hf_config).to(torch.bfloat16).eval()
+    config = model_config_from_hf({**hf_config.to_dict(), "architectures": ["LlamaForCausalLM"]})
+    with torch.device("meta"):
+        ours = CausalLM(config).to(torch.bfloat16)
+    ours.to_empty(device=DEVICE)
+    ours.model.rotary.build_table()
+    load_weights(ours, iter(hf.state_dict().items()))
+    shape = ModelShape.of(config, 2, 2, 2)
+    peaks = (
+        H200_MEASURED
+        if "H200" in device_name()
+        else machine_peaks(torch.device(DEVICE), torch.bfloat16)
+    )
+    div = 16 if SMALL else 1
+    rows = table_rows(ours, hf, shape, peaks, div) if "table" in sections else []
+    compiled = None
+    if DEVICE == "cuda" and "hf-compiled" in sections:
+        try:
+            with torch.inference_mode():
+                compiled = time_hf_compiled_decode(hf, 128)
+        except Exception as error:  # its compile is HF's business: report, go on
+            print(f"  HF compiled decode failed: {type(error).__name__}: {error}")
+    if rows:
+        graphs = ", decode graphs" if DEVICE == "cuda" else ""
+        print(f"\n# gpu_check  {device_name()}  torch {torch.__version__}  Llama-3-8B-shaped"
+              f"{' (scaled down)' if SMALL else ''}, random bf16 weights; tandem: {TABLE_BACKEND} "
+              f"attention{graphs}; floor: {peaks.name}")  # fmt: skip
+        print("| case | tandem ms | HF ms | tandem / HF speed-up | floor ms | tandem / floor |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for name, ours_s, hf_s, floor in rows:
+            hf_text = "—" if hf_s is None else f"{hf_s * 1e3:.2f}"
+            speedup = "—" if hf_s is None else f"{hf_s / ours_s:.2f}×"
+            print(f"| {name} | {ours_s * 1e3:.2f} | {hf_text} | {speedup} | {floor * 1e3:.2f} | "
+                  f"{ours_s / floor:.2f}× |")  # fmt: skip
     if compiled is not None:
         print(
             f"HF static cache + torch.compile, batch-1 decode at context 128: "
             f"{compiled * 1e3:.2f} ms/token"
         )
-    offline_throughput(tmp, hf)
+    if "offline" in sections:
+        offline_throughput(tmp, hf)
 
 
 def offline_throughput(tmp: str, hf) -> None:
@@ -464,14 +473,30 @@ def offline_throughput(tmp: str, hf) -> None:
     )
 
 
+SECTIONS = ("parity", "kernels", "table", "hf-compiled", "offline")
+
+
 def main() -> None:
+    import argparse
     import tempfile
 
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true", help="scaled-down shapes: a dry run")
+    parser.add_argument("--only", default=",".join(SECTIONS),
+                        help=f"comma-separated sections to run, of {', '.join(SECTIONS)} "
+                        "(default: all; split them over calls when time is short)")  # fmt: skip
+    sections = set(parser.parse_args().only.split(","))
+    unknown = sections - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}: choose from {', '.join(SECTIONS)}")
     print(f"device: {device_name()}  torch {torch.__version__}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        parity(tmp)
-        triton_kernels_match()
-        llama_8b_table(tmp)
+        if "parity" in sections:
+            parity(tmp)
+        if "kernels" in sections:
+            triton_kernels_match()
+        if sections & {"table", "hf-compiled", "offline"}:
+            llama_8b_table(tmp, sections)
     if FAILURES:
         print(f"\n{len(FAILURES)} checks failed: {', '.join(FAILURES)}")
         sys.exit(1)

@@ -173,5 +173,6 @@ def test_step_inputs_go_to_the_device_in_one_copy():
             assert tensor.dtype == torch.int64 and tensor.shape == array.shape
             assert tensor.tolist() == array.tolist()
     packed = split_like(pack(arrays, pin=False), arrays)
+    assert all(part.storage_offset() % 2 == 0 for part in packed)  # 16-byte aligned views
     packed[0].fill_(-9)
     assert packed[1].tolist() == (np.arange(12).reshape(3, 4) * 7).tolist()

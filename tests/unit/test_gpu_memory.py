@@ -65,3 +65,35 @@ def test_cuda_profiles_unless_the_cache_size_is_given(tiny_llama):
     with pytest.raises(ValueError, match="pass kv_cache_memory or num_kv_blocks"):
         runner(speculative_config={"method": "draft_model", "model": str(folder),
                                    "num_speculative_tokens": 2})  # fmt: skip
+
+
+def test_runner_sizes_its_cache_through_the_profile(tiny_llama, monkeypatch):
+    """The runner's profiling path end to end on CPU, the device's readings faked: the
+    largest step runs over a cache just big enough for it, and the real cache gets the bytes
+    the profile allows."""
+    import tandem.worker.model_runner as model_runner
+
+    folder, _ = tiny_llama
+    seen = {}
+
+    class FakeProfile:
+        def __init__(self, device, utilization):
+            seen["utilization"] = utilization
+
+        def kv_cache_bytes(self, step, profile_cache_bytes):
+            step()
+            seen["profile_cache_bytes"] = profile_cache_bytes
+            return 40 * seen["bytes_per_block"] + 7
+
+    monkeypatch.setattr(model_runner, "MemoryProfile", FakeProfile)
+    config = RunnerConfig(model=folder, dtype="float32", gpu_memory_utilization=0.5,
+                          profile_num_tokens=96, profile_num_seqs=4, max_model_len=64)  # fmt: skip
+    small = ModelRunner(RunnerConfig(model=folder, dtype="float32", num_kv_blocks=1))
+    seen["bytes_per_block"] = model_runner.kv_cache_bytes_per_block(
+        small.model_config, 16, small.dtype
+    )
+    runner = ModelRunner(config)
+    assert seen["utilization"] == 0.5
+    assert seen["profile_cache_bytes"] == 8 * seen["bytes_per_block"]  # 4 x 24 tokens
+    assert runner.num_kv_blocks == 40
+    assert all(cache.shape[1] == 40 for cache in runner.kv_caches)

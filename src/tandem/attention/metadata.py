@@ -203,17 +203,29 @@ def copy_to_device(arrays: Sequence[np.ndarray], device: torch.device) -> list[t
     return split_like(pack(arrays, pin=True).to(device, non_blocking=True), arrays)
 
 
+def _padded_sizes(arrays: Sequence[np.ndarray]) -> list[int]:
+    """Each array's room in the packed buffer: an even number of int64s, so every view starts
+    16-byte aligned (Triton compiles a kernel anew for each alignment of its pointers)."""
+    return [array.size + array.size % 2 for array in arrays]
+
+
 def pack(arrays: Sequence[np.ndarray], pin: bool) -> torch.Tensor:
-    """The arrays' values end to end in one int64 host tensor (pinned if `pin`)."""
-    host = torch.empty(sum(array.size for array in arrays), dtype=torch.int64, pin_memory=pin)
-    np.concatenate([array.reshape(-1) for array in arrays], out=host.numpy(), casting="same_kind")
+    """The arrays' values in one int64 host tensor (pinned if `pin`), each at an aligned
+    offset."""
+    sizes = _padded_sizes(arrays)
+    host = torch.zeros(sum(sizes), dtype=torch.int64, pin_memory=pin)
+    flat = host.numpy()
+    offset = 0
+    for array, size in zip(arrays, sizes, strict=True):
+        flat[offset : offset + array.size] = array.reshape(-1)
+        offset += size
     return host
 
 
 def split_like(flat: torch.Tensor, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
     """`pack`'s tensor cut back into views shaped like `arrays`."""
-    parts = flat.split([array.size for array in arrays])
-    return [part.view(array.shape) for part, array in zip(parts, arrays, strict=True)]
+    parts = flat.split(_padded_sizes(arrays))
+    return [part[: array.size].view(array.shape) for part, array in zip(parts, arrays, strict=True)]
 
 
 def _prompt_logits_rows(

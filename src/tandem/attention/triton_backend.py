@@ -245,7 +245,7 @@ def _block_q_and_tile(max_query_len: int, queries_per_kv: int) -> tuple[int, int
 
 
 def _decode_splits(num_programs: int) -> int:
-    return min(-(-TARGET_PROGRAMS // num_programs), MAX_SPLITS)
+    return min(-(-TARGET_PROGRAMS // max(num_programs, 1)), MAX_SPLITS)
 
 
 def plan_programs(md: AttentionMetadata, queries_per_kv: int, num_kv_heads: int) -> _Plan:
@@ -349,6 +349,8 @@ def paged_attention(
         HEAD_DIM_P=head_dim_p, BLOCK_SIZE=metadata.block_size, TILE=plan.tile,
         NUM_SPLITS=splits, MIN_SPLIT_TILES=MIN_SPLIT_KEYS // plan.tile,
         IEEE=query.dtype == torch.float32,
+        # 64-row programs spill registers with 4 warps at head size 128 (ptxas, sm_90).
+        num_warps=8 if plan.block_q * _next_power_of_2(queries_per_kv) >= 64 else 4,
     )  # fmt: skip
     if splits > 1:
         _merge_splits[(num_tokens, num_heads)](

@@ -11,6 +11,7 @@ TRITON_INTERPRET=1) against the unpadded one."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -99,17 +100,23 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """One graph per size, largest first, sharing one memory pool."""
+        """One graph per size, largest first, sharing one memory pool. The garbage collector
+        stays out of the capture: tensors it frees there could touch the allocator mid-capture."""
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
-            for _ in range(2):  # compiles the kernels and settles the allocator
-                self._forward(size)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._forward(size)
-            self.graphs[size] = graph
+        gc.collect()
+        gc.disable()
+        try:
+            for size in reversed(self.sizes):
+                for _ in range(2):  # compiles the kernels and settles the allocator
+                    self._forward(size)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[size] = self._forward(size)
+                self.graphs[size] = graph
+        finally:
+            gc.enable()
         torch.cuda.synchronize(self.device)
         logger.info(
             "captured CUDA graphs of decode steps for batch sizes %s in %.1f s",

@@ -128,6 +128,7 @@ class ModelRunner:
         self.block_size = config.block_size
         if self.device.type == "cpu":
             keep_freed_memory_in_heap()
+        self.decode_graphs = None  # the profiling step's forward runs before they exist
         profile = None
         if config.gpu_memory_utilization is not None and config.num_kv_blocks is None:
             profile = MemoryProfile(self.device, config.gpu_memory_utilization)  # before loading
@@ -146,7 +147,8 @@ class ModelRunner:
             cache_bytes = self._profile(profile, bytes_per_block)
         self.num_kv_blocks = config.num_kv_blocks or max(1, cache_bytes // bytes_per_block)
         self.kv_caches = self._allocate_kv_cache()
-        self.decode_graphs = self._decode_graphs() if config.decode_graph_max_batch else None
+        if config.decode_graph_max_batch:
+            self.decode_graphs = self._decode_graphs()
 
     def _profile(self, profile: MemoryProfile, bytes_per_block: int) -> int:
         """Bytes for the cache: run the largest step over a cache just big enough for it."""
