@@ -166,3 +166,46 @@ def assert_equals_hf_until_tie(tokens: list[int], reference: list[int], gaps: li
 def random_prompts(count: int, vocab: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+def compare_attention_backends(
+    shapes, num_heads, num_kv_heads, head_dim, block_size, dtype, seed, device,
+    oracle_device: str = "cpu",
+):  # fmt: skip
+    """One step of (cached, new) requests through the torch backend (the oracle, on
+    `oracle_device`) and the triton one (on `device`), each on its own copy of one cache:
+    (expected output, expected cache, output, cache, the triton plan), on the CPU."""
+    from tandem.attention import torch_backend, triton_backend
+
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    num_blocks = sum(-(-(c + n) // block_size) for c, n in shapes) + 7
+    pool = list(range(num_blocks))
+    rng.shuffle(pool)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    slices = []
+    for computed, new in shapes:
+        blocks = [pool.pop() for _ in range(-(-(computed + new) // block_size))]
+        slices.append(Slice(list(range(computed + new)), computed, new, blocks))
+    num_tokens = sum(n for _, n in shapes)
+    # q and k as views of one projection, like the model's (strided, not contiguous).
+    qk = torch.randn(num_tokens, num_heads + num_kv_heads, head_dim, dtype=dtype)
+    q, k = qk.split([num_heads, num_kv_heads], dim=1)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, dtype=dtype)
+    scale = head_dim**-0.5
+
+    def run(backend, kv_cache, device):
+        batch = build_batch(slices, block_size, device)
+        out = backend.paged_attention(
+            q.to(device), k.to(device), v.to(device), kv_cache, batch.attn_metadata, scale
+        )
+        return out.cpu(), kv_cache.cpu(), batch.attn_metadata.backend_plan
+
+    oracle = torch.device(oracle_device)
+    expected, expected_cache, _ = run(torch_backend, cache.clone().to(oracle), oracle)
+    got, got_cache, plan = run(triton_backend, cache.clone().to(device), device)
+    return expected, expected_cache, got, got_cache, plan
+
+
+def attention_tolerance(dtype: torch.dtype) -> dict[str, float]:
+    return {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}

@@ -14,48 +14,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated
 pytest.importorskip("triton")
 
-from tandem.attention import torch_backend, triton_backend
 from tandem.attention.backends import resolve_attention_backend
-from tandem.attention.metadata import build_batch
 
-from helpers import Slice
+from helpers import attention_tolerance as tolerance
+from helpers import compare_attention_backends
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def run_both(shapes, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
-    """The same step through both backends, each on its own copy of one cache."""
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    num_blocks = sum(-(-(c + n) // block_size) for c, n in shapes) + 7
-    pool = list(range(num_blocks))
-    rng.shuffle(pool)
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
-    slices = []
-    for computed, new in shapes:
-        blocks = [pool.pop() for _ in range(-(-(computed + new) // block_size))]
-        slices.append(Slice(list(range(computed + new)), computed, new, blocks))
-    num_tokens = sum(n for _, n in shapes)
-    # q and k as views of one projection, like the model's (strided, not contiguous).
-    qk = torch.randn(num_tokens, num_heads + num_kv_heads, head_dim, dtype=dtype)
-    q, k = qk.split([num_heads, num_kv_heads], dim=1)
-    v = torch.randn(num_tokens, num_kv_heads, head_dim, dtype=dtype)
-    scale = head_dim**-0.5
-
-    def run(backend, kv_cache, device):
-        batch = build_batch(slices, block_size, device)
-        out = backend.paged_attention(
-            q.to(device), k.to(device), v.to(device), kv_cache, batch.attn_metadata, scale
-        )
-        return out.cpu(), kv_cache.cpu(), batch.attn_metadata.backend_plan
-
-    expected, expected_cache, _ = run(torch_backend, cache.clone(), torch.device("cpu"))
-    got, got_cache, plan = run(triton_backend, cache.clone().to(DEVICE), DEVICE)
-    return expected, expected_cache, got, got_cache, plan
-
-
-def tolerance(dtype):
-    return {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    return compare_attention_backends(
+        shapes, num_heads, num_kv_heads, head_dim, block_size, dtype, seed, DEVICE
+    )
 
 
 @pytest.mark.parametrize(
