@@ -9,6 +9,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from tandem.models.llama import CausalLM
 from tandem.models.loader import load_model
 from tandem.worker.gpu_memory import MemoryProfile, profile_requests
 from tandem.worker.sampler import LogprobsTensors, token_logprobs
+
+if TYPE_CHECKING:
+    from tandem.worker.cuda_graphs import DecodeGraphs
 
 DTYPES = {
     "float32": torch.float32,
@@ -128,7 +132,8 @@ class ModelRunner:
         self.block_size = config.block_size
         if self.device.type == "cpu":
             keep_freed_memory_in_heap()
-        self.decode_graphs = None  # the profiling step's forward runs before they exist
+        # Set after the cache: the profiling step's forward runs before they exist.
+        self.decode_graphs: DecodeGraphs | None = None
         profile = None
         if config.gpu_memory_utilization is not None and config.num_kv_blocks is None:
             profile = MemoryProfile(self.device, config.gpu_memory_utilization)  # before loading
@@ -169,8 +174,8 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return cache_bytes
 
-    def _decode_graphs(self):
-        from tandem.worker.cuda_graphs import DecodeGraphs
+    def _decode_graphs(self) -> DecodeGraphs:
+        from tandem.worker.cuda_graphs import DecodeGraphs  # imports triton: only when asked
 
         cfg = self.model_config
         assert self.config.max_model_len is not None
