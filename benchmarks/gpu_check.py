@@ -490,13 +490,21 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}: choose from {', '.join(SECTIONS)}")
     print(f"device: {device_name()}  torch {torch.__version__}", flush=True)
+    started = time.perf_counter()
+
+    def done(section: str) -> None:  # device time is scarce: say where it went
+        print(f"[{section} done at {time.perf_counter() - started:.0f} s]", flush=True)
+
     with tempfile.TemporaryDirectory() as tmp:
         if "parity" in sections:
             parity(tmp)
+            done("parity")
         if "kernels" in sections:
             triton_kernels_match()
+            done("kernels")
         if sections & {"table", "hf-compiled", "offline"}:
             llama_8b_table(tmp, sections)
+            done("table")
     if FAILURES:
         print(f"\n{len(FAILURES)} checks failed: {', '.join(FAILURES)}")
         sys.exit(1)
