@@ -88,3 +88,24 @@ def test_backend_choice():
     assert resolve_attention_backend("triton", "cpu") == "triton"  # interpreter set above
     with pytest.raises(ValueError, match="not one of"):
         resolve_attention_backend("flash", "cuda")
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_steps_match_torch_backend(seed):
+    """Random layouts and steps: blocks larger than a tile (64, 128), contexts ending on and
+    off tile edges, chunks of every length, GQA groups that are and are not powers of two."""
+    rng = random.Random(100 + seed)
+    num_kv_heads = rng.choice([1, 2, 4])
+    num_heads = num_kv_heads * rng.choice([1, 3, 4, 7])
+    head_dim = rng.choice([16, 40, 64])
+    block_size = rng.choice([5, 16, 64, 128])
+    shapes = [
+        (rng.choice([0, rng.randint(1, 300), 32 * rng.randint(1, 8)]),
+         rng.choice([1, 1, 2, 16, rng.randint(1, 90)]))
+        for _ in range(rng.randint(1, 9))
+    ]  # fmt: skip
+    expected, expected_cache, got, got_cache, _ = run_both(
+        shapes, num_heads, num_kv_heads, head_dim, block_size, torch.float32, seed=seed
+    )
+    torch.testing.assert_close(got, expected, **tolerance(torch.float32))
+    assert torch.equal(got_cache, expected_cache)
