@@ -328,14 +328,15 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """Run a step and return what requests got from it; with async scheduling, launch a
-        step and return what the step launched before it produced."""
+        step and return what the step launched before it produced. Outputs known before any
+        step (a decode instance's first tokens, from the prefill instance) are returned at
+        once, without a step: a client waits for no one's forward to see them."""
         if self.kv_connector is not None:
             self.poll_kv_transfers()
-        outputs = self._step_outputs()
         if self._pending_outputs:
-            outputs = self._pending_outputs + outputs
-            self._pending_outputs = []
-        return outputs
+            outputs, self._pending_outputs = self._pending_outputs, []
+            return outputs
+        return self._step_outputs()
 
     def _step_outputs(self) -> list[EngineCoreOutput]:
         if self._executor is None:
