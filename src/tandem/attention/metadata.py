@@ -154,19 +154,21 @@ def build_batch(
         prompt_logits_arrays = _prompt_logits_rows(
             requests, prompt_logits_ranges, query_start_loc, num_computed, num_new
         )
-    host_arrays = [input_ids, positions, logits_indices, slot_mapping, query_start_loc, seq_lens,
-                   block_table]  # fmt: skip
+    host = {
+        "input_ids": input_ids, "positions": positions, "logits_indices": logits_indices,
+        "slot_mapping": slot_mapping, "query_start_loc": query_start_loc, "seq_lens": seq_lens,
+        "block_table": block_table,
+    }  # fmt: skip
     if len(placeholders):
-        host_arrays.append(placeholders)
+        host["placeholders"] = placeholders
     if prompt_logits_arrays is not None:
-        host_arrays += prompt_logits_arrays[:2]
-    on_device = iter(copy_to_device(host_arrays, device))
-    input_ids_t, positions_t, logits_indices_t = next(on_device), next(on_device), next(on_device)
+        host["prompt_rows"], host["prompt_target_ids"], _ = prompt_logits_arrays
+    on_device = dict(zip(host, copy_to_device(list(host.values()), device), strict=True))
     metadata = AttentionMetadata(
-        slot_mapping=next(on_device),
-        query_start_loc=next(on_device),
-        seq_lens=next(on_device),
-        block_table=next(on_device),
+        slot_mapping=on_device["slot_mapping"],
+        query_start_loc=on_device["query_start_loc"],
+        seq_lens=on_device["seq_lens"],
+        block_table=on_device["block_table"],
         query_start_loc_cpu=query_start_loc,
         seq_lens_cpu=seq_lens,
         num_computed_tokens_cpu=num_computed,
@@ -176,19 +178,18 @@ def build_batch(
         prefill_indices_cpu=np.flatnonzero(~is_decode),
         block_size=block_size,
     )
-    placeholder_indices = next(on_device) if len(placeholders) else None
     prompt_logits = None
     if prompt_logits_arrays is not None:
         prompt_logits = PromptLogitsInputs(
-            next(on_device), next(on_device), prompt_logits_arrays[2]
+            on_device["prompt_rows"], on_device["prompt_target_ids"], prompt_logits_arrays[2]
         )
     return BatchInputs(
-        input_ids=input_ids_t,
-        positions=positions_t,
+        input_ids=on_device["input_ids"],
+        positions=on_device["positions"],
         attn_metadata=metadata,
-        logits_indices=logits_indices_t,
+        logits_indices=on_device["logits_indices"],
         prompt_logits=prompt_logits,
-        placeholder_indices=placeholder_indices,
+        placeholder_indices=on_device.get("placeholders"),
         placeholder_requests_cpu=req_of_token[placeholders] if len(placeholders) else None,
     )
 

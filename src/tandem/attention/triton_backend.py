@@ -313,9 +313,7 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Store the new k/v, then causal attention of every request's queries over its whole
-    context. query [T, H, D], key/value [T, KVH, D], kv_cache [2, blocks, block_size, KVH, D]
-    (contiguous)."""
+    """torch_backend.paged_attention on the kernels above (kv_cache contiguous)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     queries_per_kv = num_heads // num_kv_heads
