@@ -55,12 +55,16 @@ def random_tokens(count: int, length: int, seed: int) -> list[list[int]]:
 
 
 class Tandem:
-    def __init__(self, dtype: str, compilation_level: int = 0) -> None:
+    def __init__(
+        self, dtype: str, compilation_level: int = 0, attention_backend: str = "auto"
+    ) -> None:
         self.name = f"tandem {dtype}" + (" compiled" if compilation_level else "")
+        if attention_backend != "auto":
+            self.name += f" ({attention_backend} attention)"
         # No prefix caching: the same prompts run every round.
         self.llm = LLM(
             "default", dtype=dtype, kv_cache_memory=KV_CACHE, enable_prefix_caching=False,
-            compilation_config=compilation_level,
+            compilation_config=compilation_level, attention_backend=attention_backend,
         )  # fmt: skip
 
     def _generate(self, prompts: list[list[int]], max_tokens: int) -> float:
@@ -283,6 +287,11 @@ def main() -> None:
     parser.add_argument("--quality-tokens", type=int, default=3000)
     parser.add_argument("--compile", action="store_true",
                         help="also dtype='auto' with compilation_config=3")  # fmt: skip
+    parser.add_argument("--torch-attention", action="store_true",
+                        help="also dtype='auto' and 'float32' on the torch attention backend "
+                        "(the gather + SDPA reference) beside the default")  # fmt: skip
+    parser.add_argument("--speed-only", action="store_true",
+                        help="only the speed rows (no breakdown, start-up or quality)")  # fmt: skip
     args = parser.parse_args()
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
@@ -300,6 +309,8 @@ def main() -> None:
     engines = [HF(), *(Tandem(dtype) for dtype in TANDEM_DTYPES)]
     if args.compile:
         engines.append(Tandem("auto", compilation_level=3))
+    if args.torch_attention:
+        engines += [Tandem(dtype, attention_backend="torch") for dtype in ("auto", "float32")]
     speed = speed_rows(engines, args.rounds)
     hf = speed[HF.name]
     print(f"\n## Speed (best of {args.rounds} alternated rounds)")
@@ -315,6 +326,16 @@ def main() -> None:
             f"{row['batch_tok_s']:.1f} | {row['batch_tok_s'] / hf['batch_tok_s']:.2f}× |"
         )
 
+    offline = offline_rows(engines) if args.offline else {}
+    if offline:
+        print("\n## Offline workload: 64 prompts of 32-512 tokens, 128 new each (output tok/s)")
+        print("| engine | tok/s | × HF |")
+        print("|---|---:|---:|")
+        for name, rate in offline.items():
+            print(f"| {name} | {rate:.1f} | {rate / offline[HF.name]:.2f}× |")
+    if args.speed_only:
+        return
+
     breakdown = {engine.name: step_breakdown(engine) for engine in engines[1:]}
     print("\n## Batch-1 decode step, ms (share of the step)")
     parts = list(next(iter(breakdown.values())))
@@ -324,14 +345,6 @@ def main() -> None:
         total = sum(row.values())
         cells = " | ".join(f"{row[p]:.2f} ({row[p] / total:.0%})" for p in parts)
         print(f"| {name} | {cells} | {1 - row['forward'] / total:.1%} |")
-
-    offline = offline_rows(engines) if args.offline else {}
-    if offline:
-        print("\n## Offline workload: 64 prompts of 32-512 tokens, 128 new each (output tok/s)")
-        print("| engine | tok/s | × HF |")
-        print("|---|---:|---:|")
-        for name, rate in offline.items():
-            print(f"| {name} | {rate:.1f} | {rate / offline[HF.name]:.2f}× |")
     del engines
 
     startup = {dtype: startup_seconds(dtype) for dtype in TANDEM_DTYPES}

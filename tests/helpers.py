@@ -170,12 +170,16 @@ def random_prompts(count: int, vocab: int, low: int, high: int, seed: int = 0) -
 
 def compare_attention_backends(
     shapes, num_heads, num_kv_heads, head_dim, block_size, dtype, seed, device,
-    oracle_device: str = "cpu",
+    oracle_device: str = "cpu", backend=None,
 ):  # fmt: skip
     """One step of (cached, new) requests through the torch backend (the oracle, on
-    `oracle_device`) and the triton one (on `device`), each on its own copy of one cache:
-    (expected output, expected cache, output, cache, the triton plan), on the CPU."""
-    from tandem.attention import torch_backend, triton_backend
+    `oracle_device`) and `backend` (a backend module, default triton's; on `device`), each on
+    its own copy of one cache: (expected output, expected cache, output, cache, the plan of
+    the backend under test), on the CPU."""
+    from tandem.attention import torch_backend
+
+    if backend is None:
+        from tandem.attention import triton_backend as backend
 
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -203,7 +207,7 @@ def compare_attention_backends(
 
     oracle = torch.device(oracle_device)
     expected, expected_cache, _ = run(torch_backend, cache.clone().to(oracle), oracle)
-    got, got_cache, plan = run(triton_backend, cache.clone().to(device), device)
+    got, got_cache, plan = run(backend, cache.clone().to(device), device)
     return expected, expected_cache, got, got_cache, plan
 
 

@@ -92,8 +92,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help='speculative decoding, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\'')  # fmt: skip
     parser.add_argument("--attention-backend", default="auto",
-                        help="torch (the reference, CPU) or triton (CUDA); auto: triton on "
-                        "CUDA when installed, torch elsewhere")  # fmt: skip
+                        help="torch (the reference), cpu (a C decode kernel built for this "
+                        "CPU) or triton (CUDA); auto: triton on CUDA when installed, cpu on "
+                        "CPU when a C compiler builds it, torch elsewhere")  # fmt: skip
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=None, help="schedule the next step while the forward runs "
                         "(default: on for CUDA, off on CPU)")  # fmt: skip

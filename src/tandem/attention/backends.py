@@ -1,7 +1,8 @@
 """Which paged-attention implementation a model runs: one interface (q, k, v, kv_cache,
-metadata, scale), one backend per device. `torch` is the reference and the CPU path; `triton`
-the CUDA path (auto there when triton is installed). vLLM's names for the same two are taken
-too."""
+metadata, scale), one backend per device. `torch` is the reference (and the oracle in tests);
+`cpu` the CPU path (its decode tokens through a C kernel built for the machine; auto there
+when it builds); `triton` the CUDA path (auto there when triton is installed). vLLM's names
+for the same are taken too."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "cpu", "triton")
 # vLLM's --attention-backend values that mean one of tandem's.
-ALIASES = {"torch_sdpa": "torch", "cpu_attn": "torch", "triton_attn": "triton"}
+ALIASES = {"torch_sdpa": "torch", "cpu_attn": "cpu", "triton_attn": "triton"}
 
 AttentionFn = Callable[..., torch.Tensor]
 
@@ -35,7 +36,9 @@ def resolve_attention_backend(name: str | None, device: str) -> str:
     has_triton = importlib.util.find_spec("triton") is not None
     if chosen == "auto":
         if not on_cuda:
-            return "torch"
+            from tandem.attention import cpu_kernel
+
+            return "cpu" if cpu_kernel.load_library() is not None else "torch"
         if not has_triton:
             logger.warning("triton is not installed: attention runs on the torch backend")
             return "torch"
@@ -48,14 +51,44 @@ def resolve_attention_backend(name: str | None, device: str) -> str:
                 "the triton attention backend runs on CUDA devices (on CPU only under "
                 "TRITON_INTERPRET=1, for testing): use attention_backend='torch' here"
             )
+    if chosen == "cpu":
+        from tandem.attention import cpu_kernel
+
+        if on_cuda:
+            raise ValueError(
+                "the cpu attention backend runs on CPU: use attention_backend='auto' or "
+                "'triton' on CUDA"
+            )
+        if cpu_kernel.load_library() is None:
+            raise ValueError(
+                "attention_backend='cpu' needs a C compiler (cc, or $CC) to build its kernel "
+                "(the log says why it failed): install one or use attention_backend='torch'"
+            )
     return chosen
 
 
-def attention_function(backend: str) -> AttentionFn:
+def attention_function(
+    backend: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+    block_size: int,
+) -> AttentionFn:  # fmt: skip
+    """The backend's paged_attention for a model of this shape; the cpu backend's kernel takes
+    fp32 and bf16 caches of bounded shapes, the torch backend the rest (with a warning)."""
     if backend == "triton":
         from tandem.attention.triton_backend import paged_attention
 
         return paged_attention
+    if backend == "cpu":
+        from tandem.attention import cpu_backend, cpu_kernel
+
+        if cpu_kernel.supports(dtype, num_heads, num_kv_heads, head_dim, block_size):
+            return cpu_backend.paged_attention
+        logger.warning(
+            "the cpu attention kernel takes float32 and bfloat16 caches, query groups of at "
+            "most %d heads, heads of at most %d and blocks of at most %d: %s, %d/%d heads of "
+            "%d, blocks of %d run on the torch backend",
+            cpu_kernel.MAX_GROUP, cpu_kernel.MAX_HEAD_DIM, cpu_kernel.MAX_BLOCK, dtype,
+            num_heads, num_kv_heads, head_dim, block_size,
+        )  # fmt: skip
     from tandem.attention.torch_backend import paged_attention
 
     return paged_attention

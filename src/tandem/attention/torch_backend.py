@@ -18,7 +18,7 @@ from tandem.attention.metadata import AttentionMetadata
 
 
 @dataclass
-class _PrefillSlice:
+class PrefillSlice:
     query_start: int
     query_end: int
     # None when the chunk is the whole context so far: attend to the fresh k/v, plain causal.
@@ -38,13 +38,20 @@ class _DecodeGroup:
 
 
 @dataclass
+class StorePlan:
+    """Where the step's new keys/values go: their cache slots (tokens without one skipped)."""
+
+    token_indices: torch.Tensor | None  # None: every token is stored
+    slots: torch.Tensor
+
+
+@dataclass
 class _Plan:
     """Index tensors derived once per step from the metadata, shared by every layer."""
 
-    store_token_indices: torch.Tensor | None  # None: every token is stored
-    store_slots: torch.Tensor
+    store: StorePlan
     decode_groups: list[_DecodeGroup]
-    prefills: list[_PrefillSlice]
+    prefills: list[PrefillSlice]
 
 
 MIN_DECODE_GROUP = 8  # below this, a call's fixed cost outweighs the padding it saves
@@ -81,47 +88,53 @@ def _decode_group(md: AttentionMetadata, rows: np.ndarray) -> _DecodeGroup:
     )
 
 
-def _make_plan(md: AttentionMetadata) -> _Plan:
+def make_store_plan(md: AttentionMetadata) -> StorePlan:
+    valid = md.slot_mapping >= 0
+    if bool(valid.all()):
+        return StorePlan(None, md.slot_mapping)
+    token_indices = torch.nonzero(valid).squeeze(1)
+    return StorePlan(token_indices, md.slot_mapping[token_indices])
+
+
+def prefill_slices(md: AttentionMetadata) -> list[PrefillSlice]:
+    """The step's prefill chunks, each with what its attention needs."""
     device = md.slot_mapping.device
     block_size = md.block_size
-    valid = md.slot_mapping >= 0
-    all_valid = bool(valid.all())
-    store_token_indices = None if all_valid else torch.nonzero(valid).squeeze(1)
-    store_slots = md.slot_mapping if all_valid else md.slot_mapping[store_token_indices]
-
-    decode_blocks = -(-md.decode_token_seq_lens_cpu // block_size)
-    decode_groups = [_decode_group(md, group) for group in _group_decodes(decode_blocks)]
-
     prefills = []
     for req in md.prefill_indices_cpu:
         start, end = int(md.query_start_loc_cpu[req]), int(md.query_start_loc_cpu[req + 1])
         num_computed = int(md.num_computed_tokens_cpu[req])
         context_len = int(md.seq_lens_cpu[req])
         if num_computed == 0:
-            prefills.append(_PrefillSlice(start, end, None, context_len, None))
+            prefills.append(PrefillSlice(start, end, None, context_len, None))
             continue
         blocks = md.block_table[req, : -(-context_len // block_size)]
         query_pos = torch.arange(num_computed, context_len, device=device)
         mask = torch.arange(context_len, device=device)[None, :] <= query_pos[:, None]
-        prefills.append(_PrefillSlice(start, end, blocks, context_len, mask))
+        prefills.append(PrefillSlice(start, end, blocks, context_len, mask))
+    return prefills
 
+
+def _make_plan(md: AttentionMetadata) -> _Plan:
+    decode_blocks = -(-md.decode_token_seq_lens_cpu // md.block_size)
     return _Plan(
-        store_token_indices=store_token_indices,
-        store_slots=store_slots,
-        decode_groups=decode_groups,
-        prefills=prefills,
+        store=make_store_plan(md),
+        decode_groups=[_decode_group(md, group) for group in _group_decodes(decode_blocks)],
+        prefills=prefill_slices(md),
     )
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan) -> None:
+def store_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, store: StorePlan
+) -> None:
     """Write the step's new keys/values into their cache slots."""
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
     value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
-    if plan.store_token_indices is not None:
-        key, value = key[plan.store_token_indices], value[plan.store_token_indices]
-    key_cache.index_copy_(0, plan.store_slots, key)
-    value_cache.index_copy_(0, plan.store_slots, value)
+    if store.token_indices is not None:
+        key, value = key[store.token_indices], value[store.token_indices]
+    key_cache.index_copy_(0, store.slots, key)
+    value_cache.index_copy_(0, store.slots, value)
 
 
 def paged_attention(
@@ -137,14 +150,14 @@ def paged_attention(
     if metadata.backend_plan is None:
         metadata.backend_plan = _make_plan(metadata)
     plan = metadata.backend_plan
-    store_kv(key, value, kv_cache, plan)
+    store_kv(key, value, kv_cache, plan.store)
     output = torch.empty_like(query)
     for group in plan.decode_groups:
         output[group.token_indices] = _decode_attention(
             query[group.token_indices], kv_cache, group, scale
         )
     for chunk in plan.prefills:
-        output[chunk.query_start : chunk.query_end] = _prefill_attention(
+        output[chunk.query_start : chunk.query_end] = prefill_attention(
             query, key, value, kv_cache, chunk, scale
         )
     return output
@@ -202,12 +215,12 @@ def _decode_attention(
     return out.reshape(num_decodes, num_heads, head_dim)
 
 
-def _prefill_attention(
+def prefill_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     kv_cache: torch.Tensor,
-    chunk: _PrefillSlice,
+    chunk: PrefillSlice,
     scale: float,
 ) -> torch.Tensor:
     # [1, heads, tokens, D] views: with a batch dim SDPA takes its fused CPU kernel (3x faster

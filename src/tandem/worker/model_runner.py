@@ -80,7 +80,7 @@ class RunnerConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides the size computed from kv_cache_memory
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY  # bytes for the cache on CPU
-    attention_backend: str = "torch"  # attention/backends.py: torch or triton
+    attention_backend: str = "torch"  # attention/backends.py: torch, cpu or triton
     # Decode-only steps of up to this many requests replay CUDA graphs (worker/cuda_graphs.py;
     # triton backend; off CUDA the same padded path runs eagerly). 0: every step eager.
     decode_graph_max_batch: int = 0
@@ -211,7 +211,10 @@ class ModelRunner:
         cfg = self.model_config
         shape = (2, self.num_kv_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         caches = []
-        attend = attention_function(self.config.attention_backend)
+        attend = attention_function(
+            self.config.attention_backend, self.dtype, cfg.num_attention_heads,
+            cfg.num_key_value_heads, cfg.head_dim, self.block_size,
+        )  # fmt: skip
         for layer in self.model.attention_layers():
             layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.paged_attention = attend

@@ -1,0 +1,132 @@
+"""The cpu attention backend (decode tokens through the C kernel read in place) against the
+torch backend (the oracle): mixed batches, GQA groups, head sizes with and without a
+specialized kernel, block sizes, fp32 and bf16, random layouts; and how the backend is chosen
+and built."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tandem.attention import backends, cpu_backend, cpu_kernel, torch_backend
+from tandem.attention.metadata import build_batch
+
+from helpers import Slice, compare_attention_backends
+from helpers import attention_tolerance as tolerance
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernel.load_library() is None, reason="no C compiler to build the CPU kernel"
+)
+
+
+def run_both(shapes, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
+    return compare_attention_backends(
+        shapes, num_heads, num_kv_heads, head_dim, block_size, dtype, seed,
+        torch.device("cpu"), backend=cpu_backend,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim",
+    [(9, 3, 64), (8, 1, 128), (4, 4, 32), (14, 2, 80), (32, 8, 128)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_batch_matches_torch_backend(num_heads, num_kv_heads, head_dim, dtype):
+    """Fresh prompts, chunks after cached context, decodes of many lengths (on and off block
+    edges) and draft verification in one step."""
+    shapes = [(0, 37), (20, 13), (50, 1), (33, 4), (0, 1), (15, 1), (16, 16), (70, 2), (31, 1)]
+    expected, expected_cache, got, got_cache, plan = run_both(
+        shapes, num_heads, num_kv_heads, head_dim, 16, dtype
+    )
+    # Decodes and the tokens of requests verifying up to 16 drafts: 13 + 1 + 4 + 1 + 1 + 16 +
+    # 2 + 1; the fresh prompt and the 37-token chunk go to SDPA.
+    assert len(plan.decode_rows) == 39
+    torch.testing.assert_close(got, expected, **tolerance(dtype))
+    assert torch.equal(got_cache, expected_cache)
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 32, 256])
+def test_block_sizes(block_size):
+    shapes = [(0, 5), (300, 1), (1, 1), (63, 3), (64, 1)]
+    expected, _, got, _, _ = run_both(shapes, 6, 2, 64, block_size, torch.float32, seed=3)
+    torch.testing.assert_close(got, expected, **tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_decode_layouts(seed):
+    """Random batches of decodes and verification steps over random contexts, GQA groups of
+    1-8, either dtype: every output row equal to the oracle's within float rounding."""
+    rng = random.Random(seed)
+    num_kv_heads = rng.choice([1, 2, 4])
+    num_heads = num_kv_heads * rng.randint(1, 8)
+    dtype = rng.choice([torch.float32, torch.bfloat16])
+    shapes = [(rng.randint(0, 400), rng.choice([1, 1, 1, rng.randint(2, 16)]))
+              for _ in range(rng.randint(1, 40))]  # fmt: skip
+    expected, _, got, _, _ = run_both(
+        shapes, num_heads, num_kv_heads, rng.choice([64, 128, 48]), rng.choice([8, 16]), dtype,
+        seed=seed,
+    )  # fmt: skip
+    torch.testing.assert_close(got, expected, **tolerance(dtype))
+
+
+def test_large_scores_do_not_overflow():
+    """Scores in the hundreds (softmax's running max must carry them): still the oracle's."""
+    torch.manual_seed(0)
+    cache = torch.randn(2, 8, 16, 2, 64) * 30
+    query = torch.randn(1, 4, 64) * 30
+    key, value = torch.randn(1, 2, 64), torch.randn(1, 2, 64)
+    request = Slice(list(range(100)), 99, 1, [5, 2, 7, 0, 1, 3, 4])
+    outputs = []
+    for backend in (torch_backend, cpu_backend):
+        metadata = build_batch([request], 16, torch.device("cpu")).attn_metadata
+        outputs.append(backend.paged_attention(query, key, value, cache.clone(), metadata, 0.125))
+    assert torch.isfinite(outputs[1]).all()
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-4)
+
+
+def test_auto_picks_the_cpu_backend_on_cpu_and_vllm_names_map():
+    assert backends.resolve_attention_backend("auto", "cpu") == "cpu"
+    assert backends.resolve_attention_backend("CPU_ATTN", "cpu") == "cpu"
+    assert backends.resolve_attention_backend("TORCH_SDPA", "cpu") == "torch"
+    with pytest.raises(ValueError, match="runs on CPU"):
+        backends.resolve_attention_backend("cpu", "cuda")
+
+
+def test_unsupported_shapes_run_on_the_torch_backend(caplog):
+    function = backends.attention_function("cpu", torch.float16, 8, 2, 64, 16)
+    assert function is torch_backend.paged_attention
+    assert "run on the torch backend" in caplog.text
+    assert backends.attention_function("cpu", torch.bfloat16, 8, 2, 64, 16) is (
+        cpu_backend.paged_attention
+    )
+
+
+def test_without_a_compiler_auto_falls_back_and_cpu_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    cpu_kernel.load_library.cache_clear()
+    try:
+        assert cpu_kernel.load_library() is None
+        assert backends.resolve_attention_backend("auto", "cpu") == "torch"
+        with pytest.raises(ValueError, match="C compiler"):
+            backends.resolve_attention_backend("cpu", "cpu")
+    finally:
+        cpu_kernel.load_library.cache_clear()
+
+
+def test_the_library_is_cached_per_cpu(monkeypatch, tmp_path):
+    """A cache shared by machines of different CPUs holds one library per CPU: code built
+    with -march=native for one never loads on another."""
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    built = []
+    for identity in ("model name: A\nflags: avx2", "model name: B\nflags: avx512f"):
+        monkeypatch.setattr(cpu_kernel, "_cpu_identity", lambda identity=identity: identity)
+        cpu_kernel.load_library.cache_clear()
+        try:
+            assert cpu_kernel.load_library() is not None
+        finally:
+            cpu_kernel.load_library.cache_clear()
+        built.append(sorted(p.name for p in (tmp_path / "kernels").iterdir()))
+    assert len(built[0]) == 1 and len(built[1]) == 2
