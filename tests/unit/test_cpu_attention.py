@@ -90,7 +90,7 @@ def test_auto_picks_the_cpu_backend_on_cpu_and_vllm_names_map():
     assert backends.resolve_attention_backend("auto", "cpu") == "cpu"
     assert backends.resolve_attention_backend("CPU_ATTN", "cpu") == "cpu"
     assert backends.resolve_attention_backend("TORCH_SDPA", "cpu") == "torch"
-    with pytest.raises(ValueError, match="runs on CPU"):
+    with pytest.raises(ValueError, match="runs on the CPU"):
         backends.resolve_attention_backend("cpu", "cuda")
 
 
@@ -130,3 +130,28 @@ def test_the_library_is_cached_per_cpu(monkeypatch, tmp_path):
             cpu_kernel.load_library.cache_clear()
         built.append(sorted(p.name for p in (tmp_path / "kernels").iterdir()))
     assert len(built[0]) == 1 and len(built[1]) == 2
+
+
+def test_largest_supported_shape_and_a_strided_query():
+    """The kernel's buffers at their limits (a GQA group of 32, heads of 256, blocks of 256),
+    and a query whose head dimension is not contiguous (copied before the call)."""
+    expected, _, got, _, _ = run_both([(300, 1), (2, 1), (40, 3)], 32, 1, 256, 256,
+                                      torch.float32, seed=4)  # fmt: skip
+    torch.testing.assert_close(got, expected, **tolerance(torch.float32))
+
+    torch.manual_seed(5)
+    cache = torch.randn(2, 6, 16, 2, 64)
+    strided = torch.randn(2, 64, 8).transpose(1, 2)  # [T, H, D], last stride 8
+    key, value = torch.randn(2, 2, 64), torch.randn(2, 2, 64)
+    requests = [Slice(list(range(40)), 39, 1, [3, 0, 5]), Slice(list(range(9)), 8, 1, [1])]
+    outputs = []
+    for backend, query in ((torch_backend, strided.contiguous()), (cpu_backend, strided)):
+        metadata = build_batch(requests, 16, torch.device("cpu")).attn_metadata
+        outputs.append(backend.paged_attention(query, key, value, cache.clone(), metadata, 0.125))
+    torch.testing.assert_close(outputs[1], outputs[0], **tolerance(torch.float32))
+
+
+def test_cpu_backend_is_refused_off_the_cpu():
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        backends.resolve_attention_backend("cpu", "mps")
+    assert backends.resolve_attention_backend("auto", "mps") == "torch"

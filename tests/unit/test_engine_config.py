@@ -221,15 +221,18 @@ def test_compilation_on_cuda_is_logged_as_no_effect(caplog):
 
 def test_attention_backend_and_decode_graphs_per_device(folder):
     """CUDA: triton attention and decode graphs up to max_num_seqs, unless enforce_eager or
-    the torch backend; CPU: torch, eager. Nothing here touches a GPU: the choice is made
-    before anything loads."""
+    the torch backend; CPU: the cpu backend where its kernel builds (else torch), eager.
+    Nothing here touches a GPU: the choice is made before anything loads."""
     import importlib.util
+
+    from tandem.attention import cpu_kernel
 
     def runner(**kwargs):
         return EngineConfig.create(folder, max_num_seqs=64, max_model_len=128, **kwargs).runner
 
     cpu = runner(device="cpu")
-    assert (cpu.attention_backend, cpu.decode_graph_max_batch) == ("torch", 0)
+    expected = "cpu" if cpu_kernel.load_library() is not None else "torch"
+    assert (cpu.attention_backend, cpu.decode_graph_max_batch) == (expected, 0)
     if importlib.util.find_spec("triton") is None:
         return
     cuda = runner(device="cuda")

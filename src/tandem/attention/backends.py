@@ -33,12 +33,15 @@ def resolve_attention_backend(name: str | None, device: str) -> str:
             f"(or vLLM's {', '.join(sorted(ALIASES))})"
         )
     on_cuda = device.startswith("cuda")
+    on_cpu = device == "cpu"
     has_triton = importlib.util.find_spec("triton") is not None
     if chosen == "auto":
-        if not on_cuda:
+        if on_cpu:
             from tandem.attention import cpu_kernel
 
             return "cpu" if cpu_kernel.load_library() is not None else "torch"
+        if not on_cuda:
+            return "torch"
         if not has_triton:
             logger.warning("triton is not installed: attention runs on the torch backend")
             return "torch"
@@ -54,10 +57,10 @@ def resolve_attention_backend(name: str | None, device: str) -> str:
     if chosen == "cpu":
         from tandem.attention import cpu_kernel
 
-        if on_cuda:
+        if not on_cpu:
             raise ValueError(
-                "the cpu attention backend runs on CPU: use attention_backend='auto' or "
-                "'triton' on CUDA"
+                f"the cpu attention backend runs on the CPU, not {device}: use "
+                "attention_backend='auto' (triton on CUDA, torch elsewhere)"
             )
         if cpu_kernel.load_library() is None:
             raise ValueError(

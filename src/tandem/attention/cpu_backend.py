@@ -65,8 +65,19 @@ def decode_attention(
     kernel = cpu_kernel.kernel(query.dtype, head_dim)
     if query.stride(2) != 1:
         query = query.contiguous()
-    if not kv_cache.is_contiguous() or not block_table.is_contiguous():
-        raise ValueError("the CPU decode kernel needs a contiguous cache and block table")
+    if not (
+        kv_cache.device.type == "cpu"
+        and kv_cache.is_contiguous()
+        and kv_cache.dtype == query.dtype == output.dtype
+        and block_table.dtype == torch.int64
+        and block_table.is_contiguous()
+        and output.is_contiguous()
+        and query.shape[1] % num_kv_heads == 0
+    ):
+        raise ValueError(
+            "the CPU decode kernel takes CPU tensors: a contiguous cache of the query's dtype, "
+            "a contiguous int64 block table and output, and whole GQA groups"
+        )
     kernel(
         query.data_ptr(), query.stride(0), query.stride(1),
         kv_cache.data_ptr(), num_blocks, block_table.data_ptr(), block_table.stride(0),

@@ -101,10 +101,15 @@ def load_library() -> ctypes.CDLL | None:
             "\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_identity()]).encode()
         ).hexdigest()[:16]
         target = cache_root() / "kernels" / f"paged_decode_attention-{digest}.so"
+        if target.exists():
+            try:
+                library = ctypes.CDLL(str(target))
+            except OSError:  # a damaged file: build it again
+                target.unlink(missing_ok=True)
         if not target.exists():
             _build(compiler, target)
             logger.info("built the CPU decode-attention kernel: %s", target)
-        library = ctypes.CDLL(str(target))
+            library = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", None) or error
         logger.warning("cannot build the CPU decode-attention kernel (%s): the torch backend "
@@ -132,6 +137,7 @@ def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: in
     """Whether the kernel takes this shape and dtype (its buffers are fixed-size)."""
     return (
         dtype in DTYPE_SUFFIXES
+        and num_heads % num_kv_heads == 0
         and num_heads // num_kv_heads <= MAX_GROUP
         and head_dim <= MAX_HEAD_DIM
         and block_size <= MAX_BLOCK
