@@ -1,7 +1,7 @@
-"""The CPU decode-attention kernel (csrc/paged_decode_attention.c): compiled for this machine
-on first use, cached, loaded with ctypes.
+"""The CPU kernels (csrc/): decode attention over the paged cache, and a layer's RMSNorm and
+RoPE in one call each; compiled for this machine on first use, cached, loaded with ctypes.
 
-A plain C file (no torch headers) builds in well under a second with the C compiler torch's
+Plain C files (no torch headers) builds in well under a second with the C compiler torch's
 own CPU compilation already needs, so there is nothing to install and nothing to ship
 prebuilt. `-march=native` code only runs where it was built: the cached library's name hashes
 the source, the compiler and the CPU's model and flags, so a cache shared across machines
@@ -26,7 +26,8 @@ from tandem.cache import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.c"
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("paged_decode_attention.c", "layer_ops.c")]  # fmt: skip
 # -ffast-math's parts that vectorize reductions and the exp polynomial; -ffast-math itself
 # would link crtfastmath (flush-to-zero for the whole process) and assume no infinities.
 FLAGS = [
@@ -50,6 +51,8 @@ SPECIALIZED_HEAD_DIMS = (64, 128)
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64,
              _i64, _i64, ctypes.c_float, _ptr, ctypes.c_int]  # fmt: skip
+_RMS_NORM_ARGTYPES = [_ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float, ctypes.c_int]
+_ROTARY_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, ctypes.c_int]
 
 
 def _cpu_identity() -> str:
@@ -74,7 +77,7 @@ def _build(compiler: str, target: Path) -> None:
         staging_path = Path(staging.name)
     try:
         subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", str(staging_path), "-lm"],
+            [compiler, *FLAGS, *map(str, SOURCES), "-o", str(staging_path), "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -98,9 +101,11 @@ def load_library() -> ctypes.CDLL | None:
             [compiler, "--version"], capture_output=True, text=True, timeout=30
         ).stdout
         digest = hashlib.sha256(
-            "\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_identity()]).encode()
+            "\0".join(
+                [*(s.read_text() for s in SOURCES), version, " ".join(FLAGS), _cpu_identity()]
+            ).encode()
         ).hexdigest()[:16]
-        target = cache_root() / "kernels" / f"paged_decode_attention-{digest}.so"
+        target = cache_root() / "kernels" / f"tandem_cpu_kernels-{digest}.so"
         if target.exists():
             try:
                 library = ctypes.CDLL(str(target))
@@ -120,7 +125,57 @@ def load_library() -> ctypes.CDLL | None:
             function = getattr(library, f"paged_decode_attention_{suffix}{head_dim}")
             function.argtypes = _ARGTYPES
             function.restype = None
+        for name, argtypes in (("rms_norm", _RMS_NORM_ARGTYPES), ("rotary", _ROTARY_ARGTYPES)):
+            function = getattr(library, f"{name}_{suffix}")
+            function.argtypes = argtypes
+            function.restype = None
     return library
+
+
+def _layer_op_library(x: torch.Tensor) -> ctypes.CDLL | None:
+    """The library where a layer op on `x` can run in it: CPU, fp32 or bf16, outside
+    torch.compile's tracing (which cannot see into a ctypes call)."""
+    if x.device.type != "cpu" or x.dtype not in DTYPE_SUFFIXES or torch.compiler.is_compiling():
+        return None
+    return load_library()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """models/layers.RMSNorm's result in one call, or None where the kernel does not take it
+    (then the caller runs the torch version)."""
+    library = _layer_op_library(x)
+    if library is None or not x.is_contiguous() or weight.dtype != x.dtype:
+        return None
+    out = torch.empty_like(x)
+    size = x.shape[-1]
+    getattr(library, f"rms_norm_{DTYPE_SUFFIXES[x.dtype]}")(
+        x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // size, size, eps,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """models/layers.apply_rotary in place on `x` [T, heads, head_dim] (heads contiguous), with
+    RotaryEmbedding's cos and sin (halves of one fp32 row per token); False where the kernel
+    does not take it."""
+    library = _layer_op_library(x)
+    half = x.shape[-1] // 2
+    if (
+        library is None
+        or x.stride(2) != 1
+        or x.stride(1) != x.shape[2]
+        or cos.dtype != torch.float32
+        or cos.stride(-1) != 1
+        or sin.data_ptr() != cos.data_ptr() + half * cos.element_size()
+        or sin.stride(0) != cos.stride(0)
+    ):
+        return False
+    getattr(library, f"rotary_{DTYPE_SUFFIXES[x.dtype]}")(
+        x.data_ptr(), x.stride(0), x.shape[1], x.shape[2], cos.data_ptr(), cos.stride(0),
+        x.shape[0], torch.get_num_threads(),
+    )  # fmt: skip
+    return True
 
 
 def kernel(dtype: torch.dtype, head_dim: int) -> ctypes._CFuncPtr:

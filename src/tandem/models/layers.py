@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.attention import cpu_kernel
 from tandem.config import RopeConfig
 from tandem.models.packed import PackedWeight
 
@@ -32,6 +33,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = cpu_kernel.rms_norm(x, self.weight, self.eps)
+        if fused is not None:
+            return fused
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
@@ -116,7 +120,10 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE of `x` [T, heads, head_dim], computed in float32."""
+    """Rotate-half RoPE of `x` [T, heads, head_dim], computed in float32; on CPU in place, in
+    one kernel call (cpu_kernel.rotary_, the same arithmetic), elsewhere a new tensor."""
+    if cpu_kernel.rotary_(x, cos, sin):
+        return x
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
