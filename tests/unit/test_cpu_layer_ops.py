@@ -47,9 +47,9 @@ def test_rms_norm_matches_torch(dtype, num_tokens):
     norm.weight.data = torch.randn(576).to(dtype)
     x = torch.randn(num_tokens, 576, dtype=dtype) * 3
     expected = F.rms_norm(x.float(), (576,), norm.weight.float(), 1e-5).to(dtype)
-    with torch.inference_mode():
+    with torch.inference_mode():  # as the engine runs it (autograd needs the torch version)
         got = norm(x)
-    assert cpu_kernel.rms_norm(x, norm.weight, 1e-5) is not None  # the kernel ran
+        assert cpu_kernel.rms_norm(x, norm.weight, 1e-5) is not None  # the kernel ran
     tolerance = (
         {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 8e-3}
     )
@@ -65,6 +65,10 @@ def test_what_the_kernels_leave_to_torch():
     cos, sin = torch.randn(3, 1, 64).chunk(2, dim=-1)
     assert not cpu_kernel.rotary_(heads.transpose(0, 1), cos, sin)  # heads not contiguous
     assert not cpu_kernel.rotary_(heads, cos.double(), sin.double())
+    broadcast_cos, broadcast_sin = torch.randn(1, 1, 64).chunk(2, dim=-1)
+    assert not cpu_kernel.rotary_(heads, broadcast_cos, broadcast_sin)  # one row for 3 tokens
+    weight = torch.ones(64, requires_grad=True)
+    assert cpu_kernel.rms_norm(x, weight, 1e-5) is None  # autograd needs the torch version
     separate_sin = torch.randn(3, 1, 32)
     assert not cpu_kernel.rotary_(heads, cos, separate_sin)  # not one cos/sin row
     torch.testing.assert_close(

@@ -42,6 +42,7 @@ FLAGS = [
     "-fassociative-math",
     "-fno-signed-zeros",
     "-freciprocal-math",
+    "-ffp-contract=off",  # no fused multiply-adds: RoPE stays bit-identical to torch's
 ]
 # The kernel's stack buffers (csrc: MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK).
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 32, 256, 256
@@ -94,7 +95,7 @@ def load_library() -> ctypes.CDLL | None:
     one warning) where it cannot be built or loaded."""
     compiler = _compiler()
     if compiler is None:
-        logger.warning("no C compiler (cc): CPU decode attention runs on the torch backend")
+        logger.warning("no C compiler (cc): CPU decode attention, RMSNorm and RoPE run in torch")
         return None
     try:
         version = subprocess.run(
@@ -117,8 +118,8 @@ def load_library() -> ctypes.CDLL | None:
             library = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", None) or error
-        logger.warning("cannot build the CPU decode-attention kernel (%s): the torch backend "
-                       "runs instead", detail)  # fmt: skip
+        logger.warning("cannot build the CPU kernels (%s): decode attention, RMSNorm and RoPE "
+                       "run in torch", detail)  # fmt: skip
         return None
     for suffix in DTYPE_SUFFIXES.values():
         for head_dim in ("", *(f"_{d}" for d in SPECIALIZED_HEAD_DIMS)):
@@ -135,7 +136,12 @@ def load_library() -> ctypes.CDLL | None:
 def _layer_op_library(x: torch.Tensor) -> ctypes.CDLL | None:
     """The library where a layer op on `x` can run in it: CPU, fp32 or bf16, outside
     torch.compile's tracing (which cannot see into a ctypes call)."""
-    if x.device.type != "cpu" or x.dtype not in DTYPE_SUFFIXES or torch.compiler.is_compiling():
+    if (
+        x.device.type != "cpu"
+        or x.dtype not in DTYPE_SUFFIXES
+        or torch.compiler.is_compiling()
+        or (torch.is_grad_enabled() and x.requires_grad)  # autograd cannot see into C
+    ):
         return None
     return load_library()
 
@@ -144,7 +150,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     """models/layers.RMSNorm's result in one call, or None where the kernel does not take it
     (then the caller runs the torch version)."""
     library = _layer_op_library(x)
-    if library is None or not x.is_contiguous() or weight.dtype != x.dtype:
+    if (
+        library is None
+        or not x.is_contiguous()
+        or weight.dtype != x.dtype
+        or weight.shape != (x.shape[-1],)
+        or not weight.is_contiguous()
+        or weight.device != x.device
+        or (torch.is_grad_enabled() and weight.requires_grad)
+    ):
         return None
     out = torch.empty_like(x)
     size = x.shape[-1]
@@ -163,9 +177,14 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     half = x.shape[-1] // 2
     if (
         library is None
+        or x.dim() != 3
         or x.stride(2) != 1
         or x.stride(1) != x.shape[2]
+        or x.stride(0) < x.shape[1] * x.shape[2]  # overlapping tokens
         or cos.dtype != torch.float32
+        or cos.device != x.device
+        or cos.shape[0] != x.shape[0]
+        or cos.shape[-1] != half
         or cos.stride(-1) != 1
         or sin.data_ptr() != cos.data_ptr() + half * cos.element_size()
         or sin.stride(0) != cos.stride(0)
