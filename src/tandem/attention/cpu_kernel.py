@@ -26,8 +26,9 @@ from tandem.cache import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("paged_decode_attention.c", "layer_ops.c")]  # fmt: skip
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "paged_decode_attention.c", CSRC / "layer_ops.c"]
+HEADERS = [CSRC / "element_types.h"]  # hashed with the sources: a change rebuilds
 # -ffast-math's parts that vectorize reductions and the exp polynomial; -ffast-math itself
 # would link crtfastmath (flush-to-zero for the whole process) and assume no infinities.
 FLAGS = [
@@ -103,7 +104,12 @@ def load_library() -> ctypes.CDLL | None:
         ).stdout
         digest = hashlib.sha256(
             "\0".join(
-                [*(s.read_text() for s in SOURCES), version, " ".join(FLAGS), _cpu_identity()]
+                [
+                    *(f.read_text() for f in SOURCES + HEADERS),
+                    version,
+                    " ".join(FLAGS),
+                    _cpu_identity(),
+                ]
             ).encode()
         ).hexdigest()[:16]
         target = cache_root() / "kernels" / f"tandem_cpu_kernels-{digest}.so"

@@ -1,25 +1,9 @@
 /* A decoder layer's small element-wise ops, one call each instead of several torch ops (at
    batch 1 each torch op costs more in dispatch than in arithmetic). Same arithmetic as their
    torch versions in models/layers.py: fp32 throughout, rounded once to the element type; no
-   FMA contraction (-std=c11), so RoPE is bit-identical to the torch version. */
+   FMA contraction (-ffp-contract=off), so RoPE is bit-identical to the torch version. */
 
-#include <math.h>
-#include <stdint.h>
-
-static inline float bf16_to_float(uint16_t bits) {
-    union { uint32_t u; float f; } c;
-    c.u = (uint32_t)bits << 16;
-    return c.f;
-}
-
-static inline uint16_t float_to_bf16(float value) {
-    union { uint32_t u; float f; } c;
-    c.f = value;
-    if (isnan(value)) return 0x7FC0;
-    return (uint16_t)((c.u + 0x7FFF + ((c.u >> 16) & 1)) >> 16); /* round to nearest even */
-}
-
-static inline float float_id(float x) { return x; }
+#include "element_types.h"
 
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, rows of `size` contiguous elements. */
 #define DEFINE_RMS_NORM(NAME, T, LOAD, STORE)                                                   \
@@ -60,7 +44,7 @@ void NAME(T *x, int64_t token_stride, int64_t num_heads, int64_t head_dim,      
     }                                                                                           \
 }
 
-DEFINE_RMS_NORM(rms_norm_f32, float, float_id, float_id)
-DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, bf16_to_float, float_to_bf16)
-DEFINE_ROTARY(rotary_f32, float, float_id, float_id)
-DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_to_float, float_to_bf16)
+DEFINE_RMS_NORM(rms_norm_f32, float, f32_load, f32_store)
+DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_ROTARY(rotary_f32, float, f32_load, f32_store)
+DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_load, bf16_store)

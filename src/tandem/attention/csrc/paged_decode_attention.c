@@ -7,26 +7,13 @@
    the machine it runs on, with reassociation allowed (vectorized reductions) but not
    -ffast-math, whose start-up code would set flush-to-zero for the whole process. */
 
-#include <math.h>
-#include <stdint.h>
 #include <string.h>
+
+#include "element_types.h"
 
 #define MAX_GROUP 32
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 256
-
-static inline float bf16_load(uint16_t bits) {
-    union { uint32_t u; float f; } c;
-    c.u = (uint32_t)bits << 16;
-    return c.f;
-}
-
-static inline uint16_t bf16_store(float value) {
-    union { uint32_t u; float f; } c;
-    c.f = value;
-    if (isnan(value)) return 0x7FC0;
-    return (uint16_t)((c.u + 0x7FFF + ((c.u >> 16) & 1)) >> 16); /* round to nearest even */
-}
 
 /* e^x for x <= 0 (scores minus their running max), relative error ~2e-7: 2^(x log2 e) as
    2^n (exponent bits) times a degree-6 polynomial for 2^f, f in [-1/2, 1/2] (Cephes' exp2f
@@ -46,9 +33,6 @@ static inline float exp_nonpositive(float x) {
     scale.u = (uint32_t)((int32_t)n + 127) << 23;
     return p * scale.f;
 }
-
-static inline float f32_load(float x) { return x; }
-static inline float f32_store(float x) { return x; }
 
 /* DEFINE_DECODE(name, element type, load, store): one kernel per cache dtype.
    query [tokens, heads, head_dim] with strides (q_token_stride, q_head_stride, 1);
