@@ -19,8 +19,8 @@ from tandem.attention.metadata import AttentionMetadata
 from tandem.attention.torch_backend import (
     PrefillSlice,
     StorePlan,
+    attend_prefills,
     make_store_plan,
-    prefill_attention,
     prefill_slices,
     store_kv,
 )
@@ -103,8 +103,5 @@ def paged_attention(
     output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if len(plan.decode_rows):
         decode_attention(query, kv_cache, metadata.block_table, plan, scale, output)
-    for chunk in plan.prefills:
-        output[chunk.query_start : chunk.query_end] = prefill_attention(
-            query, key, value, kv_cache, chunk, scale
-        )
+    attend_prefills(query, key, value, kv_cache, plan.prefills, scale, output)
     return output

@@ -156,10 +156,7 @@ def paged_attention(
         output[group.token_indices] = _decode_attention(
             query[group.token_indices], kv_cache, group, scale
         )
-    for chunk in plan.prefills:
-        output[chunk.query_start : chunk.query_end] = prefill_attention(
-            query, key, value, kv_cache, chunk, scale
-        )
+    attend_prefills(query, key, value, kv_cache, plan.prefills, scale, output)
     return output
 
 
@@ -215,7 +212,23 @@ def _decode_attention(
     return out.reshape(num_decodes, num_heads, head_dim)
 
 
-def prefill_attention(
+def attend_prefills(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    prefills: list[PrefillSlice],
+    scale: float,
+    output: torch.Tensor,
+) -> None:
+    """Each prefill chunk's attention into its rows of `output`."""
+    for chunk in prefills:
+        output[chunk.query_start : chunk.query_end] = _prefill_attention(
+            query, key, value, kv_cache, chunk, scale
+        )
+
+
+def _prefill_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
