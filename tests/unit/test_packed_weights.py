@@ -1,6 +1,7 @@
-"""GGUF weights kept packed (models/packed.py): the codes are gguf's own (Q8_0 as two int4
-halves), the int4 kernel multiplies them as the dequantized matrix would, and a linear layer
-uses them only for steps of at most `max_tokens` rows."""
+"""GGUF weights kept packed (models/packed.py): the C kernel multiplies the file's blocks as
+the dequantized fp32 matrix would (up to the order of the sums), torch's int4 op (where the C
+kernel is not built) within bf16 rounding; a linear layer uses them only for steps of at most
+`max_tokens` rows."""
 
 from __future__ import annotations
 
@@ -10,58 +11,86 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from tandem.attention import cpu_kernel
 from tandem.models.layers import Linear, MergedLinear
 from tandem.models.loader import attach_packed_weights
-from tandem.models.packed import Int4Codes, PackedWeight, unpack_blocks
+from tandem.models.packed import PackedWeight, QuantBlocks
 
 QUANT_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+needs_kernel = pytest.mark.skipif(
+    cpu_kernel.load_library() is None, reason="no C compiler: the CPU kernels are not built"
+)
+KERNELS = [pytest.param(True, id="c-kernel", marks=needs_kernel), pytest.param(False, id="torch")]
 
 
-def quantized(rows: int, cols: int, quant_type: str, seed: int = 0) -> tuple[np.ndarray, Int4Codes]:
-    """gguf's dequantized matrix and our codes for the same blocks."""
+def quantized(
+    rows: int, cols: int, quant_type: str, seed: int = 0
+) -> tuple[np.ndarray, QuantBlocks]:
+    """gguf's dequantized matrix and the blocks it came from."""
     weight = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
     weight[0, :32] = 0.0  # an all-zero block: d = 0
     weight[1, 32:64] = 3.0  # a constant block
     weight[2, :32] = np.linspace(-1, 1, 32)  # Q8_0 codes from -127 to 127
     raw = quantize(weight, GGMLQuantizationType[quant_type])
     reference = dequantize(raw, GGMLQuantizationType[quant_type]).reshape(rows, cols)
-    return reference, unpack_blocks(raw, quant_type, (rows, cols))
+    return reference, QuantBlocks(raw.reshape(rows, -1), quant_type, cols)
 
 
 @pytest.mark.parametrize("quant_type", QUANT_TYPES)
 def test_codes_dequantize_to_ggufs_weights(quant_type):
-    reference, codes = quantized(48, 96, quant_type)
+    reference, blocks = quantized(48, 96, quant_type)
+    codes = blocks.int4_codes()
     assert codes.codes.min() >= 0 and codes.codes.max() <= 15
     assert codes.codes.shape == (48, 96 * codes.input_copies)
     np.testing.assert_allclose(codes.dequantize(), reference, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("quant_type", QUANT_TYPES)
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_packed_matmul_equals_the_dequantized_matrix(quant_type, rows):
-    reference, codes = quantized(64, 160, quant_type, seed=rows)
-    packed = PackedWeight.from_codes(codes, max_tokens=8)
-    x = torch.randn(rows, 160)
-    bias = torch.randn(64)
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("use_kernel", KERNELS)
+def test_packed_matmul_equals_the_dequantized_matrix(quant_type, rows, dtype, use_kernel):
+    """11 rows: more than the C kernel's 8 per pass; 65 output rows: an odd one out of its
+    pairs (torch's op takes multiples of 16)."""
+    out_rows = 65 if use_kernel else 64
+    reference, blocks = quantized(out_rows, 160, quant_type, seed=rows)
+    packed = PackedWeight.from_blocks(blocks, max_tokens=16, use_kernel=use_kernel)
+    assert (packed.codes is not None) == use_kernel
+    x = torch.randn(rows, 160).to(dtype)
+    bias = torch.randn(out_rows).to(dtype)
     out = packed.matmul(x, bias)
-    assert out.dtype == torch.float32 and out.shape == (rows, 64)
-    # Exact weights; the activations and scales are rounded to bf16 on the way in.
-    expected = x.bfloat16().double() @ torch.from_numpy(reference).double().t() + bias.double()
+    assert out.dtype == dtype and out.shape == (rows, out_rows)
+    expected = x.double() @ torch.from_numpy(reference).double().t() + bias.double()
     scale = expected.abs().max()
-    assert (out.double() - expected).abs().max() <= 2e-2 * scale
+    if use_kernel and dtype == torch.float32:  # exact weights, fp32 sums
+        assert (out.double() - expected).abs().max() <= 1e-5 * scale
+    else:  # bf16 activations (and, in torch's op, scales) on the way in or out
+        assert (out.double() - expected).abs().max() <= 2e-2 * scale
 
 
-def test_linear_uses_packed_weights_only_for_small_steps():
-    reference, codes = quantized(32, 64, "Q4_1")
+@needs_kernel
+def test_the_c_kernel_reads_strided_rows():
+    """A projection's input may be a view with a row stride (attention's output rows)."""
+    reference, blocks = quantized(32, 64, "Q4_1")
+    packed = PackedWeight.from_blocks(blocks, max_tokens=8)
+    wide = torch.randn(3, 100)
+    out = packed.matmul(wide[:, :64])
+    expected = wide[:, :64] @ torch.from_numpy(reference).t()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("use_kernel", KERNELS)
+def test_linear_uses_packed_weights_only_for_small_steps(use_kernel):
+    reference, blocks = quantized(32, 64, "Q4_1")
     layer = Linear(64, 32, bias=False)
     with torch.no_grad():
         layer.weight.copy_(torch.from_numpy(reference) * 2)  # a different matrix on purpose
-    layer.packed = PackedWeight.from_codes(codes, max_tokens=4)
+    layer.packed = PackedWeight.from_blocks(blocks, max_tokens=4, use_kernel=use_kernel)
     x = torch.randn(5, 64)
     dense = x @ layer.weight.detach().t()
     packed = x.bfloat16().float() @ torch.from_numpy(reference).t()
     small = layer(x[:4])
-    # bf16 activations and outputs: within 1% of the outputs' scale.
+    # Within 1% of the outputs' scale (torch's op rounds activations to bf16).
     torch.testing.assert_close(small, packed[:4], rtol=0, atol=1e-2 * packed.abs().max().item())
     torch.testing.assert_close(layer(x), dense)
 
@@ -74,7 +103,7 @@ def test_fused_shards_are_packed_in_row_order():
     net = torch.nn.Module()
     net.add_module("attn", torch.nn.Module())
     net.attn.add_module("qkv_proj", qkv)
-    matrices = iter([(f"attn.{name}_proj.weight", codes) for name, (_, codes) in parts.items()])
+    matrices = iter([(f"attn.{name}_proj.weight", blocks) for name, (_, blocks) in parts.items()])
     assert attach_packed_weights(net, matrices, max_tokens=8) == qkv.packed.nbytes > 0
     reference = np.concatenate([parts[name][0] for name in ("q", "k", "v")])
     x = torch.randn(2, 64)
@@ -97,6 +126,6 @@ def test_a_layer_with_a_shard_in_another_format_stays_dense():
     qkv = MergedLinear(64, {"q": 32, "k": 16, "v": 16}, bias=False)
     net = torch.nn.Module()
     net.add_module("qkv_proj", qkv)
-    _, codes = quantized(32, 64, "Q4_0")
-    assert attach_packed_weights(net, iter([("q_proj.weight", codes)]), max_tokens=8) == 0
+    _, blocks = quantized(32, 64, "Q4_0")
+    assert attach_packed_weights(net, iter([("q_proj.weight", blocks)]), max_tokens=8) == 0
     assert qkv.packed is None

@@ -1,5 +1,6 @@
-"""The CPU kernels (csrc/): decode attention over the paged cache, and a layer's RMSNorm and
-RoPE in one call each; compiled for this machine on first use, cached, loaded with ctypes.
+"""The CPU kernels (csrc/): decode attention over the paged cache, a layer's RMSNorm and RoPE
+in one call each, and GGUF-quantized matmuls for decode steps; compiled for this machine on
+first use, cached, loaded with ctypes.
 
 Plain C files (no torch headers) builds in well under a second with the C compiler torch's
 own CPU compilation already needs, so there is nothing to install and nothing to ship
@@ -27,7 +28,7 @@ from tandem.cache import cache_root
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_decode_attention.c", CSRC / "layer_ops.c"]
+SOURCES = [CSRC / "paged_decode_attention.c", CSRC / "layer_ops.c", CSRC / "packed_matmul.c"]
 HEADERS = [CSRC / "element_types.h"]  # hashed with the sources: a change rebuilds
 # -ffast-math's parts that vectorize reductions and the exp polynomial; -ffast-math itself
 # would link crtfastmath (flush-to-zero for the whole process) and assume no infinities.
@@ -55,6 +56,8 @@ _ARGTYPES = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _
              _i64, _i64, ctypes.c_float, _ptr, ctypes.c_int]  # fmt: skip
 _RMS_NORM_ARGTYPES = [_ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float, ctypes.c_int]
 _ROTARY_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, ctypes.c_int]
+_PACKED_MATMUL_ARGTYPES = [_ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, ctypes.c_int]
+QUANT_TYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # csrc/packed_matmul.c's enum
 
 
 def _cpu_identity() -> str:
@@ -96,7 +99,8 @@ def load_library() -> ctypes.CDLL | None:
     one warning) where it cannot be built or loaded."""
     compiler = _compiler()
     if compiler is None:
-        logger.warning("no C compiler (cc): CPU decode attention, RMSNorm and RoPE run in torch")
+        logger.warning("no C compiler (cc): CPU decode attention, RMSNorm, RoPE and GGUF "
+                       "matmuls run in torch")  # fmt: skip
         return None
     try:
         version = subprocess.run(
@@ -120,19 +124,23 @@ def load_library() -> ctypes.CDLL | None:
                 target.unlink(missing_ok=True)
         if not target.exists():
             _build(compiler, target)
-            logger.info("built the CPU decode-attention kernel: %s", target)
+            logger.info("built the CPU kernels: %s", target)
             library = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", None) or error
-        logger.warning("cannot build the CPU kernels (%s): decode attention, RMSNorm and RoPE "
-                       "run in torch", detail)  # fmt: skip
+        logger.warning("cannot build the CPU kernels (%s): decode attention, RMSNorm, RoPE "
+                       "and GGUF matmuls run in torch", detail)  # fmt: skip
         return None
     for suffix in DTYPE_SUFFIXES.values():
         for head_dim in ("", *(f"_{d}" for d in SPECIALIZED_HEAD_DIMS)):
             function = getattr(library, f"paged_decode_attention_{suffix}{head_dim}")
             function.argtypes = _ARGTYPES
             function.restype = None
-        for name, argtypes in (("rms_norm", _RMS_NORM_ARGTYPES), ("rotary", _ROTARY_ARGTYPES)):
+        for name, argtypes in (
+            ("rms_norm", _RMS_NORM_ARGTYPES),
+            ("rotary", _ROTARY_ARGTYPES),
+            ("packed_matmul", _PACKED_MATMUL_ARGTYPES),
+        ):
             function = getattr(library, f"{name}_{suffix}")
             function.argtypes = argtypes
             function.restype = None
@@ -201,6 +209,27 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         x.shape[0], torch.get_num_threads(),
     )  # fmt: skip
     return True
+
+
+def packed_matmul(
+    codes: torch.Tensor, scales: torch.Tensor, quant_type: str, out_features: int, x: torch.Tensor
+) -> torch.Tensor:
+    """x [T, K] times the quantized matrix (models/packed.py's kernel layout), transposed:
+    [T, out_features], in x's dtype (fp16 computed through fp32)."""
+    library = load_library()
+    if library is None:
+        raise RuntimeError("the CPU kernels could not be built: GGUF blocks cannot be multiplied")
+    compute_dtype = x.dtype if x.dtype in DTYPE_SUFFIXES else torch.float32
+    inputs = x.to(compute_dtype)
+    if inputs.stride(-1) != 1:
+        inputs = inputs.contiguous()
+    out = torch.empty(inputs.shape[0], out_features, dtype=compute_dtype)
+    getattr(library, f"packed_matmul_{DTYPE_SUFFIXES[compute_dtype]}")(
+        codes.data_ptr(), scales.data_ptr(), QUANT_TYPE_IDS[quant_type], out_features,
+        inputs.shape[1], inputs.data_ptr(), inputs.stride(0), inputs.shape[0], out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out.to(x.dtype)
 
 
 def kernel(dtype: torch.dtype, head_dim: int) -> ctypes._CFuncPtr:

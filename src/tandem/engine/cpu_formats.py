@@ -5,8 +5,8 @@ is several times slower. And the two phases want different things: prefill is co
 (the fastest dense GEMM wins), decode is memory-bound (the fewest bytes per weight win, if the
 kernel keeps up). So a short probe over the model's own layer shapes times, once per machine and
 model shape (cached), a prefill-sized matmul in fp32 and bf16, and decode-sized ones (1, 2,
-4, ... rows) of the chosen dense format against the packed 4-bit kernel (models/packed.py,
-for GGUF Q4_0 / Q4_1 / Q8_0 weights). The result: the model's dtype, and up to how many
+4, ... rows) of the chosen dense format against the packed kernel (models/packed.py, for
+GGUF Q4_0 / Q4_1 / Q8_0 weights). The result: the model's dtype, and up to how many
 tokens a step uses the packed weights.
 """
 
@@ -17,14 +17,16 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from tandem.attention import cpu_kernel
 from tandem.cache import cached_measurement
 from tandem.config import ModelConfig
 from tandem.engine.machine_peaks import cpu_name
-from tandem.models.packed import GROUP_SIZE, Int4Codes, PackedWeight
+from tandem.models.packed import PackedWeight, QuantBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,7 @@ def cpu_formats(config: ModelConfig, packable: bool) -> CpuFormats:
             f"torch {torch.__version__}",
             f"layer {_layer_shapes(config)} x{config.num_hidden_layers}",
             f"packable {packable}",
+            f"kernels {_kernels_name()}",
         )
     )
 
@@ -80,6 +83,13 @@ def cpu_formats(config: ModelConfig, packable: bool) -> CpuFormats:
         for name, by_rows in entry["decode_ms"].items()
     }
     return CpuFormats(**entry)
+
+
+def _kernels_name() -> str:
+    """Which packed kernel the probe times: the built C library (its name hashes its source)
+    or torch's int4 op."""
+    library = cpu_kernel.load_library()
+    return Path(library._name).name if library is not None else "torch int4"
 
 
 def _layer_shapes(config: ModelConfig) -> list[tuple[int, int]]:
@@ -115,7 +125,7 @@ def probe_cpu_formats(config: ModelConfig, packable: bool) -> CpuFormats:
         decode_ms["packed"] = {}
         for rows in DECODE_PROBE_TOKENS:
             dense_ms = _matmul_ms(dense, rows, getattr(torch, dtype), _dense)
-            packed_ms = _matmul_ms(packed, rows, torch.bfloat16, _packed)
+            packed_ms = _matmul_ms(packed, rows, getattr(torch, dtype), _packed)
             decode_ms[dtype][rows], decode_ms["packed"][rows] = dense_ms, packed_ms
             if packed_ms >= dense_ms:
                 break
@@ -132,10 +142,10 @@ def _packed(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
 
 
 def _packed_zeros(shape: tuple[int, int]) -> PackedWeight:
+    """A Q4_1 matrix of zeros (20-byte blocks: d, m, 16 bytes of codes)."""
     rows, cols = shape
-    affine = np.zeros((rows, cols // GROUP_SIZE), dtype=np.float32)
-    codes = Int4Codes(np.full(shape, 8, dtype=np.uint8), affine, affine)
-    return PackedWeight.from_codes(codes, max_tokens=0)
+    blocks = np.zeros((rows, cols // 32 * 20), dtype=np.uint8)
+    return PackedWeight.from_blocks(QuantBlocks(blocks, "Q4_1", cols), max_tokens=0)
 
 
 def _matmul_ms(weights: list, rows: int, dtype: torch.dtype, matmul: Callable) -> float:
@@ -159,6 +169,4 @@ def _matmul_ms(weights: list, rows: int, dtype: torch.dtype, matmul: Callable) -
 
 
 def _in_features(weight: torch.Tensor | PackedWeight) -> int:
-    if isinstance(weight, PackedWeight):  # scales_zeros is [in / GROUP_SIZE, out, 2]
-        return weight.scales_zeros.shape[0] * GROUP_SIZE
-    return weight.shape[1]
+    return weight.in_features if isinstance(weight, PackedWeight) else weight.shape[1]

@@ -17,7 +17,7 @@ import torch
 
 from tandem.config import ModelConfig, UnsupportedModelError, model_config_from_hf
 from tandem.models.gguf_cache import cached_json
-from tandem.models.packed import PACKED_QUANT_TYPES, Int4Codes, unpack_blocks
+from tandem.models.packed import PACKED_QUANT_TYPES, QuantBlocks
 
 # GGUF general.architecture -> HF architecture name, and whether Q/K rows are permuted.
 GGUF_ARCHITECTURES = {
@@ -157,9 +157,9 @@ def _rope_row_heads(name: str, config: ModelConfig, permuted_qk: bool) -> int | 
     return None
 
 
-def iter_gguf_packable(path: Path, config: ModelConfig) -> Iterator[tuple[str, Int4Codes]]:
-    """The Q4_0 / Q4_1 / Q8_0 matrices of the file, by HF name, as 4-bit codes
-    (models/packed.py)."""
+def iter_gguf_packable(path: Path, config: ModelConfig) -> Iterator[tuple[str, QuantBlocks]]:
+    """The Q4_0 / Q4_1 / Q8_0 matrices of the file, by HF name, as their blocks
+    (models/packed.py), Q and K rows in HF's order."""
     reader = _reader(path)
     _, _, permuted_qk = _hf_architecture(reader)
     for tensor in reader.tensors:
@@ -167,11 +167,12 @@ def iter_gguf_packable(path: Path, config: ModelConfig) -> Iterator[tuple[str, I
         if tensor.tensor_type.name not in PACKED_QUANT_TYPES or len(shape) != 2:
             continue
         name = hf_tensor_name(tensor.name)
-        codes = unpack_blocks(tensor.data, tensor.tensor_type.name, shape)
+        data = np.asarray(tensor.data).view(np.uint8).reshape(shape[0], -1)
+        blocks = QuantBlocks(data, tensor.tensor_type.name, shape[1])
         heads = _rope_row_heads(name, config, permuted_qk)
         if heads is not None:
-            codes = codes.permute_rows(lambda rows, h=heads: unpermute_rope_rows(rows, h))
-        yield name, codes
+            blocks = blocks.permute_rows(lambda rows, h=heads: unpermute_rope_rows(rows, h))
+        yield name, blocks
 
 
 def iter_gguf_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

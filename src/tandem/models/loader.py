@@ -17,7 +17,7 @@ import torch
 
 from tandem.config import ModelConfig, model_config_from_hf
 from tandem.models.layers import CheckpointMismatchError, Linear, default_weight_loader
-from tandem.models.packed import Int4Codes, PackedWeight
+from tandem.models.packed import PackedWeight, QuantBlocks
 from tandem.models.registry import model_class_for
 
 logger = logging.getLogger(__name__)
@@ -166,22 +166,21 @@ def load_weights(net: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tensor
 
 
 def attach_packed_weights(
-    net: torch.nn.Module, matrices: Iterator[tuple[str, Int4Codes]], max_tokens: int
+    net: torch.nn.Module, matrices: Iterator[tuple[str, QuantBlocks]], max_tokens: int
 ) -> int:
-    """Give each linear layer whose every shard came as codes of one kind (Q4 or Q8_0) its
-    packed weight (fused shards concatenated in row order), and the LM head its own; returns
-    the packed bytes. Layers with a shard in another format (e.g. a Q6_K V projection) stay
-    dense only."""
+    """Give each linear layer whose every shard came in one block type its packed weight
+    (fused shards concatenated in row order), and the LM head its own; returns the packed
+    bytes. Layers with a shard in another format (e.g. a Q6_K V projection) stay dense only."""
     head_name = getattr(net, "lm_head_checkpoint_name", None)
-    shards: dict[str, dict[str, Int4Codes]] = {}
-    for name, codes in matrices:
+    shards: dict[str, dict[str, QuantBlocks]] = {}
+    for name, blocks in matrices:
         parent, _, leaf = name.removesuffix(".weight").rpartition(".")
         fused_name, shard_id = PACKED_MODULES.get(leaf, (leaf, None))
-        shards.setdefault(f"{parent}.{fused_name}".lstrip("."), {})[shard_id] = codes
+        shards.setdefault(f"{parent}.{fused_name}".lstrip("."), {})[shard_id] = blocks
     packed_bytes = 0
     for module_name, parts in shards.items():
         if module_name == head_name:
-            net.lm_head_packed = PackedWeight.from_codes(parts[None], max_tokens)
+            net.lm_head_packed = PackedWeight.from_blocks(parts[None], max_tokens)
             packed_bytes += net.lm_head_packed.nbytes
             continue
         module = net.get_submodule(module_name)
@@ -190,10 +189,10 @@ def attach_packed_weights(
         order = list(getattr(module, "shard_offsets", {None: None}))
         if any(shard_id not in parts for shard_id in order):
             continue
-        codes = Int4Codes.cat([parts[shard_id] for shard_id in order])
-        if codes is None:
+        blocks = QuantBlocks.cat([parts[shard_id] for shard_id in order])
+        if blocks is None:
             continue
-        module.packed = PackedWeight.from_codes(codes, max_tokens)
+        module.packed = PackedWeight.from_blocks(blocks, max_tokens)
         packed_bytes += module.packed.nbytes
     logger.info(
         "GGUF weights kept packed (%.1f MB) for steps of at most %d tokens",

@@ -1,14 +1,19 @@
 """GGUF quantized weights kept packed and multiplied natively on CPU, for small (decode) steps.
 
-A decode step is memory-bound: it reads every weight for a few tokens. Q4_0 / Q4_1 blocks hold
-32 weights as 4-bit codes q with an fp16 scale d (and, for Q4_1, an fp16 minimum m):
-w = d·(q − 8) and w = d·q + m. torch's CPU int4 weight-only matmul computes
-w = (q − 8)·scale + zero per 32-weight group, so both map onto it exactly (scale = d, zero = 0
-or m + 8d), with scales, zeros and activations in bfloat16 (its fast path). A Q8_0 block
-(w = d·q, q an int8) is two such groups: q = 16·hi + lo with hi in [−8, 7] and lo in [0, 15],
-so w = 16d·hi + d·lo, one int4 matrix twice as wide multiplied by the input twice over
-(1.25 bytes a weight instead of bf16's 2). The dense weights stay beside them for
-prefill-sized steps, where the packed kernel loses to a dense GEMM.
+A decode step is memory-bound: it reads every weight for a few tokens. Q4_0 / Q4_1 / Q8_0
+blocks hold 32 weights as 4-bit codes q with an fp16 scale d (and, for Q4_1, an fp16 minimum
+m): w = d·(q − 8), d·q + m, or d·q with q an int8. The dense weights stay beside them for
+prefill-sized steps, where a packed kernel loses to a dense GEMM.
+
+Two kernels multiply them. The C one (attention/csrc/packed_matmul.c, built by cpu_kernel.py)
+takes the blocks' codes and fp16 scales regrouped 16 output rows side by side
+(`kernel_layout`) and widens each weight to fp32 exactly, so its results equal the
+dequantized fp32 matrix's up to the order of the sums. Where it cannot be built,
+torch's CPU int4 weight-only matmul runs instead: it computes w = (q − 8)·scale + zero per
+32-weight group, so Q4_0 and Q4_1 map onto it exactly (scale = d, zero = 0 or m + 8d), with
+scales, zeros and activations in bfloat16 (its fast path); a Q8_0 block (q = 16·hi + lo with
+hi in [−8, 7], lo in [0, 15]) is two such groups, w = 16d·hi + d·lo, one int4 matrix twice
+as wide multiplied by the input twice over.
 """
 
 from __future__ import annotations
@@ -18,39 +23,83 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tandem.attention import cpu_kernel
+
 GROUP_SIZE = 32  # weights per Q4_0 / Q4_1 block, and the int4 kernel's group size
 PACKED_QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # fp16 d (+ fp16 m), then the codes
 _INT4_OFFSET = 8  # the kernel's (q - 8)
+KERNEL_LANES = 16  # output rows side by side in the C kernel's layout
+
+
+@dataclass
+class QuantBlocks:
+    """One `[out_features, in_features]` matrix as the GGUF file's blocks, a row of blocks per
+    output row; fused shards (Q, K, V) are concatenated over rows in this form."""
+
+    data: np.ndarray  # uint8 [out_features, in_features / 32 * block bytes]
+    quant_type: str  # one of PACKED_QUANT_TYPES
+    in_features: int
+
+    @staticmethod
+    def cat(parts: list[QuantBlocks]) -> QuantBlocks | None:
+        """Shards concatenated over output rows; None where they differ in type."""
+        if len({(p.quant_type, p.in_features) for p in parts}) != 1:
+            return None
+        return QuantBlocks(
+            np.concatenate([p.data for p in parts]), parts[0].quant_type, parts[0].in_features
+        )
+
+    def permute_rows(self, permute) -> QuantBlocks:
+        """A row permutation (llama.cpp's Q/K order): each row's blocks move whole."""
+        return QuantBlocks(permute(self.data), self.quant_type, self.in_features)
+
+    def int4_codes(self) -> Int4Codes:
+        return unpack_blocks(self.data, self.quant_type, (len(self.data), self.in_features))
+
+    def kernel_layout(self) -> tuple[np.ndarray, np.ndarray]:
+        """Codes and fp16 scales as csrc/packed_matmul.c reads them: output rows in groups of
+        16 (zero-padded), each group's 32-column blocks in turn, the 16 rows side by side."""
+        rows = len(self.data)
+        row_groups = -(-rows // KERNEL_LANES)
+        blocks = np.zeros(
+            (
+                row_groups * KERNEL_LANES,
+                self.in_features // GROUP_SIZE,
+                _BLOCK_BYTES[self.quant_type],
+            ),
+            dtype=np.uint8,
+        )
+        blocks[:rows] = self.data.reshape(rows, *blocks.shape[1:])
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+        if self.quant_type == "Q8_0":
+            codes, scales = blocks[..., 2:], d[..., None]
+        elif self.quant_type == "Q4_1":
+            codes, scales = (
+                blocks[..., 4:],
+                np.stack([d, blocks[..., 2:4].copy().view(np.float16)[..., 0]], -1),
+            )
+        else:  # Q4_0: w = d·q − 8d; 8d is exact in fp16 (the exponent moves by 3)
+            codes, scales = blocks[..., 2:], np.stack([d, -8 * d], -1)
+
+        # [groups·16 rows, column groups, bytes | scales] -> [groups, column groups, ·, 16 rows]
+        def lanes_last(a: np.ndarray) -> np.ndarray:
+            return np.ascontiguousarray(
+                a.reshape(row_groups, KERNEL_LANES, *a.shape[1:]).transpose(0, 2, 3, 1)
+            )
+
+        return lanes_last(codes), lanes_last(scales)
 
 
 @dataclass
 class Int4Codes:
-    """One weight matrix `[out_features, in_features]` as codes and per-group affine terms,
-    before packing: shards (Q, K, V) are concatenated over output rows in this form."""
+    """One weight matrix `[out_features, in_features]` as codes and per-group affine terms:
+    torch's int4 op's operands before packing."""
 
     codes: np.ndarray  # uint8 [N, K * input_copies], values 0..15
     scales: np.ndarray  # float32 [N, K * input_copies / 32]
     zeros: np.ndarray  # float32 [N, K * input_copies / 32]: w = (q - 8) * scale + zero
     input_copies: int = 1  # 2 for Q8_0: the sum of two int4 matrices over the same input
-
-    @staticmethod
-    def cat(parts: list[Int4Codes]) -> Int4Codes | None:
-        """Shards concatenated over output rows; None if they differ in kind (Q4 and Q8_0)."""
-        if len({p.input_copies for p in parts}) != 1:
-            return None
-        return Int4Codes(
-            np.concatenate([p.codes for p in parts]),
-            np.concatenate([p.scales for p in parts]),
-            np.concatenate([p.zeros for p in parts]),
-            parts[0].input_copies,
-        )
-
-    def permute_rows(self, permute) -> Int4Codes:
-        """The same row permutation applied to codes and affine terms (llama.cpp's Q/K)."""
-        return Int4Codes(
-            permute(self.codes), permute(self.scales), permute(self.zeros), self.input_copies
-        )
 
     def dequantize(self) -> np.ndarray:
         """float32 weights, for tests against gguf's own dequantization."""
@@ -89,34 +138,64 @@ def unpack_blocks(raw: np.ndarray, quant_type: str, shape: tuple[int, int]) -> I
 
 @dataclass
 class PackedWeight:
-    """A linear layer's weight in the int4 kernel's layout; used for steps of at most
-    `max_tokens` rows."""
+    """A linear layer's weight kept packed, used for steps of at most `max_tokens` rows: the
+    file's blocks for the C kernel, or (where it is not built) torch's int4 layout."""
 
-    weight: torch.Tensor  # uint8, the kernel's packed layout
-    scales_zeros: torch.Tensor  # bfloat16 [K * input_copies / 32, N, 2]
     max_tokens: int
+    in_features: int
+    codes: torch.Tensor | None = None  # uint8, QuantBlocks.kernel_layout (the C kernel)
+    scales: torch.Tensor | None = None  # fp16 bits (int16), the same
+    out_features: int = 0
+    quant_type: str = ""
+    int4_weight: torch.Tensor | None = None  # uint8, torch's packed int4 layout
+    scales_zeros: torch.Tensor | None = None  # bfloat16 [K * input_copies / 32, N, 2]
     input_copies: int = 1
 
     @classmethod
-    def from_codes(cls, codes: Int4Codes, max_tokens: int) -> PackedWeight:
+    def from_blocks(
+        cls, blocks: QuantBlocks, max_tokens: int, use_kernel: bool = True
+    ) -> PackedWeight:
+        if use_kernel and cpu_kernel.load_library() is not None:
+            codes, scales = blocks.kernel_layout()
+            return cls(
+                max_tokens,
+                blocks.in_features,
+                codes=torch.from_numpy(codes),
+                scales=torch.from_numpy(scales.view(np.int16)),
+                out_features=len(blocks.data),
+                quant_type=blocks.quant_type,
+            )
+        codes = blocks.int4_codes()
         weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             torch.from_numpy(codes.codes.astype(np.int32)), 1
         )
         scales_zeros = torch.stack(
             [torch.from_numpy(codes.scales).t(), torch.from_numpy(codes.zeros).t()], dim=-1
         )
-        scales_zeros = scales_zeros.to(torch.bfloat16).contiguous()
-        return cls(weight, scales_zeros, max_tokens, codes.input_copies)
+        return cls(
+            max_tokens,
+            blocks.in_features,
+            int4_weight=weight,
+            scales_zeros=scales_zeros.to(torch.bfloat16).contiguous(),
+            input_copies=codes.input_copies,
+        )
 
     @property
     def nbytes(self) -> int:
-        return self.weight.nbytes + self.scales_zeros.nbytes
+        if self.codes is not None:
+            return self.codes.nbytes + self.scales.nbytes
+        return self.int4_weight.nbytes + self.scales_zeros.nbytes
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        inputs = x.to(torch.bfloat16)
-        if self.input_copies > 1:
-            inputs = torch.cat([inputs] * self.input_copies, dim=1)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            inputs, self.weight, GROUP_SIZE, self.scales_zeros
-        ).to(x.dtype)
+        if self.codes is not None:
+            out = cpu_kernel.packed_matmul(
+                self.codes, self.scales, self.quant_type, self.out_features, x
+            )
+        else:
+            inputs = x.to(torch.bfloat16)
+            if self.input_copies > 1:
+                inputs = torch.cat([inputs] * self.input_copies, dim=1)
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                inputs, self.int4_weight, GROUP_SIZE, self.scales_zeros
+            ).to(x.dtype)
         return out if bias is None else out + bias

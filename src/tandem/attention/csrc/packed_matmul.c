@@ -1,0 +1,218 @@
+/* GGUF-quantized weights (Q4_0, Q4_1, Q8_0: blocks of 32 weights with an fp16 scale d and,
+   for Q4_1, an fp16 minimum m) multiplied natively, for the few token rows of a decode step:
+   y = x·Wᵀ.
+
+   The weights are laid out at load (models/packed.py) for this kernel: 16 output rows side by
+   side, so one vector holds the same input column of 16 rows. Per column the codes are widened
+   to fp32 once and multiplied into every token's 16 accumulators (a broadcast activation);
+   per 32-column group the sums are scaled: Σ_g d·(q·x) + m·Σx. The weights are exactly the
+   dequantized ones (d·q + m, d·(q − 8), d·q) and the sums fp32, so results equal the
+   dequantized fp32 matrix's up to the order of the sums. Output row groups are spread over
+   OpenMP threads.
+
+   Layout, for n16 = ⌈rows / 16⌉ row groups and g = columns / 32 column groups:
+   Q4: codes [n16, g, 16, 16] bytes: byte (j, r) is the block's byte j of row r (weight j in
+       its low nibble, weight j + 16 in its high one); scales [n16, g, 2, 16] fp16: d, then m.
+   Q8_0: codes [n16, g, 32, 16] int8; scales [n16, g, 16] fp16 d. */
+
+#include <immintrin.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "element_types.h"
+
+#if defined(__clang__)
+#pragma clang fp contract(fast)
+#else
+#pragma GCC optimize("fp-contract=fast") /* the library's flags forbid FMA for RoPE's sake */
+#endif
+
+#define BLOCK 32
+#define LANES 16
+#define MAX_ROWS 8 /* token rows per pass over the weights; more rows take several passes */
+
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
+typedef int8_t v16i8 __attribute__((vector_size(16)));
+
+/* 16 bytes or 16 fp16 widened to 16 lanes (GCC scalarizes __builtin_convertvector's
+   widening, so the x86 instructions where there are any). */
+static inline v16i widen_u8(const uint8_t *p) {
+    v16u8 v;
+    memcpy(&v, p, sizeof v);
+#if defined(__AVX512F__)
+    return (v16i)_mm512_cvtepu8_epi32((__m128i)v);
+#elif defined(__AVX2__)
+    const __m256i halves[2] = {_mm256_cvtepu8_epi32((__m128i)v),
+                               _mm256_cvtepu8_epi32(_mm_srli_si128((__m128i)v, 8))};
+    v16i r;
+    memcpy(&r, halves, sizeof r);
+    return r;
+#else
+    return __builtin_convertvector(v, v16i);
+#endif
+}
+
+static inline v16i widen_i8(const uint8_t *p) {
+    v16i8 v;
+    memcpy(&v, p, sizeof v);
+#if defined(__AVX512F__)
+    return (v16i)_mm512_cvtepi8_epi32((__m128i)v);
+#elif defined(__AVX2__)
+    const __m256i halves[2] = {_mm256_cvtepi8_epi32((__m128i)v),
+                               _mm256_cvtepi8_epi32(_mm_srli_si128((__m128i)v, 8))};
+    v16i r;
+    memcpy(&r, halves, sizeof r);
+    return r;
+#else
+    return __builtin_convertvector(v, v16i);
+#endif
+}
+
+static inline v16f widen_f16(const uint16_t *p) {
+#if defined(__AVX512F__)
+    return (v16f)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__F16C__)
+    const __m256 halves[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)),
+                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)))};
+    v16f r;
+    memcpy(&r, halves, sizeof r);
+    return r;
+#else
+    v16f r;
+    for (int i = 0; i < LANES; i++) {
+        _Float16 h;
+        memcpy(&h, p + i, 2);
+        r[i] = (float)h;
+    }
+    return r;
+#endif
+}
+
+/* One row group (16 output rows) for TOKENS rows of x [TOKENS, k] (contiguous fp32), with
+   each column group's sum of x in sums [TOKENS, k / 32]; out[t * n_out + r] for the group's
+   `valid` rows. Called with constants, so the loops unroll into registers. */
+static inline __attribute__((always_inline)) void row_group(
+    const uint8_t *codes, const uint16_t *scales, int64_t k, int quant_type, const float *x,
+    const float *sums, int tokens, float *out, int64_t n_out, int64_t valid) {
+    const int64_t groups = k / BLOCK;
+    v16f acc[MAX_ROWS];
+    for (int t = 0; t < tokens; t++) acc[t] = (v16f){0};
+    for (int64_t g = 0; g < groups; g++) {
+        v16f part[MAX_ROWS][2];
+        for (int t = 0; t < tokens; t++) part[t][0] = part[t][1] = (v16f){0};
+        if (quant_type == Q8_0) {
+            const uint8_t *column = codes + g * BLOCK * LANES;
+            for (int j = 0; j < BLOCK; j++) {
+                const v16f w = __builtin_convertvector(widen_i8(column + j * LANES), v16f);
+                for (int t = 0; t < tokens; t++) part[t][j & 1] += w * x[t * k + g * BLOCK + j];
+            }
+            const v16f d = widen_f16(scales + g * LANES);
+            for (int t = 0; t < tokens; t++) acc[t] += (part[t][0] + part[t][1]) * d;
+        } else {
+            const uint8_t *column = codes + g * (BLOCK / 2) * LANES;
+            for (int j = 0; j < BLOCK / 2; j++) {
+                const v16i both = widen_u8(column + j * LANES);
+                const v16f low = __builtin_convertvector(both & 15, v16f);
+                const v16f high = __builtin_convertvector(both >> 4, v16f);
+                for (int t = 0; t < tokens; t++) {
+                    const float *xg = x + t * k + g * BLOCK;
+                    part[t][0] += low * xg[j];
+                    part[t][1] += high * xg[j + BLOCK / 2];
+                }
+            }
+            const v16f d = widen_f16(scales + g * 2 * LANES);
+            const v16f m = widen_f16(scales + g * 2 * LANES + LANES);
+            for (int t = 0; t < tokens; t++)
+                acc[t] += (part[t][0] + part[t][1]) * d + m * sums[t * groups + g];
+        }
+    }
+    for (int t = 0; t < tokens; t++) {
+        if (valid == LANES)
+            memcpy(out + t * n_out, &acc[t], sizeof acc[t]);
+        else
+            for (int64_t r = 0; r < valid; r++) out[t * n_out + r] = acc[t][r];
+    }
+}
+
+static int64_t group_code_bytes(int64_t quant_type) {
+    return (quant_type == Q8_0 ? BLOCK : BLOCK / 2) * LANES;
+}
+
+static int64_t group_scales(int64_t quant_type) { return (quant_type == Q8_0 ? 1 : 2) * LANES; }
+
+#define DEFINE_ROWS(NAME, QUANT_TYPE, TOKENS)                                                   \
+static void NAME(const uint8_t *codes, const uint16_t *scales, int64_t n_out, int64_t k,        \
+                 const float *x, const float *sums, float *out, int num_threads) {              \
+    const int64_t row_groups = (n_out + LANES - 1) / LANES, groups = k / BLOCK;                 \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if(n_out * k >= 65536)")\
+    for (int64_t n = 0; n < row_groups; n++)                                                    \
+        row_group(codes + n * groups * group_code_bytes(QUANT_TYPE),                            \
+                  scales + n * groups * group_scales(QUANT_TYPE), k, QUANT_TYPE, x, sums,       \
+                  TOKENS, out + n * LANES, n_out,                                               \
+                  n_out - n * LANES < LANES ? n_out - n * LANES : LANES);                       \
+}
+
+#define DEFINE_TYPE(PREFIX, QUANT_TYPE)                                                         \
+DEFINE_ROWS(PREFIX##_1, QUANT_TYPE, 1) DEFINE_ROWS(PREFIX##_2, QUANT_TYPE, 2)                   \
+DEFINE_ROWS(PREFIX##_3, QUANT_TYPE, 3) DEFINE_ROWS(PREFIX##_4, QUANT_TYPE, 4)                   \
+DEFINE_ROWS(PREFIX##_5, QUANT_TYPE, 5) DEFINE_ROWS(PREFIX##_6, QUANT_TYPE, 6)                   \
+DEFINE_ROWS(PREFIX##_7, QUANT_TYPE, 7) DEFINE_ROWS(PREFIX##_8, QUANT_TYPE, 8)
+
+DEFINE_TYPE(rows_q4_0, Q4_0)
+DEFINE_TYPE(rows_q4_1, Q4_1)
+DEFINE_TYPE(rows_q8_0, Q8_0)
+
+typedef void (*rows_fn)(const uint8_t *, const uint16_t *, int64_t, int64_t, const float *,
+                        const float *, float *, int);
+
+static const rows_fn ROWS_BY_TYPE[3][MAX_ROWS] = {
+    {rows_q4_0_1, rows_q4_0_2, rows_q4_0_3, rows_q4_0_4,
+     rows_q4_0_5, rows_q4_0_6, rows_q4_0_7, rows_q4_0_8},
+    {rows_q4_1_1, rows_q4_1_2, rows_q4_1_3, rows_q4_1_4,
+     rows_q4_1_5, rows_q4_1_6, rows_q4_1_7, rows_q4_1_8},
+    {rows_q8_0_1, rows_q8_0_2, rows_q8_0_3, rows_q8_0_4,
+     rows_q8_0_5, rows_q8_0_6, rows_q8_0_7, rows_q8_0_8},
+};
+
+/* out [num_tokens, n_out] = x [num_tokens, k] · Wᵀ, all fp32 and contiguous; k a multiple
+   of 32. Also the fused decode forward's matmul. */
+void packed_matmul(const uint8_t *codes, const uint16_t *scales, int64_t quant_type,
+                   int64_t n_out, int64_t k, const float *x, int64_t num_tokens, float *out,
+                   int num_threads) {
+    const int64_t groups = k / BLOCK;
+    float sums[MAX_ROWS * groups];
+    for (int64_t t = 0; t < num_tokens; t += MAX_ROWS) {
+        const int64_t tokens = num_tokens - t < MAX_ROWS ? num_tokens - t : MAX_ROWS;
+        for (int64_t i = 0; i < tokens * groups; i++) {
+            float sum = 0.0f;
+            for (int j = 0; j < BLOCK; j++) sum += x[t * k + i * BLOCK + j];
+            sums[i] = sum;
+        }
+        ROWS_BY_TYPE[quant_type][tokens - 1](codes, scales, n_out, k, x + t * k, sums,
+                                             out + t * n_out, num_threads);
+    }
+}
+
+/* The same for x [num_tokens, k] of element type T with a row stride, out contiguous T
+   (converted through fp32 buffers of at most MAX_ROWS rows). */
+#define DEFINE_PACKED_MATMUL(NAME, T, LOAD, STORE)                                              \
+void NAME(const uint8_t *codes, const uint16_t *scales, int64_t quant_type, int64_t n_out,      \
+          int64_t k, const T *x, int64_t x_stride, int64_t num_tokens, T *out,                  \
+          int num_threads) {                                                                    \
+    float *x32 = malloc(sizeof(float) * MAX_ROWS * (k + n_out)), *out32 = x32 + MAX_ROWS * k;   \
+    for (int64_t t = 0; t < num_tokens; t += MAX_ROWS) {                                        \
+        const int64_t tokens = num_tokens - t < MAX_ROWS ? num_tokens - t : MAX_ROWS;           \
+        for (int64_t i = 0; i < tokens; i++)                                                    \
+            for (int64_t j = 0; j < k; j++) x32[i * k + j] = LOAD(x[(t + i) * x_stride + j]);   \
+        packed_matmul(codes, scales, quant_type, n_out, k, x32, tokens, out32, num_threads);   \
+        for (int64_t i = 0; i < tokens * n_out; i++) out[t * n_out + i] = STORE(out32[i]);      \
+    }                                                                                           \
+    free(x32);                                                                                  \
+}
+
+DEFINE_PACKED_MATMUL(packed_matmul_f32, float, f32_load, f32_store)
+DEFINE_PACKED_MATMUL(packed_matmul_bf16, uint16_t, bf16_load, bf16_store)
