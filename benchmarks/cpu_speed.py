@@ -33,7 +33,7 @@ import torch
 import tandem.engine.engine_core as engine_core_module
 import tandem.worker.model_runner as runner_module
 from tandem import LLM, SamplingParams
-from tandem.attention.metadata import build_batch, forward_context
+from tandem.attention.metadata import build_batch
 from tandem.core.scheduler import ScheduledRequest
 from tandem.engine.config import EngineConfig
 from tandem.engine.tokenizer import load_tokenizer
@@ -232,8 +232,7 @@ def teacher_forced(runner: ModelRunner, tokens: list[int], chunk: int) -> tuple:
             end = min(start + chunk, len(tokens) - 1)
             request = ScheduledRequest("text", tokens[:end], start, end - start, block_ids, True)
             batch = build_batch([request], runner.block_size, runner.device)
-            with forward_context(batch.attn_metadata):
-                hidden = runner.model(batch.input_ids, batch.positions)
+            hidden = runner.hidden_states(batch)
             rows = torch.log_softmax(runner.model.compute_logits(hidden), dim=-1)
             logprobs.append(
                 rows[torch.arange(end - start), torch.tensor(tokens[start + 1 : end + 1])]

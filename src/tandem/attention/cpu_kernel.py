@@ -1,6 +1,7 @@
 """The CPU kernels (csrc/): decode attention over the paged cache, a layer's RMSNorm and RoPE
-in one call each, and GGUF-quantized matmuls for decode steps; compiled for this machine on
-first use, cached, loaded with ctypes.
+in one call each, GGUF-quantized matmuls for decode steps, and a decode step's whole layer
+stack in one call (worker/cpu_decode.py); compiled for this machine on first use, cached,
+loaded with ctypes.
 
 Plain C files (no torch headers) builds in well under a second with the C compiler torch's
 own CPU compilation already needs, so there is nothing to install and nothing to ship
@@ -28,8 +29,10 @@ from tandem.cache import cache_root
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_decode_attention.c", CSRC / "layer_ops.c", CSRC / "packed_matmul.c"]
-HEADERS = [CSRC / "element_types.h"]  # hashed with the sources: a change rebuilds
+SOURCES = [CSRC / name for name in ("paged_decode_attention.c", "layer_ops.c",
+                                     "packed_matmul.c", "decode_forward.c")]  # fmt: skip
+# Hashed with the sources: a change rebuilds.
+HEADERS = [CSRC / name for name in ("element_types.h", "kernels.h", "vector_math.h")]
 # -ffast-math's parts that vectorize reductions and the exp polynomial; -ffast-math itself
 # would link crtfastmath (flush-to-zero for the whole process) and assume no infinities.
 FLAGS = [
@@ -140,6 +143,7 @@ def load_library() -> ctypes.CDLL | None:
             ("rms_norm", _RMS_NORM_ARGTYPES),
             ("rotary", _ROTARY_ARGTYPES),
             ("packed_matmul", _PACKED_MATMUL_ARGTYPES),
+            ("decode_layers", [_ptr, _ptr, _ptr, ctypes.c_int]),
         ):
             function = getattr(library, f"{name}_{suffix}")
             function.argtypes = argtypes

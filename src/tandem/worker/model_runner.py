@@ -5,6 +5,7 @@ for requests that ask, the logprobs of their prompt tokens in this step's chunk)
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,11 +21,14 @@ from tandem.config import ModelConfig
 from tandem.models.layers import Linear
 from tandem.models.llama import CausalLM
 from tandem.models.loader import load_model
+from tandem.worker.cpu_decode import CpuDecode, unsupported_reason
 from tandem.worker.gpu_memory import MemoryProfile, profile_requests
 from tandem.worker.sampler import LogprobsTensors, token_logprobs
 
 if TYPE_CHECKING:
     from tandem.worker.cuda_graphs import DecodeGraphs
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {
     "float32": torch.float32,
@@ -154,6 +158,7 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache()
         if config.decode_graph_max_batch:
             self.decode_graphs = self._decode_graphs()
+        self.cpu_decode = self._cpu_decode()
 
     def _profile(self, profile: MemoryProfile, bytes_per_block: int) -> int:
         """Bytes for the cache: run the largest step over a cache just big enough for it."""
@@ -188,6 +193,16 @@ class ModelRunner:
         if self.device.type == "cuda":
             graphs.capture()
         return graphs
+
+    def _cpu_decode(self) -> CpuDecode | None:
+        """Decode steps' layers in one C call, where the weights are packed for it."""
+        if self.device.type != "cpu" or self.config.packed_max_tokens <= 0:
+            return None
+        reason = unsupported_reason(self.model)
+        if reason is not None:
+            logger.info("decode steps run layer by layer: %s", reason)
+            return None
+        return CpuDecode(self.model, self.config.packed_max_tokens)
 
     def packed_weights(self) -> tuple[int, int, int]:
         """(weights kept packed, their packed bytes, the largest step that uses them), for the
@@ -271,11 +286,7 @@ class ModelRunner:
             if placeholder_token_ids is None:
                 raise ValueError("the batch has placeholder tokens and no ids to fill them in")
             batch.input_ids[batch.placeholder_indices] = placeholder_token_ids
-        if self.decode_graphs is not None and self.decode_graphs.fits(batch):
-            hidden = self.decode_graphs.run(batch)
-        else:
-            with forward_context(batch.attn_metadata):
-                hidden = self.model(batch.input_ids, batch.positions)
+        hidden = self.hidden_states(batch)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         prompt = batch.prompt_logits
         if prompt is None:
@@ -289,6 +300,16 @@ class ModelRunner:
             for start, end in _slices(len(prompt.indices), PROMPT_LOGITS_ROWS)
         ]
         return RunnerOutput(logits, LogprobsTensors.cat(parts) if parts else None)
+
+    def hidden_states(self, batch: BatchInputs) -> torch.Tensor:
+        """The final hidden state of every token of the batch: a captured CUDA graph, the
+        fused CPU decode step, or the model layer by layer."""
+        if self.decode_graphs is not None and self.decode_graphs.fits(batch):
+            return self.decode_graphs.run(batch)
+        if self.cpu_decode is not None and self.cpu_decode.fits(batch):
+            return self.cpu_decode.run(batch)
+        with forward_context(batch.attn_metadata):
+            return self.model(batch.input_ids, batch.positions)
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host copy of `tensor`, queued on the device's stream (pinned, not waited for: read

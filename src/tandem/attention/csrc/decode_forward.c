@@ -1,0 +1,136 @@
+/* A decode step's decoder layers in one call: no Python, no torch op per layer.
+
+   At batch 1 a layer is ~25 small torch ops whose dispatch costs more than their arithmetic;
+   here each layer is RMSNorm, the packed QKV matmul, RoPE, the KV store, paged attention,
+   the O matmul and residual add, RMSNorm, the packed gate/up matmul, SiLU·mul, the packed
+   down matmul and residual add, calling the same kernels the unfused path calls. The residual
+   stream stays fp32 across layers; the query, keys and values are rounded to the cache's
+   element type, as they are in the unfused path. Used for steps whose every token is a decode
+   (or draft-verification) token and whose weights are all packed (worker/cpu_decode.py). */
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "element_types.h"
+#include "kernels.h"
+#include "vector_math.h"
+
+typedef struct {
+    const uint8_t *codes;  /* models/packed.py's kernel layout */
+    const uint16_t *scales;
+    int64_t quant_type;
+    int64_t out_features;
+    const float *bias;  /* NULL: none */
+} PackedMatrix;
+
+typedef struct {
+    const float *input_norm;  /* [hidden] fp32 */
+    const float *post_attention_norm;
+    PackedMatrix qkv, o, gate_up, down;
+    void *kv_cache;  /* [2, num_blocks, block_size, kv_heads, head_dim] of the element type */
+} DecodeLayer;
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    int64_t num_blocks, block_size;
+    float eps, scale;
+    const DecodeLayer *layers;
+} DecodeModel;
+
+typedef struct {
+    int64_t num_tokens;
+    const float *cos_sin;  /* [num_tokens, head_dim]: cos then sin, each token's position */
+    const int64_t *slot_mapping;  /* [num_tokens] cache slot; < 0: not stored */
+    const int64_t *block_table;
+    int64_t block_table_stride;
+    const int64_t *token_rows, *token_requests, *token_seq_lens;  /* as the attention kernel */
+} DecodeStep;
+
+static void matmul(const PackedMatrix *m, int64_t k, const float *x, int64_t num_tokens,
+                   float *out, int num_threads) {
+    packed_matmul(m->codes, m->scales, m->quant_type, m->out_features, k, x, num_tokens, out,
+                  num_threads);
+    if (m->bias)
+        for (int64_t t = 0; t < num_tokens; t++)
+            for (int64_t i = 0; i < m->out_features; i++) out[t * m->out_features + i] += m->bias[i];
+}
+
+/* out = silu(gate) * up for gate_up [tokens, 2 * size] rows of gate then up. */
+static void silu_and_mul(const float *gate_up, int64_t num_tokens, int64_t size, float *out) {
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *gate = gate_up + t * 2 * size, *up = gate + size;
+        for (int64_t i = 0; i < size; i++)
+            out[t * size + i] = silu(gate[i]) * up[i];
+    }
+}
+
+#define DEFINE_DECODE_LAYERS(NAME, T, LOAD, STORE, ATTENTION)                                   \
+void NAME(const DecodeModel *model, const DecodeStep *step, float *hidden, int num_threads) {   \
+    const int64_t tokens = step->num_tokens, width = model->hidden;                             \
+    const int64_t q_size = model->num_heads * model->head_dim;                                  \
+    const int64_t kv_size = model->num_kv_heads * model->head_dim;                              \
+    const int64_t qkv_size = q_size + 2 * kv_size, inter = model->intermediate;                 \
+    float *normed = malloc(sizeof(float) * tokens * (width + qkv_size + q_size + 3 * inter));   \
+    float *qkv = normed + tokens * width, *attended = qkv + tokens * qkv_size;                  \
+    float *gate_up = attended + tokens * q_size, *act = gate_up + tokens * 2 * inter;            \
+    T *query = malloc(sizeof(T) * tokens * 2 * q_size), *out = query + tokens * q_size;          \
+    for (int64_t l = 0; l < model->num_layers; l++) {                                           \
+        const DecodeLayer *layer = model->layers + l;                                           \
+        T *key_cache = layer->kv_cache;                                                         \
+        T *value_cache = key_cache + model->num_blocks * model->block_size * kv_size;           \
+        rms_norm_f32(hidden, layer->input_norm, normed, tokens, width, model->eps, num_threads); \
+        matmul(&layer->qkv, width, normed, tokens, qkv, num_threads);                            \
+        rotary_f32(qkv, qkv_size, model->num_heads + model->num_kv_heads, model->head_dim,      \
+                   step->cos_sin, model->head_dim, tokens, num_threads);                        \
+        for (int64_t t = 0; t < tokens; t++) {                                                  \
+            const float *row = qkv + t * qkv_size;                                              \
+            for (int64_t i = 0; i < q_size; i++) query[t * q_size + i] = STORE(row[i]);         \
+            const int64_t slot = step->slot_mapping[t];                                         \
+            if (slot < 0) continue;                                                             \
+            for (int64_t i = 0; i < kv_size; i++) {                                             \
+                key_cache[slot * kv_size + i] = STORE(row[q_size + i]);                         \
+                value_cache[slot * kv_size + i] = STORE(row[q_size + kv_size + i]);             \
+            }                                                                                   \
+        }                                                                                       \
+        ATTENTION(query, q_size, model->head_dim, key_cache, model->num_blocks,                  \
+                  step->block_table, step->block_table_stride, step->token_rows,                \
+                  step->token_requests, step->token_seq_lens, tokens, model->num_heads,         \
+                  model->num_kv_heads, model->head_dim, model->block_size, model->scale, out,   \
+                  num_threads);                                                                 \
+        for (int64_t i = 0; i < tokens * q_size; i++) attended[i] = LOAD(out[i]);               \
+        matmul(&layer->o, q_size, attended, tokens, normed, num_threads);                        \
+        for (int64_t i = 0; i < tokens * width; i++) hidden[i] += normed[i];                    \
+        rms_norm_f32(hidden, layer->post_attention_norm, normed, tokens, width, model->eps,     \
+                     num_threads);                                                              \
+        matmul(&layer->gate_up, width, normed, tokens, gate_up, num_threads);                    \
+        silu_and_mul(gate_up, tokens, inter, act);                                              \
+        matmul(&layer->down, inter, act, tokens, normed, num_threads);                           \
+        for (int64_t i = 0; i < tokens * width; i++) hidden[i] += normed[i];                    \
+    }                                                                                           \
+    free(query);                                                                                \
+    free(normed);                                                                               \
+}
+
+/* The attention kernel for the model's head size (64 and 128 compiled as constants). */
+#define DEFINE_ATTENTION(NAME, T, SUFFIX)                                                       \
+static void NAME(const T *query, int64_t q_token_stride, int64_t q_head_stride,                 \
+                 const T *kv_cache, int64_t num_blocks, const int64_t *block_table,             \
+                 int64_t bt_stride, const int64_t *token_rows, const int64_t *token_requests,   \
+                 const int64_t *token_seq_lens, int64_t num_tokens, int64_t num_heads,          \
+                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,       \
+                 T *out, int num_threads) {                                                     \
+    void (*kernel)(const T *, int64_t, int64_t, const T *, int64_t, const int64_t *, int64_t,   \
+                   const int64_t *, const int64_t *, const int64_t *, int64_t, int64_t,         \
+                   int64_t, int64_t, int64_t, float, T *, int) =                                \
+        head_dim == 64    ? paged_decode_attention_##SUFFIX##_64                                \
+        : head_dim == 128 ? paged_decode_attention_##SUFFIX##_128                               \
+                          : paged_decode_attention_##SUFFIX;                                    \
+    kernel(query, q_token_stride, q_head_stride, kv_cache, num_blocks, block_table, bt_stride,  \
+           token_rows, token_requests, token_seq_lens, num_tokens, num_heads, num_kv_heads,     \
+           head_dim, block_size, scale, out, num_threads);                                      \
+}
+
+DEFINE_ATTENTION(attention_f32, float, f32)
+DEFINE_ATTENTION(attention_bf16, uint16_t, bf16)
+DEFINE_DECODE_LAYERS(decode_layers_f32, float, f32_load, f32_store, attention_f32)
+DEFINE_DECODE_LAYERS(decode_layers_bf16, uint16_t, bf16_load, bf16_store, attention_bf16)

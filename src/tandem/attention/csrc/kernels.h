@@ -1,0 +1,31 @@
+/* The kernels one C file calls from another (the fused decode forward calls the rest). */
+
+#ifndef TANDEM_KERNELS_H
+#define TANDEM_KERNELS_H
+
+#include <stdint.h>
+
+#define DECLARE_DECODE(NAME, T)                                                                \
+    void NAME(const T *query, int64_t q_token_stride, int64_t q_head_stride, const T *kv_cache, \
+              int64_t num_blocks, const int64_t *block_table, int64_t bt_stride,                \
+              const int64_t *token_rows, const int64_t *token_requests,                         \
+              const int64_t *token_seq_lens, int64_t num_tokens, int64_t num_heads,             \
+              int64_t num_kv_heads, int64_t head_dim_arg, int64_t block_size, float scale,      \
+              T *out, int num_threads);
+
+DECLARE_DECODE(paged_decode_attention_f32, float)
+DECLARE_DECODE(paged_decode_attention_f32_64, float)
+DECLARE_DECODE(paged_decode_attention_f32_128, float)
+DECLARE_DECODE(paged_decode_attention_bf16, uint16_t)
+DECLARE_DECODE(paged_decode_attention_bf16_64, uint16_t)
+DECLARE_DECODE(paged_decode_attention_bf16_128, uint16_t)
+
+void rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows, int64_t size,
+                  float eps, int num_threads);
+void rotary_f32(float *x, int64_t token_stride, int64_t num_heads, int64_t head_dim,
+                const float *cos_sin, int64_t table_stride, int64_t num_tokens, int num_threads);
+void packed_matmul(const uint8_t *codes, const uint16_t *scales, int64_t quant_type,
+                   int64_t n_out, int64_t k, const float *x, int64_t num_tokens, float *out,
+                   int num_threads);
+
+#endif

@@ -1,0 +1,156 @@
+"""Decode steps on a CPU in one C call for all the decoder layers (csrc/decode_forward.c).
+
+A batch-1 decode step of a small model is mostly Python and op dispatch: ~25 torch ops per
+layer, each costing more than its arithmetic. Where every linear layer's weight is packed for
+the C kernel (GGUF Q4_0 / Q4_1 / Q8_0) and attention runs on the cpu backend, the whole layer
+stack of a step whose tokens are all decode (or draft-verification) tokens runs in C, over
+the same kernels the unfused path calls; the embedding, the final norm and the LM head stay
+in torch. This is the CPU's counterpart of worker/cuda_graphs.py: the model runner asks
+`fits(batch)`, then `run(batch)` for the final hidden states.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import numpy as np
+import torch
+
+from tandem.attention import cpu_backend, cpu_kernel
+from tandem.attention.metadata import BatchInputs
+from tandem.models.layers import Linear
+from tandem.models.llama import CausalLM
+
+logger = logging.getLogger(__name__)
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class _PackedMatrix(ctypes.Structure):
+    _fields_ = [("codes", _ptr), ("scales", _ptr), ("quant_type", _i64),
+                ("out_features", _i64), ("bias", _ptr)]  # fmt: skip
+
+
+class _DecodeLayer(ctypes.Structure):
+    _fields_ = [("input_norm", _ptr), ("post_attention_norm", _ptr), ("qkv", _PackedMatrix),
+                ("o", _PackedMatrix), ("gate_up", _PackedMatrix), ("down", _PackedMatrix),
+                ("kv_cache", _ptr)]  # fmt: skip
+
+
+class _DecodeModel(ctypes.Structure):
+    _fields_ = [("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64),
+                ("num_kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64),
+                ("num_blocks", _i64), ("block_size", _i64), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("layers", ctypes.POINTER(_DecodeLayer))]  # fmt: skip
+
+
+class _DecodeStep(ctypes.Structure):
+    _fields_ = [("num_tokens", _i64), ("cos_sin", _ptr), ("slot_mapping", _ptr),
+                ("block_table", _ptr), ("block_table_stride", _i64), ("token_rows", _ptr),
+                ("token_requests", _ptr), ("token_seq_lens", _ptr)]  # fmt: skip
+
+
+def unsupported_reason(model: CausalLM) -> str | None:
+    """Why the model's decode steps cannot run fused (None: they can)."""
+    config = model.config
+    layers = model.model.layers
+    if config.qk_norm:
+        return "the model normalizes queries and keys"
+    for layer in layers:
+        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                   layer.mlp.down_proj)  # fmt: skip
+        if any(linear.packed is None or linear.packed.codes is None for linear in linears):
+            return "not every linear layer has packed weights for the C kernel"
+        if layer.self_attn.paged_attention is not cpu_backend.paged_attention:
+            return "attention does not run on the cpu backend"
+        if layer.self_attn.kv_cache.dtype not in cpu_kernel.DTYPE_SUFFIXES:
+            return f"the cache is {layer.self_attn.kv_cache.dtype}"
+    return None
+
+
+class CpuDecode:
+    """The fused decode forward of one model over its bound KV caches; holds the C structures
+    (and fp32 copies of the norms and biases) they point into."""
+
+    def __init__(self, model: CausalLM, max_tokens: int) -> None:
+        config = model.config
+        self.model = model
+        self.max_tokens = max_tokens
+        attention = model.attention_layers()
+        self.kv_caches = [layer.kv_cache for layer in attention]
+        self.dtype = self.kv_caches[0].dtype
+        self._kept: list[torch.Tensor] = []
+        layers = (_DecodeLayer * len(model.model.layers))()
+        for index, layer in enumerate(model.model.layers):
+            layers[index] = _DecodeLayer(
+                self._fp32(layer.input_layernorm.weight),
+                self._fp32(layer.post_attention_layernorm.weight),
+                self._matrix(layer.self_attn.qkv_proj),
+                self._matrix(layer.self_attn.o_proj),
+                self._matrix(layer.mlp.gate_up_proj),
+                self._matrix(layer.mlp.down_proj),
+                self.kv_caches[index].data_ptr(),
+            )
+        self._layers = layers
+        _, num_blocks, block_size, _, _ = self.kv_caches[0].shape
+        self._model = _DecodeModel(
+            config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+            config.num_key_value_heads, config.head_dim, config.intermediate_size, num_blocks,
+            block_size, config.rms_norm_eps, attention[0].scale, layers,
+        )  # fmt: skip
+        self._final_norm = model.model.norm.weight.detach().float().contiguous()
+        library = cpu_kernel.load_library()
+        assert library is not None  # unsupported_reason() said the weights are packed for it
+        self._function = getattr(library, f"decode_layers_{cpu_kernel.DTYPE_SUFFIXES[self.dtype]}")
+
+    def _fp32(self, tensor: torch.Tensor | None) -> int | None:
+        if tensor is None:
+            return None
+        copy = tensor.detach().float().contiguous().clone()
+        self._kept.append(copy)
+        return copy.data_ptr()
+
+    def _matrix(self, linear: Linear) -> _PackedMatrix:
+        packed = linear.packed
+        assert packed is not None and packed.codes is not None and packed.scales is not None
+        return _PackedMatrix(
+            packed.codes.data_ptr(), packed.scales.data_ptr(),
+            cpu_kernel.QUANT_TYPE_IDS[packed.quant_type], packed.out_features,
+            self._fp32(linear.bias),
+        )  # fmt: skip
+
+    def fits(self, batch: BatchInputs) -> bool:
+        """Every token of the step is a decode (or draft-verification) token, few enough for
+        the packed weights, over the caches this was built for."""
+        md = batch.attn_metadata
+        num_tokens = batch.input_ids.shape[0]
+        return (
+            num_tokens <= self.max_tokens
+            and len(md.prefill_indices_cpu) == 0
+            and len(md.decode_token_indices_cpu) == num_tokens
+            and self.model.model.layers[0].self_attn.kv_cache is self.kv_caches[0]
+        )
+
+    def run(self, batch: BatchInputs) -> torch.Tensor:
+        """The final hidden states `[T, hidden]` in the model's dtype."""
+        md = batch.attn_metadata
+        decoder = self.model.model
+        hidden = decoder.embed_tokens(batch.input_ids).float().contiguous()
+        cos_sin = decoder.rotary.cos_sin[batch.positions].contiguous()
+        slot_mapping = md.slot_mapping.contiguous()
+        block_table = md.block_table.contiguous()
+        arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (
+            md.decode_token_indices_cpu, md.decode_token_requests_cpu,
+            md.decode_token_seq_lens_cpu)]  # fmt: skip
+        step = _DecodeStep(
+            hidden.shape[0], cos_sin.data_ptr(), slot_mapping.data_ptr(),
+            block_table.data_ptr(), block_table.stride(0), *(a.ctypes.data for a in arrays),
+        )  # fmt: skip
+        self._function(
+            ctypes.byref(self._model), ctypes.byref(step), hidden.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        normed = cpu_kernel.rms_norm(hidden, self._final_norm, decoder.norm.eps)
+        assert normed is not None  # fp32, contiguous, on the CPU
+        return normed.to(self.model.model.embed_tokens.weight.dtype)

@@ -1,0 +1,141 @@
+"""The fused CPU decode step (worker/cpu_decode.py, csrc/decode_forward.c): a step whose every
+token is a decode or draft-verification token runs all the layers in one C call, and gives
+the layer-by-layer forward's hidden states and cache contents (within fp32 rounding in an
+fp32 model; in a bf16 one, within bf16 rounding: the fused residual stream stays fp32)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tandem.attention import cpu_kernel
+from tandem.attention.metadata import build_batch, forward_context
+from tandem.worker.model_runner import ModelRunner, RunnerConfig
+
+from helpers import Slice, relative_error, write_gguf
+from hf_models import make_hf_model
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernel.load_library() is None, reason="no C compiler: the CPU kernels are not built"
+)
+
+SMALL = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+QTYPES = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q4_1",
+          "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q8_0", "token_embd": "Q8_0",
+          "output.": "Q8_0"}  # fmt: skip
+BLOCK_SIZE = 16
+MAX_TOKENS = 8
+
+
+def packed_runner(tmp_path, dtype: str, config_class="LlamaConfig", arch="llama", **overrides):
+    path = tmp_path / f"{arch}.gguf"
+    if not path.exists():
+        write_gguf(path, make_hf_model(config_class, SMALL), arch, QTYPES)
+    config = dict(model=path, dtype=dtype, packed_max_tokens=MAX_TOKENS, num_kv_blocks=48,
+                  block_size=BLOCK_SIZE, attention_backend="cpu")  # fmt: skip
+    return ModelRunner(RunnerConfig(**{**config, **overrides}))
+
+
+def prefilled(runner: ModelRunner, context_lens: list[int], seed: int) -> list[Slice]:
+    """Requests whose contexts are in the cache (prefilled layer by layer), over shuffled
+    blocks."""
+    rng = random.Random(seed)
+    pool = list(range(runner.num_kv_blocks))
+    rng.shuffle(pool)
+    requests = []
+    for length in context_lens:
+        tokens = [rng.randrange(3, 200) for _ in range(length + MAX_TOKENS)]
+        blocks = [pool.pop() for _ in range(-(-len(tokens) // BLOCK_SIZE))]
+        requests.append(Slice(tokens, 0, length, blocks))
+    batch = build_batch(requests, BLOCK_SIZE, runner.device)
+    with torch.inference_mode(), forward_context(batch.attn_metadata):
+        runner.model(batch.input_ids, batch.positions)
+    return requests
+
+
+def layer_by_layer(runner: ModelRunner, batch) -> torch.Tensor:
+    with torch.inference_mode(), forward_context(batch.attn_metadata):
+        return runner.model(batch.input_ids, batch.positions)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "arch,config_class",
+    [("llama", "LlamaConfig"), ("qwen2", "Qwen2Config")],  # qkv bias
+)
+def test_fused_step_equals_the_layer_by_layer_forward(tmp_path, dtype, arch, config_class):
+    runner = packed_runner(tmp_path, dtype, config_class, arch)
+    assert runner.cpu_decode is not None
+    requests = prefilled(runner, [5, 16, 33, 70], seed=1)
+    # Three decode tokens, and a request verifying two drafts (3 query tokens): 6 tokens.
+    step = [Slice(r.token_ids, r.num_new_tokens, 1, r.block_ids) for r in requests[:3]]
+    last = requests[3]
+    step.append(Slice(last.token_ids, last.num_new_tokens, 3, last.block_ids))
+    batch = build_batch(step, BLOCK_SIZE, runner.device)
+    assert runner.cpu_decode.fits(batch)
+    before = [cache.clone() for cache in runner.kv_caches]
+    with torch.inference_mode():
+        fused = runner.hidden_states(batch)
+    fused_caches = [cache.clone() for cache in runner.kv_caches]
+    for cache, saved in zip(runner.kv_caches, before, strict=True):
+        cache.copy_(saved)
+    expected = layer_by_layer(runner, batch)
+    assert fused.dtype == expected.dtype and fused.shape == expected.shape == (6, 128)
+    tolerance = 1e-5 if dtype == "float32" else 3e-2
+    assert relative_error(fused, expected) <= tolerance
+    for got, want in zip(fused_caches, runner.kv_caches, strict=True):
+        assert relative_error(got, want) <= tolerance
+    # Exactly the step's slots were written.
+    slots = set(batch.attn_metadata.slot_mapping.tolist())
+    for got, saved in zip(fused_caches, before, strict=True):
+        changed = (got != saved).flatten(3).any(-1)  # [keys | values, blocks, positions]
+        assert set(torch.nonzero(changed.any(0).flatten()).flatten().tolist()) <= slots
+
+
+def test_greedy_decoding_matches_layer_by_layer(tmp_path):
+    """Eight decode steps of three requests, fed their own argmax: the same tokens."""
+    runner = packed_runner(tmp_path, "float32")
+    requests = prefilled(runner, [7, 20, 41], seed=2)
+
+    def decode(use_fused: bool) -> list[list[int]]:
+        tokens = [list(r.token_ids[: r.num_new_tokens]) for r in requests]
+        for _ in range(MAX_TOKENS):
+            step = [
+                Slice(row, len(row) - 1, 1, request.block_ids)
+                for row, request in zip(tokens, requests, strict=True)
+            ]
+            batch = build_batch(step, BLOCK_SIZE, runner.device)
+            assert runner.cpu_decode.fits(batch)
+            with torch.inference_mode():
+                hidden = (runner.hidden_states(batch) if use_fused
+                          else layer_by_layer(runner, batch))  # fmt: skip
+                logits = runner.model.compute_logits(hidden)
+            for row, new in zip(tokens, logits.argmax(-1).tolist(), strict=True):
+                row.append(new)
+        return tokens
+
+    assert decode(True) == decode(False)
+
+
+def test_steps_it_does_not_take(tmp_path):
+    runner = packed_runner(tmp_path, "float32")
+    fused = runner.cpu_decode
+    assert fused is not None
+    requests = prefilled(runner, [10, 30], seed=3)
+    prefill = build_batch([Slice(list(range(40)), 0, 40, [0, 1, 2])], BLOCK_SIZE, runner.device)
+    assert not fused.fits(prefill)  # a prompt
+    too_many = [Slice(r.token_ids, r.num_new_tokens, 5, r.block_ids) for r in requests]
+    assert not fused.fits(build_batch(too_many, BLOCK_SIZE, runner.device))  # 10 > 8 tokens
+    one = [Slice(r.token_ids, r.num_new_tokens, 1, r.block_ids) for r in requests]
+    assert fused.fits(build_batch(one, BLOCK_SIZE, runner.device))
+    runner.model.model.layers[0].self_attn.kv_cache = torch.zeros_like(runner.kv_caches[0])
+    assert not fused.fits(build_batch(one, BLOCK_SIZE, runner.device))  # caches re-bound
+
+
+@pytest.mark.parametrize(
+    "overrides", [{"attention_backend": "torch"}, {"packed_max_tokens": 0}], ids=str
+)
+def test_not_built_without_packed_weights_or_the_cpu_attention_backend(tmp_path, overrides):
+    assert packed_runner(tmp_path, "float32", **overrides).cpu_decode is None
