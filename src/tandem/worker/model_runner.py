@@ -138,6 +138,7 @@ class ModelRunner:
             keep_freed_memory_in_heap()
         # Set after the cache: the profiling step's forward runs before they exist.
         self.decode_graphs: DecodeGraphs | None = None
+        self.cpu_decode: CpuDecode | None = None
         profile = None
         if config.gpu_memory_utilization is not None and config.num_kv_blocks is None:
             profile = MemoryProfile(self.device, config.gpu_memory_utilization)  # before loading
