@@ -72,8 +72,8 @@ class QuantBlocks:
         )
         blocks[:rows] = self.data.reshape(rows, *blocks.shape[1:])
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-        if self.quant_type == "Q8_0":
-            codes, scales = blocks[..., 2:], d[..., None]
+        if self.quant_type == "Q8_0":  # columns by fours: [rows, groups, 8, 4]
+            codes, scales = blocks[..., 2:].reshape(*blocks.shape[:2], 8, 4), d[..., None]
         elif self.quant_type == "Q4_1":
             codes, scales = (
                 blocks[..., 4:],
@@ -84,9 +84,9 @@ class QuantBlocks:
 
         # [groups·16 rows, column groups, bytes | scales] -> [groups, column groups, ·, 16 rows]
         def lanes_last(a: np.ndarray) -> np.ndarray:
-            return np.ascontiguousarray(
-                a.reshape(row_groups, KERNEL_LANES, *a.shape[1:]).transpose(0, 2, 3, 1)
-            )
+            grouped = a.reshape(row_groups, KERNEL_LANES, *a.shape[1:])
+            order = (0, 2, 3, 1, *range(4, grouped.ndim))
+            return np.ascontiguousarray(grouped.transpose(order))
 
         return lanes_last(codes), lanes_last(scales)
 
