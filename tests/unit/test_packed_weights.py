@@ -5,6 +5,10 @@ kernel is not built) within bf16 rounding; a linear layer uses them only for ste
 
 from __future__ import annotations
 
+import ctypes
+import platform
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -129,3 +133,35 @@ def test_a_layer_with_a_shard_in_another_format_stays_dense():
     _, blocks = quantized(32, 64, "Q4_0")
     assert attach_packed_weights(net, iter([("q_proj.weight", blocks)]), max_tokens=8) == 0
     assert qkv.packed is None
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        return f" {flag} " in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@needs_kernel
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 instruction-set levels")
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])  # AVX2 + FMA + F16C; SSE2 only
+def test_the_c_kernel_built_for_older_x86_gives_the_same_results(tmp_path, march):
+    """The machines tandem runs on differ (AVX2 only, AVX-512): the kernel's AVX2 and plain-C
+    paths give the native build's results."""
+    if march == "haswell" and not _cpu_has("avx2"):
+        pytest.skip("this CPU has no AVX2")
+    flags = [f"-march={march}" if flag == "-march=native" else flag for flag in cpu_kernel.FLAGS]
+    target = tmp_path / "kernels.so"
+    cpu_kernel._build(cpu_kernel._compiler(), target, flags)
+    function = ctypes.CDLL(str(target)).packed_matmul_f32
+    function.argtypes = cpu_kernel._PACKED_MATMUL_ARGTYPES
+    for quant_type in QUANT_TYPES:
+        _, blocks = quantized(50, 160, quant_type)
+        packed = PackedWeight.from_blocks(blocks, max_tokens=16)
+        for rows in (1, 3, 11):
+            x = torch.randn(rows, 160)
+            out = torch.empty(rows, 50)
+            function(packed.codes.data_ptr(), packed.scales.data_ptr(),
+                     cpu_kernel.QUANT_TYPE_IDS[quant_type], 50, 160, x.data_ptr(), 160, rows,
+                     out.data_ptr(), 1)  # fmt: skip
+            torch.testing.assert_close(out, packed.matmul(x), rtol=1e-5, atol=1e-5)

@@ -77,15 +77,15 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, target: Path, flags: list[str] = FLAGS) -> None:
     """Compile into a temporary file, then rename it into place: processes building at once
-    each leave a whole library."""
+    each leave a whole library. `flags`: tests build for older instruction sets too."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as staging:
         staging_path = Path(staging.name)
     try:
         subprocess.run(
-            [compiler, *FLAGS, *map(str, SOURCES), "-o", str(staging_path), "-lm"],
+            [compiler, *flags, *map(str, SOURCES), "-o", str(staging_path), "-lm"],
             check=True,
             capture_output=True,
             text=True,
