@@ -23,7 +23,6 @@ from tandem.models.loader import resolve_model_path
 from tandem.models.packed import PackedWeight, QuantBlocks
 
 ROWS = (1, 2, 4, 8, 16)
-HEAD = "model.embed_tokens.weight"
 
 
 def best_ms(weights: list[PackedWeight], rows: int, passes: int) -> float:
@@ -51,13 +50,15 @@ def main() -> None:
     if cpu_kernel.load_library() is None:
         raise SystemExit("no C compiler: the C kernel cannot be built here")
     path = resolve_model_path("default")
-    matrices = dict(iter_gguf_packable(path, gguf_model_config(path)))
-    layers = [blocks for name, blocks in matrices.items() if name != HEAD]
+    config = gguf_model_config(path)
+    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    matrices = dict(iter_gguf_packable(path, config))
+    layers = [blocks for name, blocks in matrices.items() if name.startswith("model.layers.")]
     kernels = {"C kernel": True, "torch int4": False}
     sets = {
         (kernel, part): [PackedWeight.from_blocks(b, 16, use_kernel) for b in blocks]
         for kernel, use_kernel in kernels.items()
-        for part, blocks in (("layers", layers), ("head", [matrices[HEAD]]))
+        for part, blocks in (("layers", layers), ("head", [matrices[head]]))
     }
     print(f"# {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"{len(layers)} layer matrices + the LM head")  # fmt: skip
@@ -76,7 +77,7 @@ def main() -> None:
         errors = [
             largest_error(blocks, packed)
             for blocks, packed in zip(
-                [layers[0], matrices[HEAD]],
+                [layers[0], matrices[head]],
                 [sets[kernel, "layers"][0], sets[kernel, "head"][0]],
                 strict=True,
             )

@@ -5,10 +5,17 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 
+from tandem.attention import cpu_kernel
 from tandem.attention.metadata import build_batch, forward_context
 from tandem.worker.model_runner import ModelRunner
+
+# Tests of the C kernels (attention/csrc/): skipped where no C compiler builds them.
+needs_cpu_kernels = pytest.mark.skipif(
+    cpu_kernel.load_library() is None, reason="no C compiler: the CPU kernels are not built"
+)
 
 
 @dataclass

@@ -7,13 +7,10 @@ from __future__ import annotations
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.attention import cpu_kernel
 
-from helpers import assert_same_until_tie, random_prompts
+from helpers import assert_same_until_tie, needs_cpu_kernels, random_prompts
 
-pytestmark = pytest.mark.skipif(
-    cpu_kernel.load_library() is None, reason="no C compiler to build the CPU kernel"
-)
+pytestmark = needs_cpu_kernels
 
 PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
 

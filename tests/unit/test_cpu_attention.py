@@ -13,12 +13,10 @@ import torch
 from tandem.attention import backends, cpu_backend, cpu_kernel, torch_backend
 from tandem.attention.metadata import build_batch
 
-from helpers import Slice, compare_attention_backends
+from helpers import Slice, compare_attention_backends, needs_cpu_kernels
 from helpers import attention_tolerance as tolerance
 
-pytestmark = pytest.mark.skipif(
-    cpu_kernel.load_library() is None, reason="no C compiler to build the CPU kernel"
-)
+pytestmark = needs_cpu_kernels
 
 
 def run_both(shapes, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):

@@ -10,16 +10,13 @@ import random
 import pytest
 import torch
 
-from tandem.attention import cpu_kernel
 from tandem.attention.metadata import build_batch, forward_context
 from tandem.worker.model_runner import ModelRunner, RunnerConfig
 
-from helpers import Slice, relative_error, write_gguf
+from helpers import Slice, needs_cpu_kernels, relative_error, write_gguf
 from hf_models import make_hf_model
 
-pytestmark = pytest.mark.skipif(
-    cpu_kernel.load_library() is None, reason="no C compiler: the CPU kernels are not built"
-)
+pytestmark = needs_cpu_kernels
 
 SMALL = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
 QTYPES = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q4_1",
@@ -29,10 +26,12 @@ BLOCK_SIZE = 16
 MAX_TOKENS = 8
 
 
-def packed_runner(tmp_path, dtype: str, config_class="LlamaConfig", arch="llama", **overrides):
+def packed_runner(
+    tmp_path, dtype: str, config_class="LlamaConfig", arch="llama", extra=None, **overrides
+):
     path = tmp_path / f"{arch}.gguf"
     if not path.exists():
-        write_gguf(path, make_hf_model(config_class, SMALL), arch, QTYPES)
+        write_gguf(path, make_hf_model(config_class, {**SMALL, **(extra or {})}), arch, QTYPES)
     config = dict(model=path, dtype=dtype, packed_max_tokens=MAX_TOKENS, num_kv_blocks=48,
                   block_size=BLOCK_SIZE, attention_backend="cpu")  # fmt: skip
     return ModelRunner(RunnerConfig(**{**config, **overrides}))
@@ -46,7 +45,7 @@ def prefilled(runner: ModelRunner, context_lens: list[int], seed: int) -> list[S
     rng.shuffle(pool)
     requests = []
     for length in context_lens:
-        tokens = [rng.randrange(3, 200) for _ in range(length + MAX_TOKENS)]
+        tokens = [rng.randrange(3, 200) for _ in range(length + 16)]
         blocks = [pool.pop() for _ in range(-(-len(tokens) // BLOCK_SIZE))]
         requests.append(Slice(tokens, 0, length, blocks))
     batch = build_batch(requests, BLOCK_SIZE, runner.device)
@@ -62,17 +61,26 @@ def layer_by_layer(runner: ModelRunner, batch) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
-    "arch,config_class",
-    [("llama", "LlamaConfig"), ("qwen2", "Qwen2Config")],  # qkv bias
+    "arch,config_class,extra,num_verified",
+    [
+        ("llama", "LlamaConfig", {}, 3),
+        ("qwen2", "Qwen2Config", {}, 3),  # qkv bias
+        # QKV and O biases, heads of 64 (the kernel's compiled size); 12 tokens: two passes
+        # of the packed matmul's 8 rows.
+        ("llama", "LlamaConfig", {"attention_bias": True, "head_dim": 64}, 9),
+    ],
+    ids=["llama", "qwen2", "llama-biases-64"],
 )
-def test_fused_step_equals_the_layer_by_layer_forward(tmp_path, dtype, arch, config_class):
-    runner = packed_runner(tmp_path, dtype, config_class, arch)
+def test_fused_step_equals_the_layer_by_layer_forward(
+    tmp_path, dtype, arch, config_class, extra, num_verified
+):
+    runner = packed_runner(tmp_path, dtype, config_class, arch, extra, packed_max_tokens=16)
     assert runner.cpu_decode is not None
     requests = prefilled(runner, [5, 16, 33, 70], seed=1)
-    # Three decode tokens, and a request verifying two drafts (3 query tokens): 6 tokens.
+    # Three decode tokens, and a request verifying drafts (num_verified query tokens).
     step = [Slice(r.token_ids, r.num_new_tokens, 1, r.block_ids) for r in requests[:3]]
     last = requests[3]
-    step.append(Slice(last.token_ids, last.num_new_tokens, 3, last.block_ids))
+    step.append(Slice(last.token_ids, last.num_new_tokens, num_verified, last.block_ids))
     batch = build_batch(step, BLOCK_SIZE, runner.device)
     assert runner.cpu_decode.fits(batch)
     before = [cache.clone() for cache in runner.kv_caches]
@@ -82,7 +90,8 @@ def test_fused_step_equals_the_layer_by_layer_forward(tmp_path, dtype, arch, con
     for cache, saved in zip(runner.kv_caches, before, strict=True):
         cache.copy_(saved)
     expected = layer_by_layer(runner, batch)
-    assert fused.dtype == expected.dtype and fused.shape == expected.shape == (6, 128)
+    assert fused.dtype == expected.dtype
+    assert fused.shape == expected.shape == (3 + num_verified, 128)
     tolerance = 1e-5 if dtype == "float32" else 3e-2
     assert relative_error(fused, expected) <= tolerance
     for got, want in zip(fused_caches, runner.kv_caches, strict=True):
@@ -117,6 +126,19 @@ def test_greedy_decoding_matches_layer_by_layer(tmp_path):
         return tokens
 
     assert decode(True) == decode(False)
+
+
+def test_outside_inference_mode(tmp_path):
+    """hidden_states is public: with autograd on (the model's parameters require grad) the
+    fused step still runs, and gives what it gives in inference mode."""
+    runner = packed_runner(tmp_path, "float32")
+    requests = prefilled(runner, [9, 25], seed=4)
+    step = [Slice(r.token_ids, r.num_new_tokens, 1, r.block_ids) for r in requests]
+    batch = build_batch(step, BLOCK_SIZE, runner.device)
+    assert runner.cpu_decode.fits(batch)
+    with torch.inference_mode():
+        expected = runner.hidden_states(batch)
+    assert torch.equal(runner.hidden_states(batch), expected)  # the same slots rewritten
 
 
 def test_steps_it_does_not_take(tmp_path):

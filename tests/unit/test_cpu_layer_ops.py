@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from tandem.attention import cpu_kernel
 from tandem.models.layers import RMSNorm, apply_rotary
 
-pytestmark = pytest.mark.skipif(
-    cpu_kernel.load_library() is None, reason="no C compiler to build the CPU kernels"
-)
+from helpers import needs_cpu_kernels
+
+pytestmark = needs_cpu_kernels
 
 
 def torch_rotary(x, cos, sin):

@@ -20,11 +20,13 @@ from tandem.models.layers import Linear, MergedLinear
 from tandem.models.loader import attach_packed_weights
 from tandem.models.packed import PackedWeight, QuantBlocks
 
+from helpers import needs_cpu_kernels
+
 QUANT_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
-needs_kernel = pytest.mark.skipif(
-    cpu_kernel.load_library() is None, reason="no C compiler: the CPU kernels are not built"
-)
-KERNELS = [pytest.param(True, id="c-kernel", marks=needs_kernel), pytest.param(False, id="torch")]
+KERNELS = [
+    pytest.param(True, id="c-kernel", marks=needs_cpu_kernels),
+    pytest.param(False, id="torch"),
+]
 
 
 def quantized(
@@ -54,8 +56,8 @@ def test_codes_dequantize_to_ggufs_weights(quant_type):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("use_kernel", KERNELS)
 def test_packed_matmul_equals_the_dequantized_matrix(quant_type, rows, dtype, use_kernel):
-    """11 rows: more than the C kernel's 8 per pass; 65 output rows: an odd one out of its
-    pairs (torch's op takes multiples of 16)."""
+    """11 rows: more than the C kernel's 8 per pass; 65 output rows: a partial group of 16
+    (torch's op takes multiples of 16 only)."""
     out_rows = 65 if use_kernel else 64
     reference, blocks = quantized(out_rows, 160, quant_type, seed=rows)
     packed = PackedWeight.from_blocks(blocks, max_tokens=16, use_kernel=use_kernel)
@@ -72,7 +74,7 @@ def test_packed_matmul_equals_the_dequantized_matrix(quant_type, rows, dtype, us
         assert (out.double() - expected).abs().max() <= 2e-2 * scale
 
 
-@needs_kernel
+@needs_cpu_kernels
 def test_the_c_kernel_reads_strided_rows():
     """A projection's input may be a view with a row stride (attention's output rows)."""
     reference, blocks = quantized(32, 64, "Q4_1")
@@ -115,6 +117,27 @@ def test_fused_shards_are_packed_in_row_order():
     torch.testing.assert_close(qkv(x), expected, rtol=2e-2, atol=5e-2)
 
 
+@pytest.mark.parametrize("use_kernel", KERNELS)
+def test_q4_0_and_q4_1_shards_fuse(use_kernel, monkeypatch):
+    """A fused layer whose shards mix Q4_0 and Q4_1 is packed whole (Q4_0 as Q4_1 blocks)."""
+    if not use_kernel:  # as where no compiler builds the C kernel
+        monkeypatch.setattr(cpu_kernel, "load_library", lambda: None)
+    qkv = MergedLinear(64, {"q": 32, "k": 16, "v": 16}, bias=False)
+    net = torch.nn.Module()
+    net.add_module("qkv_proj", qkv)
+    kinds = {"q": "Q4_0", "k": "Q4_1", "v": "Q4_0"}
+    parts = {name: quantized(rows, 64, kinds[name], seed=rows)
+             for name, rows in {"q": 32, "k": 16, "v": 16}.items()}  # fmt: skip
+    matrices = iter([(f"{name}_proj.weight", blocks) for name, (_, blocks) in parts.items()])
+    assert attach_packed_weights(net, matrices, max_tokens=8) > 0
+    assert (qkv.packed.codes is not None) == use_kernel
+    reference = np.concatenate([parts[name][0] for name in ("q", "k", "v")])
+    x = torch.randn(3, 64)
+    expected = x.double() @ torch.from_numpy(reference).double().t()
+    bound = (1e-5 if use_kernel else 2e-2) * expected.abs().max()
+    assert (qkv(x).double() - expected).abs().max() <= bound
+
+
 def test_shards_of_different_kinds_stay_dense():
     qkv = MergedLinear(64, {"q": 32, "k": 16, "v": 16}, bias=False)
     net = torch.nn.Module()
@@ -142,7 +165,7 @@ def _cpu_has(flag: str) -> bool:
         return False
 
 
-@needs_kernel
+@needs_cpu_kernels
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 instruction-set levels")
 @pytest.mark.parametrize("march", ["haswell", "x86-64"])  # AVX2 + FMA + F16C; SSE2 only
 def test_the_c_kernel_built_for_older_x86_gives_the_same_results(tmp_path, march):
@@ -162,6 +185,6 @@ def test_the_c_kernel_built_for_older_x86_gives_the_same_results(tmp_path, march
             x = torch.randn(rows, 160)
             out = torch.empty(rows, 50)
             function(packed.codes.data_ptr(), packed.scales.data_ptr(),
-                     cpu_kernel.QUANT_TYPE_IDS[quant_type], 50, 160, x.data_ptr(), 160, rows,
+                     cpu_kernel.QUANT_TYPE_IDS[packed.quant_type], 50, 160, x.data_ptr(), 160, rows,
                      out.data_ptr(), 1)  # fmt: skip
             torch.testing.assert_close(out, packed.matmul(x), rtol=1e-5, atol=1e-5)

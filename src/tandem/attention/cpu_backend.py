@@ -38,17 +38,18 @@ class _Plan:
     decode_seq_lens: np.ndarray  # [D] each one's context length
 
 
-def _make_plan(md: AttentionMetadata) -> _Plan:
-    def int64(array: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(array, dtype=np.int64)
+def decode_token_arrays(md: AttentionMetadata) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The decode tokens' rows, requests and context lengths as the C kernels read them
+    (int64, contiguous)."""
+    return tuple(
+        np.ascontiguousarray(array, dtype=np.int64)
+        for array in (md.decode_token_indices_cpu, md.decode_token_requests_cpu,
+                      md.decode_token_seq_lens_cpu)
+    )  # fmt: skip
 
-    return _Plan(
-        store=make_store_plan(md),
-        prefills=prefill_slices(md),
-        decode_rows=int64(md.decode_token_indices_cpu),
-        decode_requests=int64(md.decode_token_requests_cpu),
-        decode_seq_lens=int64(md.decode_token_seq_lens_cpu),
-    )
+
+def _make_plan(md: AttentionMetadata) -> _Plan:
+    return _Plan(make_store_plan(md), prefill_slices(md), *decode_token_arrays(md))
 
 
 def decode_attention(

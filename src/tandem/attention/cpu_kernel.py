@@ -60,7 +60,7 @@ _ARGTYPES = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _
 _RMS_NORM_ARGTYPES = [_ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float, ctypes.c_int]
 _ROTARY_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, ctypes.c_int]
 _PACKED_MATMUL_ARGTYPES = [_ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, ctypes.c_int]
-QUANT_TYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # csrc/packed_matmul.c's enum
+QUANT_TYPE_IDS = {"Q4_1": 0, "Q8_0": 1}  # csrc/packed_matmul.c's enum (Q4_0 goes as Q4_1)
 
 
 def _cpu_identity() -> str:
@@ -96,36 +96,43 @@ def _build(compiler: str, target: Path, flags: list[str] = FLAGS) -> None:
         staging_path.unlink(missing_ok=True)
 
 
+def library_path() -> Path | None:
+    """Where the library for this source, compiler and CPU lives in the cache (its name hashes
+    them); None without a compiler. Raises OSError / SubprocessError where the compiler fails
+    to report its version."""
+    compiler = _compiler()
+    if compiler is None:
+        return None
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=30
+    ).stdout
+    digest = hashlib.sha256(
+        "\0".join(
+            [*(f.read_text() for f in SOURCES + HEADERS), version, " ".join(FLAGS),
+             _cpu_identity()]
+        ).encode()
+    ).hexdigest()[:16]  # fmt: skip
+    return cache_root() / "kernels" / f"tandem_cpu_kernels-{digest}.so"
+
+
 @functools.cache
 def load_library() -> ctypes.CDLL | None:
     """The kernel library, built once per (source, compiler, CPU) into the cache; None (and
     one warning) where it cannot be built or loaded."""
-    compiler = _compiler()
-    if compiler is None:
-        logger.warning("no C compiler (cc): CPU decode attention, RMSNorm, RoPE and GGUF "
-                       "matmuls run in torch")  # fmt: skip
-        return None
     try:
-        version = subprocess.run(
-            [compiler, "--version"], capture_output=True, text=True, timeout=30
-        ).stdout
-        digest = hashlib.sha256(
-            "\0".join(
-                [
-                    *(f.read_text() for f in SOURCES + HEADERS),
-                    version,
-                    " ".join(FLAGS),
-                    _cpu_identity(),
-                ]
-            ).encode()
-        ).hexdigest()[:16]
-        target = cache_root() / "kernels" / f"tandem_cpu_kernels-{digest}.so"
+        target = library_path()
+        if target is None:
+            logger.warning("no C compiler (cc): CPU decode attention, RMSNorm, RoPE and GGUF "
+                           "matmuls run in torch")  # fmt: skip
+            return None
         if target.exists():
             try:
                 library = ctypes.CDLL(str(target))
             except OSError:  # a damaged file: build it again
                 target.unlink(missing_ok=True)
         if not target.exists():
+            compiler = _compiler()
+            assert compiler is not None  # library_path() found it
             _build(compiler, target)
             logger.info("built the CPU kernels: %s", target)
             library = ctypes.CDLL(str(target))
@@ -139,15 +146,15 @@ def load_library() -> ctypes.CDLL | None:
             function = getattr(library, f"paged_decode_attention_{suffix}{head_dim}")
             function.argtypes = _ARGTYPES
             function.restype = None
-        for name, argtypes in (
-            ("rms_norm", _RMS_NORM_ARGTYPES),
-            ("rotary", _ROTARY_ARGTYPES),
-            ("packed_matmul", _PACKED_MATMUL_ARGTYPES),
-            ("decode_layers", [_ptr, _ptr, _ptr, ctypes.c_int]),
+        for name, argtypes, restype in (
+            ("rms_norm", _RMS_NORM_ARGTYPES, None),
+            ("rotary", _ROTARY_ARGTYPES, None),
+            ("packed_matmul", _PACKED_MATMUL_ARGTYPES, ctypes.c_int),  # -1: out of memory
+            ("decode_layers", [_ptr, _ptr, _ptr, ctypes.c_int], ctypes.c_int),
         ):
             function = getattr(library, f"{name}_{suffix}")
             function.argtypes = argtypes
-            function.restype = None
+            function.restype = restype
     return library
 
 
@@ -228,11 +235,13 @@ def packed_matmul(
     if inputs.stride(-1) != 1:
         inputs = inputs.contiguous()
     out = torch.empty(inputs.shape[0], out_features, dtype=compute_dtype)
-    getattr(library, f"packed_matmul_{DTYPE_SUFFIXES[compute_dtype]}")(
+    status = getattr(library, f"packed_matmul_{DTYPE_SUFFIXES[compute_dtype]}")(
         codes.data_ptr(), scales.data_ptr(), QUANT_TYPE_IDS[quant_type], out_features,
         inputs.shape[1], inputs.data_ptr(), inputs.stride(0), inputs.shape[0], out.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
+    if status != 0:
+        raise MemoryError("the packed matmul could not allocate its buffers")
     return out.to(x.dtype)
 
 

@@ -17,7 +17,6 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -88,8 +87,8 @@ def cpu_formats(config: ModelConfig, packable: bool) -> CpuFormats:
 def _kernels_name() -> str:
     """Which packed kernel the probe times: the built C library (its name hashes its source)
     or torch's int4 op."""
-    library = cpu_kernel.load_library()
-    return Path(library._name).name if library is not None else "torch int4"
+    path = cpu_kernel.library_path() if cpu_kernel.load_library() is not None else None
+    return path.name if path is not None else "torch int4"
 
 
 def _layer_shapes(config: ModelConfig) -> list[tuple[int, int]]:

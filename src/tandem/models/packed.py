@@ -43,12 +43,25 @@ class QuantBlocks:
 
     @staticmethod
     def cat(parts: list[QuantBlocks]) -> QuantBlocks | None:
-        """Shards concatenated over output rows; None where they differ in type."""
+        """Shards concatenated over output rows (Q4_0 ones beside Q4_1 ones as Q4_1 blocks);
+        None where they differ otherwise (a Q8_0 shard beside a Q4 one)."""
+        if {p.quant_type for p in parts} == {"Q4_0", "Q4_1"}:
+            parts = [p.as_q4_1() if p.quant_type == "Q4_0" else p for p in parts]
         if len({(p.quant_type, p.in_features) for p in parts}) != 1:
             return None
         return QuantBlocks(
             np.concatenate([p.data for p in parts]), parts[0].quant_type, parts[0].in_features
         )
+
+    def as_q4_1(self) -> QuantBlocks:
+        """Q4_0 blocks (d, codes: w = d·(q − 8)) as Q4_1 ones (d, m = −8d, codes); exact: 8d
+        is d with its exponent moved by 3."""
+        rows = len(self.data)
+        blocks = self.data.reshape(rows, -1, _BLOCK_BYTES["Q4_0"])
+        d = blocks[..., 0:2].copy().view(np.float16)
+        m = (-8 * d).view(np.uint8)
+        q4_1 = np.concatenate([blocks[..., 0:2], m, blocks[..., 2:]], axis=-1)
+        return QuantBlocks(q4_1.reshape(rows, -1), "Q4_1", self.in_features)
 
     def permute_rows(self, permute) -> QuantBlocks:
         """A row permutation (llama.cpp's Q/K order): each row's blocks move whole."""
@@ -59,7 +72,9 @@ class QuantBlocks:
 
     def kernel_layout(self) -> tuple[np.ndarray, np.ndarray]:
         """Codes and fp16 scales as csrc/packed_matmul.c reads them: output rows in groups of
-        16 (zero-padded), each group's 32-column blocks in turn, the 16 rows side by side."""
+        16 (zero-padded), each group's 32-column blocks in turn, the 16 rows side by side.
+        Q4_1 or Q8_0 blocks (Q4_0 ones go through as_q4_1)."""
+        assert self.quant_type in cpu_kernel.QUANT_TYPE_IDS
         rows = len(self.data)
         row_groups = -(-rows // KERNEL_LANES)
         blocks = np.zeros(
@@ -74,13 +89,11 @@ class QuantBlocks:
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
         if self.quant_type == "Q8_0":  # columns by fours: [rows, groups, 8, 4]
             codes, scales = blocks[..., 2:].reshape(*blocks.shape[:2], 8, 4), d[..., None]
-        elif self.quant_type == "Q4_1":
+        else:
             codes, scales = (
                 blocks[..., 4:],
                 np.stack([d, blocks[..., 2:4].copy().view(np.float16)[..., 0]], -1),
             )
-        else:  # Q4_0: w = d·q − 8d; 8d is exact in fp16 (the exponent moves by 3)
-            codes, scales = blocks[..., 2:], np.stack([d, -8 * d], -1)
 
         # [groups·16 rows, column groups, bytes | scales] -> [groups, column groups, ·, 16 rows]
         def lanes_last(a: np.ndarray) -> np.ndarray:
@@ -156,6 +169,8 @@ class PackedWeight:
         cls, blocks: QuantBlocks, max_tokens: int, use_kernel: bool = True
     ) -> PackedWeight:
         if use_kernel and cpu_kernel.load_library() is not None:
+            if blocks.quant_type == "Q4_0":
+                blocks = blocks.as_q4_1()
             codes, scales = blocks.kernel_layout()
             return cls(
                 max_tokens,
@@ -187,6 +202,10 @@ class PackedWeight:
         return self.int4_weight.nbytes + self.scales_zeros.nbytes
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"a packed matmul of {self.in_features} inputs got rows of {x.shape[-1]}"
+            )
         if self.codes is not None:
             out = cpu_kernel.packed_matmul(
                 self.codes, self.scales, self.quant_type, self.out_features, x

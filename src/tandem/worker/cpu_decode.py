@@ -3,10 +3,10 @@
 A batch-1 decode step of a small model is mostly Python and op dispatch: ~25 torch ops per
 layer, each costing more than its arithmetic. Where every linear layer's weight is packed for
 the C kernel (GGUF Q4_0 / Q4_1 / Q8_0) and attention runs on the cpu backend, the whole layer
-stack of a step whose tokens are all decode (or draft-verification) tokens runs in C, over
-the same kernels the unfused path calls; the embedding, the final norm and the LM head stay
-in torch. This is the CPU's counterpart of worker/cuda_graphs.py: the model runner asks
-`fits(batch)`, then `run(batch)` for the final hidden states.
+stack of a step whose tokens are all decode (or draft-verification) tokens runs in C, through
+the kernels the layer-by-layer path calls; the embedding and the LM head stay in torch, the
+final norm is one more kernel call. This is the CPU's counterpart of worker/cuda_graphs.py:
+the model runner asks `fits(batch)`, then `run(batch)` for the final hidden states.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import logging
 
-import numpy as np
 import torch
 
 from tandem.attention import cpu_backend, cpu_kernel
@@ -132,6 +131,7 @@ class CpuDecode:
             and self.model.model.layers[0].self_attn.kv_cache is self.kv_caches[0]
         )
 
+    @torch.inference_mode()
     def run(self, batch: BatchInputs) -> torch.Tensor:
         """The final hidden states `[T, hidden]` in the model's dtype."""
         md = batch.attn_metadata
@@ -140,17 +140,17 @@ class CpuDecode:
         cos_sin = decoder.rotary.cos_sin[batch.positions].contiguous()
         slot_mapping = md.slot_mapping.contiguous()
         block_table = md.block_table.contiguous()
-        arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (
-            md.decode_token_indices_cpu, md.decode_token_requests_cpu,
-            md.decode_token_seq_lens_cpu)]  # fmt: skip
+        arrays = cpu_backend.decode_token_arrays(md)
         step = _DecodeStep(
             hidden.shape[0], cos_sin.data_ptr(), slot_mapping.data_ptr(),
             block_table.data_ptr(), block_table.stride(0), *(a.ctypes.data for a in arrays),
         )  # fmt: skip
-        self._function(
+        status = self._function(
             ctypes.byref(self._model), ctypes.byref(step), hidden.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
+        if status != 0:
+            raise MemoryError("the fused decode step could not allocate its buffers")
         normed = cpu_kernel.rms_norm(hidden, self._final_norm, decoder.norm.eps)
-        assert normed is not None  # fp32, contiguous, on the CPU
-        return normed.to(self.model.model.embed_tokens.weight.dtype)
+        assert normed is not None  # fp32, contiguous, on the CPU, no autograd
+        return normed.to(decoder.embed_tokens.weight.dtype)

@@ -3,9 +3,11 @@
    At batch 1 a layer is ~25 small torch ops whose dispatch costs more than their arithmetic;
    here each layer is RMSNorm, the packed QKV matmul, RoPE, the KV store, paged attention,
    the O matmul and residual add, RMSNorm, the packed gate/up matmul, SiLU·mul, the packed
-   down matmul and residual add, calling the same kernels the unfused path calls. The residual
+   down matmul and residual add, through the kernels the layer-by-layer path calls (their fp32
+   versions for the norms and RoPE; attention in the cache's element type). The residual
    stream stays fp32 across layers; the query, keys and values are rounded to the cache's
-   element type, as they are in the unfused path. Used for steps whose every token is a decode
+   element type, as they are layer by layer. Returns -1 where the scratch buffers cannot be
+   allocated, else 0. Used for steps whose every token is a decode
    (or draft-verification) token and whose weights are all packed (worker/cpu_decode.py). */
 
 #include <stdlib.h>
@@ -65,7 +67,7 @@ static void silu_and_mul(const float *gate_up, int64_t num_tokens, int64_t size,
 }
 
 #define DEFINE_DECODE_LAYERS(NAME, T, LOAD, STORE, ATTENTION)                                   \
-void NAME(const DecodeModel *model, const DecodeStep *step, float *hidden, int num_threads) {   \
+int NAME(const DecodeModel *model, const DecodeStep *step, float *hidden, int num_threads) {    \
     const int64_t tokens = step->num_tokens, width = model->hidden;                             \
     const int64_t q_size = model->num_heads * model->head_dim;                                  \
     const int64_t kv_size = model->num_kv_heads * model->head_dim;                              \
@@ -73,7 +75,13 @@ void NAME(const DecodeModel *model, const DecodeStep *step, float *hidden, int n
     float *normed = malloc(sizeof(float) * tokens * (width + qkv_size + q_size + 3 * inter));   \
     float *qkv = normed + tokens * width, *attended = qkv + tokens * qkv_size;                  \
     float *gate_up = attended + tokens * q_size, *act = gate_up + tokens * 2 * inter;            \
-    T *query = malloc(sizeof(T) * tokens * 2 * q_size), *out = query + tokens * q_size;          \
+    T *query = malloc(sizeof(T) * tokens * 2 * q_size);                                         \
+    if (normed == NULL || query == NULL) {                                                      \
+        free(normed);                                                                           \
+        free(query);                                                                            \
+        return -1;                                                                              \
+    }                                                                                           \
+    T *out = query + tokens * q_size;                                                           \
     for (int64_t l = 0; l < model->num_layers; l++) {                                           \
         const DecodeLayer *layer = model->layers + l;                                           \
         T *key_cache = layer->kv_cache;                                                         \
@@ -109,6 +117,7 @@ void NAME(const DecodeModel *model, const DecodeStep *step, float *hidden, int n
     }                                                                                           \
     free(query);                                                                                \
     free(normed);                                                                               \
+    return 0;                                                                                   \
 }
 
 /* The attention kernel for the model's head size (64 and 128 compiled as constants). */

@@ -8,7 +8,7 @@
    per 32-column group the sums are scaled: Σ_g d·(q·x) + m·Σx. The weights are exactly the
    dequantized ones (d·q + m, d·(q − 8), d·q) and the sums fp32, so results equal the
    dequantized fp32 matrix's up to the order of the sums. Output row groups are spread over
-   OpenMP threads.
+   OpenMP threads. Callers guarantee k is a positive multiple of 32 (GGUF blocks).
 
    Layout, for n16 = ⌈rows / 16⌉ row groups and g = columns / 32 column groups:
    Q4: codes [n16, g, 16, 16] bytes: byte (j, r) is the block's byte j of row r (weight j in
@@ -17,7 +17,9 @@
        together (one int32 lane, sign-extended by shifts: cheaper than a widening shuffle
        per column, 1.6x on the LM head); scales [n16, g, 16] fp16 d. */
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 #include <stdlib.h>
 #include <string.h>
 
@@ -33,10 +35,11 @@
 #define LANES 16
 #define MAX_ROWS 8 /* token rows per pass over the weights; more rows take several passes */
 
-enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+enum { Q4 = 0, Q8_0 = 1 }; /* Q4: w = d·q + m (a Q4_0 block arrives with m = −8d) */
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint8_t v16u8 __attribute__((vector_size(16)));
 typedef int8_t v16i8 __attribute__((vector_size(16)));
 
@@ -94,12 +97,13 @@ static inline __attribute__((always_inline)) void row_group(
             /* Four columns a load: each row's int32 lane holds its codes of columns 4q..4q+3. */
             const uint8_t *quads = codes + g * BLOCK * LANES;
             for (int q = 0; q < BLOCK / 4; q++) {
-                v16i four;
+                v16u four;
                 memcpy(&four, quads + q * 4 * LANES, sizeof four);
-                const v16f w[4] = {__builtin_convertvector((four << 24) >> 24, v16f),
-                                   __builtin_convertvector((four << 16) >> 24, v16f),
-                                   __builtin_convertvector((four << 8) >> 24, v16f),
-                                   __builtin_convertvector(four >> 24, v16f)};
+                /* Shift the code to the top byte, then back down with its sign. */
+                const v16f w[4] = {__builtin_convertvector((v16i)(four << 24) >> 24, v16f),
+                                   __builtin_convertvector((v16i)(four << 16) >> 24, v16f),
+                                   __builtin_convertvector((v16i)(four << 8) >> 24, v16f),
+                                   __builtin_convertvector((v16i)four >> 24, v16f)};
                 for (int c = 0; c < 4; c++)
                     for (int t = 0; t < tokens; t++)
                         part[t][c & 1] += w[c] * x[t * k + g * BLOCK + 4 * q + c];
@@ -156,18 +160,14 @@ DEFINE_ROWS(PREFIX##_3, QUANT_TYPE, 3) DEFINE_ROWS(PREFIX##_4, QUANT_TYPE, 4)   
 DEFINE_ROWS(PREFIX##_5, QUANT_TYPE, 5) DEFINE_ROWS(PREFIX##_6, QUANT_TYPE, 6)                   \
 DEFINE_ROWS(PREFIX##_7, QUANT_TYPE, 7) DEFINE_ROWS(PREFIX##_8, QUANT_TYPE, 8)
 
-DEFINE_TYPE(rows_q4_0, Q4_0)
-DEFINE_TYPE(rows_q4_1, Q4_1)
+DEFINE_TYPE(rows_q4, Q4)
 DEFINE_TYPE(rows_q8_0, Q8_0)
 
 typedef void (*rows_fn)(const uint8_t *, const uint16_t *, int64_t, int64_t, const float *,
                         const float *, float *, int);
 
-static const rows_fn ROWS_BY_TYPE[3][MAX_ROWS] = {
-    {rows_q4_0_1, rows_q4_0_2, rows_q4_0_3, rows_q4_0_4,
-     rows_q4_0_5, rows_q4_0_6, rows_q4_0_7, rows_q4_0_8},
-    {rows_q4_1_1, rows_q4_1_2, rows_q4_1_3, rows_q4_1_4,
-     rows_q4_1_5, rows_q4_1_6, rows_q4_1_7, rows_q4_1_8},
+static const rows_fn ROWS_BY_TYPE[2][MAX_ROWS] = {
+    {rows_q4_1, rows_q4_2, rows_q4_3, rows_q4_4, rows_q4_5, rows_q4_6, rows_q4_7, rows_q4_8},
     {rows_q8_0_1, rows_q8_0_2, rows_q8_0_3, rows_q8_0_4,
      rows_q8_0_5, rows_q8_0_6, rows_q8_0_7, rows_q8_0_8},
 };
@@ -181,7 +181,7 @@ void packed_matmul(const uint8_t *codes, const uint16_t *scales, int64_t quant_t
     float sums[MAX_ROWS * groups];
     for (int64_t t = 0; t < num_tokens; t += MAX_ROWS) {
         const int64_t tokens = num_tokens - t < MAX_ROWS ? num_tokens - t : MAX_ROWS;
-        for (int64_t i = 0; i < tokens * groups; i++) {
+        for (int64_t i = 0; quant_type != Q8_0 && i < tokens * groups; i++) {
             float sum = 0.0f;
             for (int j = 0; j < BLOCK; j++) sum += x[t * k + i * BLOCK + j];
             sums[i] = sum;
@@ -192,12 +192,15 @@ void packed_matmul(const uint8_t *codes, const uint16_t *scales, int64_t quant_t
 }
 
 /* The same for x [num_tokens, k] of element type T with a row stride, out contiguous T
-   (converted through fp32 buffers of at most MAX_ROWS rows). */
+   (converted through fp32 buffers of at most MAX_ROWS rows). Returns -1 where the buffers
+   cannot be allocated, else 0. */
 #define DEFINE_PACKED_MATMUL(NAME, T, LOAD, STORE)                                              \
-void NAME(const uint8_t *codes, const uint16_t *scales, int64_t quant_type, int64_t n_out,      \
-          int64_t k, const T *x, int64_t x_stride, int64_t num_tokens, T *out,                  \
-          int num_threads) {                                                                    \
-    float *x32 = malloc(sizeof(float) * MAX_ROWS * (k + n_out)), *out32 = x32 + MAX_ROWS * k;   \
+int NAME(const uint8_t *codes, const uint16_t *scales, int64_t quant_type, int64_t n_out,       \
+         int64_t k, const T *x, int64_t x_stride, int64_t num_tokens, T *out,                   \
+         int num_threads) {                                                                     \
+    float *x32 = malloc(sizeof(float) * MAX_ROWS * (k + n_out));                                \
+    if (x32 == NULL) return -1;                                                                 \
+    float *out32 = x32 + MAX_ROWS * k;                                                          \
     for (int64_t t = 0; t < num_tokens; t += MAX_ROWS) {                                        \
         const int64_t tokens = num_tokens - t < MAX_ROWS ? num_tokens - t : MAX_ROWS;           \
         for (int64_t i = 0; i < tokens; i++)                                                    \
@@ -206,6 +209,7 @@ void NAME(const uint8_t *codes, const uint16_t *scales, int64_t quant_type, int6
         for (int64_t i = 0; i < tokens * n_out; i++) out[t * n_out + i] = STORE(out32[i]);      \
     }                                                                                           \
     free(x32);                                                                                  \
+    return 0;                                                                                   \
 }
 
 DEFINE_PACKED_MATMUL(packed_matmul_f32, float, f32_load, f32_store)
