@@ -32,6 +32,11 @@ _INT4_OFFSET = 8  # the kernel's (q - 8)
 KERNEL_LANES = 16  # output rows side by side in the C kernel's layout
 
 
+def _fp16(field: np.ndarray) -> np.ndarray:
+    """A block field of 2 bytes ([..., 2] uint8) as its fp16 values ([...])."""
+    return field.copy().view(np.float16)[..., 0]
+
+
 @dataclass
 class QuantBlocks:
     """One `[out_features, in_features]` matrix as the GGUF file's blocks, a row of blocks per
@@ -58,8 +63,7 @@ class QuantBlocks:
         is d with its exponent moved by 3."""
         rows = len(self.data)
         blocks = self.data.reshape(rows, -1, _BLOCK_BYTES["Q4_0"])
-        d = blocks[..., 0:2].copy().view(np.float16)
-        m = (-8 * d).view(np.uint8)
+        m = (-8 * _fp16(blocks[..., 0:2]))[..., None].view(np.uint8)
         q4_1 = np.concatenate([blocks[..., 0:2], m, blocks[..., 2:]], axis=-1)
         return QuantBlocks(q4_1.reshape(rows, -1), "Q4_1", self.in_features)
 
@@ -86,14 +90,11 @@ class QuantBlocks:
             dtype=np.uint8,
         )
         blocks[:rows] = self.data.reshape(rows, *blocks.shape[1:])
-        d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+        d = _fp16(blocks[..., 0:2])
         if self.quant_type == "Q8_0":  # columns by fours: [rows, groups, 8, 4]
             codes, scales = blocks[..., 2:].reshape(*blocks.shape[:2], 8, 4), d[..., None]
         else:
-            codes, scales = (
-                blocks[..., 4:],
-                np.stack([d, blocks[..., 2:4].copy().view(np.float16)[..., 0]], -1),
-            )
+            codes, scales = blocks[..., 4:], np.stack([d, _fp16(blocks[..., 2:4])], -1)
 
         # [groups·16 rows, column groups, bytes | scales] -> [groups, column groups, ·, 16 rows]
         def lanes_last(a: np.ndarray) -> np.ndarray:
@@ -127,7 +128,7 @@ def unpack_blocks(raw: np.ndarray, quant_type: str, shape: tuple[int, int]) -> I
     rows, cols = shape
     groups = cols // GROUP_SIZE
     blocks = np.ascontiguousarray(raw).reshape(rows, groups, _BLOCK_BYTES[quant_type])
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    d = _fp16(blocks[..., 0:2]).astype(np.float32)
     if quant_type == "Q8_0":
         q = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols).astype(np.int16)
         high, low = np.divmod(q, 16)  # q = 16 * high + low, high in [-8, 7], low in [0, 15]
@@ -138,7 +139,7 @@ def unpack_blocks(raw: np.ndarray, quant_type: str, shape: tuple[int, int]) -> I
             input_copies=2,
         )
     if quant_type == "Q4_1":
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = _fp16(blocks[..., 2:4]).astype(np.float32)
         zeros = m + _INT4_OFFSET * d
         packed_codes = blocks[..., 4:]
     else:
@@ -152,7 +153,8 @@ def unpack_blocks(raw: np.ndarray, quant_type: str, shape: tuple[int, int]) -> I
 @dataclass
 class PackedWeight:
     """A linear layer's weight kept packed, used for steps of at most `max_tokens` rows: the
-    file's blocks for the C kernel, or (where it is not built) torch's int4 layout."""
+    file's codes and scales in the C kernel's layout, or (where it is not built) torch's int4
+    layout."""
 
     max_tokens: int
     in_features: int

@@ -12,7 +12,6 @@ the model runner asks `fits(batch)`, then `run(batch)` for the final hidden stat
 from __future__ import annotations
 
 import ctypes
-import logging
 
 import torch
 
@@ -20,8 +19,6 @@ from tandem.attention import cpu_backend, cpu_kernel
 from tandem.attention.metadata import BatchInputs
 from tandem.models.layers import Linear
 from tandem.models.llama import CausalLM
-
-logger = logging.getLogger(__name__)
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -78,7 +75,6 @@ class CpuDecode:
         self.max_tokens = max_tokens
         attention = model.attention_layers()
         self.kv_caches = [layer.kv_cache for layer in attention]
-        self.dtype = self.kv_caches[0].dtype
         self._kept: list[torch.Tensor] = []
         layers = (_DecodeLayer * len(model.model.layers))()
         for index, layer in enumerate(model.model.layers):
@@ -101,7 +97,8 @@ class CpuDecode:
         self._final_norm = model.model.norm.weight.detach().float().contiguous()
         library = cpu_kernel.load_library()
         assert library is not None  # unsupported_reason() said the weights are packed for it
-        self._function = getattr(library, f"decode_layers_{cpu_kernel.DTYPE_SUFFIXES[self.dtype]}")
+        suffix = cpu_kernel.DTYPE_SUFFIXES[self.kv_caches[0].dtype]
+        self._function = getattr(library, f"decode_layers_{suffix}")
 
     def _fp32(self, tensor: torch.Tensor | None) -> int | None:
         if tensor is None:

@@ -66,14 +66,21 @@ static void silu_and_mul(const float *gate_up, int64_t num_tokens, int64_t size,
     }
 }
 
-#define DEFINE_DECODE_LAYERS(NAME, T, LOAD, STORE, ATTENTION)                                   \
+/* SUFFIX: the attention kernels' element type (f32, bf16); heads of 64 and 128 take the
+   kernels compiled for them. */
+#define DEFINE_DECODE_LAYERS(NAME, T, LOAD, STORE, SUFFIX)                                      \
 int NAME(const DecodeModel *model, const DecodeStep *step, float *hidden, int num_threads) {    \
+    __typeof__(paged_decode_attention_##SUFFIX) *attention =                                    \
+        model->head_dim == 64    ? paged_decode_attention_##SUFFIX##_64                         \
+        : model->head_dim == 128 ? paged_decode_attention_##SUFFIX##_128                        \
+                                 : paged_decode_attention_##SUFFIX;                             \
     const int64_t tokens = step->num_tokens, width = model->hidden;                             \
     const int64_t q_size = model->num_heads * model->head_dim;                                  \
     const int64_t kv_size = model->num_kv_heads * model->head_dim;                              \
     const int64_t qkv_size = q_size + 2 * kv_size, inter = model->intermediate;                 \
-    float *normed = malloc(sizeof(float) * tokens * (width + qkv_size + q_size + 3 * inter));   \
-    float *qkv = normed + tokens * width, *attended = qkv + tokens * qkv_size;                  \
+    float *normed = malloc(sizeof(float) * tokens * (2 * width + qkv_size + q_size + 3 * inter));\
+    float *delta = normed + tokens * width, *qkv = delta + tokens * width;                      \
+    float *attended = qkv + tokens * qkv_size;                                                  \
     float *gate_up = attended + tokens * q_size, *act = gate_up + tokens * 2 * inter;            \
     T *query = malloc(sizeof(T) * tokens * 2 * q_size);                                         \
     if (normed == NULL || query == NULL) {                                                      \
@@ -100,46 +107,25 @@ int NAME(const DecodeModel *model, const DecodeStep *step, float *hidden, int nu
                 value_cache[slot * kv_size + i] = STORE(row[q_size + kv_size + i]);             \
             }                                                                                   \
         }                                                                                       \
-        ATTENTION(query, q_size, model->head_dim, key_cache, model->num_blocks,                  \
+        attention(query, q_size, model->head_dim, key_cache, model->num_blocks,                  \
                   step->block_table, step->block_table_stride, step->token_rows,                \
                   step->token_requests, step->token_seq_lens, tokens, model->num_heads,         \
                   model->num_kv_heads, model->head_dim, model->block_size, model->scale, out,   \
                   num_threads);                                                                 \
         for (int64_t i = 0; i < tokens * q_size; i++) attended[i] = LOAD(out[i]);               \
-        matmul(&layer->o, q_size, attended, tokens, normed, num_threads);                        \
-        for (int64_t i = 0; i < tokens * width; i++) hidden[i] += normed[i];                    \
+        matmul(&layer->o, q_size, attended, tokens, delta, num_threads);                         \
+        for (int64_t i = 0; i < tokens * width; i++) hidden[i] += delta[i];                     \
         rms_norm_f32(hidden, layer->post_attention_norm, normed, tokens, width, model->eps,     \
                      num_threads);                                                              \
         matmul(&layer->gate_up, width, normed, tokens, gate_up, num_threads);                    \
         silu_and_mul(gate_up, tokens, inter, act);                                              \
-        matmul(&layer->down, inter, act, tokens, normed, num_threads);                           \
-        for (int64_t i = 0; i < tokens * width; i++) hidden[i] += normed[i];                    \
+        matmul(&layer->down, inter, act, tokens, delta, num_threads);                            \
+        for (int64_t i = 0; i < tokens * width; i++) hidden[i] += delta[i];                     \
     }                                                                                           \
     free(query);                                                                                \
     free(normed);                                                                               \
     return 0;                                                                                   \
 }
 
-/* The attention kernel for the model's head size (64 and 128 compiled as constants). */
-#define DEFINE_ATTENTION(NAME, T, SUFFIX)                                                       \
-static void NAME(const T *query, int64_t q_token_stride, int64_t q_head_stride,                 \
-                 const T *kv_cache, int64_t num_blocks, const int64_t *block_table,             \
-                 int64_t bt_stride, const int64_t *token_rows, const int64_t *token_requests,   \
-                 const int64_t *token_seq_lens, int64_t num_tokens, int64_t num_heads,          \
-                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,       \
-                 T *out, int num_threads) {                                                     \
-    void (*kernel)(const T *, int64_t, int64_t, const T *, int64_t, const int64_t *, int64_t,   \
-                   const int64_t *, const int64_t *, const int64_t *, int64_t, int64_t,         \
-                   int64_t, int64_t, int64_t, float, T *, int) =                                \
-        head_dim == 64    ? paged_decode_attention_##SUFFIX##_64                                \
-        : head_dim == 128 ? paged_decode_attention_##SUFFIX##_128                               \
-                          : paged_decode_attention_##SUFFIX;                                    \
-    kernel(query, q_token_stride, q_head_stride, kv_cache, num_blocks, block_table, bt_stride,  \
-           token_rows, token_requests, token_seq_lens, num_tokens, num_heads, num_kv_heads,     \
-           head_dim, block_size, scale, out, num_threads);                                      \
-}
-
-DEFINE_ATTENTION(attention_f32, float, f32)
-DEFINE_ATTENTION(attention_bf16, uint16_t, bf16)
-DEFINE_DECODE_LAYERS(decode_layers_f32, float, f32_load, f32_store, attention_f32)
-DEFINE_DECODE_LAYERS(decode_layers_bf16, uint16_t, bf16_load, bf16_store, attention_bf16)
+DEFINE_DECODE_LAYERS(decode_layers_f32, float, f32_load, f32_store, f32)
+DEFINE_DECODE_LAYERS(decode_layers_bf16, uint16_t, bf16_load, bf16_store, bf16)

@@ -41,7 +41,6 @@ typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint8_t v16u8 __attribute__((vector_size(16)));
-typedef int8_t v16i8 __attribute__((vector_size(16)));
 
 /* 16 bytes or 16 fp16 widened to 16 lanes (GCC scalarizes __builtin_convertvector's
    widening, so the x86 instructions where there are any). */
@@ -192,22 +191,18 @@ void packed_matmul(const uint8_t *codes, const uint16_t *scales, int64_t quant_t
 }
 
 /* The same for x [num_tokens, k] of element type T with a row stride, out contiguous T
-   (converted through fp32 buffers of at most MAX_ROWS rows). Returns -1 where the buffers
-   cannot be allocated, else 0. */
+   (through fp32 copies). Returns -1 where the copies cannot be allocated, else 0. */
 #define DEFINE_PACKED_MATMUL(NAME, T, LOAD, STORE)                                              \
 int NAME(const uint8_t *codes, const uint16_t *scales, int64_t quant_type, int64_t n_out,       \
          int64_t k, const T *x, int64_t x_stride, int64_t num_tokens, T *out,                   \
          int num_threads) {                                                                     \
-    float *x32 = malloc(sizeof(float) * MAX_ROWS * (k + n_out));                                \
+    float *x32 = malloc(sizeof(float) * num_tokens * (k + n_out));                              \
     if (x32 == NULL) return -1;                                                                 \
-    float *out32 = x32 + MAX_ROWS * k;                                                          \
-    for (int64_t t = 0; t < num_tokens; t += MAX_ROWS) {                                        \
-        const int64_t tokens = num_tokens - t < MAX_ROWS ? num_tokens - t : MAX_ROWS;           \
-        for (int64_t i = 0; i < tokens; i++)                                                    \
-            for (int64_t j = 0; j < k; j++) x32[i * k + j] = LOAD(x[(t + i) * x_stride + j]);   \
-        packed_matmul(codes, scales, quant_type, n_out, k, x32, tokens, out32, num_threads);   \
-        for (int64_t i = 0; i < tokens * n_out; i++) out[t * n_out + i] = STORE(out32[i]);      \
-    }                                                                                           \
+    float *out32 = x32 + num_tokens * k;                                                        \
+    for (int64_t t = 0; t < num_tokens; t++)                                                    \
+        for (int64_t j = 0; j < k; j++) x32[t * k + j] = LOAD(x[t * x_stride + j]);             \
+    packed_matmul(codes, scales, quant_type, n_out, k, x32, num_tokens, out32, num_threads);    \
+    for (int64_t i = 0; i < num_tokens * n_out; i++) out[i] = STORE(out32[i]);                  \
     free(x32);                                                                                  \
     return 0;                                                                                   \
 }
