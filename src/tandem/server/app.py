@@ -233,7 +233,10 @@ async def off_loop_if_large(request: Request, fn: Callable[..., T], *args: Any) 
     return await asyncio.get_running_loop().run_in_executor(_tokenizer_thread, fn, *args)
 
 
-def _sse(payload: BaseModel | dict) -> str:
+def _sse(payload: BaseModel | dict | str) -> str:
+    """One SSE event; a str payload is JSON already (serving.TextChunk)."""
+    if isinstance(payload, str):
+        return f"data: {payload}\n\n"
     if isinstance(payload, BaseModel):
         return f"data: {payload.model_dump_json(exclude_none=True)}\n\n"
     return f"data: {json.dumps(payload)}\n\n"
@@ -359,7 +362,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
             )
 
     async def stream(
-        chunks: AsyncIterator[tuple[BaseModel | None, list[float]]],
+        chunks: AsyncIterator[tuple[BaseModel | str | None, list[float]]],
     ) -> AsyncIterator[str]:
         """SSE lines; after each chunk is written, how long its tokens took since sampling."""
         try:
@@ -414,7 +417,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         outputs = merge_streams(streams)
         if body.stream:
 
-            async def chunks() -> AsyncIterator[tuple[BaseModel | None, list[float]]]:
+            async def chunks() -> AsyncIterator[tuple[BaseModel | str | None, list[float]]]:
                 async for prompt_index, output in outputs:
                     yield shaper.chunk(prompt_index, output), new_token_times(output)
                 yield shaper.usage_chunk(), []
@@ -439,7 +442,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         outputs = merge_streams(streams)
         if body.stream:
 
-            async def chunks() -> AsyncIterator[tuple[BaseModel | None, list[float]]]:
+            async def chunks() -> AsyncIterator[tuple[BaseModel | str | None, list[float]]]:
                 yield shaper.role_chunk(), []
                 async for _, output in outputs:
                     yield shaper.chunk(output), new_token_times(output)

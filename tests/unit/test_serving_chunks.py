@@ -1,0 +1,137 @@
+"""Stream chunks written from a template (serving.TextChunk) are the bytes pydantic writes for
+the same chunk, and the shapers use the template only for chunks that carry nothing but text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tandem.sampling_params import SamplingParams
+from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.server.protocol_responses import (
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+)
+from tandem.server.serving import ChatShaper, CompletionShaper, PromptJob, TextChunk
+
+TEXTS = [
+    "",
+    " hello",
+    'quote " and backslash \\ and slash /',
+    "".join(chr(code) for code in range(32)) + "\x7f",  # every control character, and DEL
+    "naïve café — ünïcödé, 日本語, emoji 🤖🎉, line separator \u2028 and \u2029",
+    "\ufffd replacement character",
+    "tab\tnewline\nreturn\r",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("index", [0, 7])
+def test_text_chunk_is_pydantics_json(text: str, index: int) -> None:
+    response_id, model = 'cmpl-"odd" id ü', "models/smöl \\ lm"
+    completion = TextChunk(response_id, "text_completion", model, '"text":')(index, text)
+    expected = CompletionStreamResponse(
+        id=response_id,
+        model=model,
+        created=json.loads(completion)["created"],
+        choices=[CompletionResponseStreamChoice(index=index, text=text)],
+    ).model_dump_json(exclude_none=True)
+    assert completion == expected
+    chat = TextChunk(response_id, "chat.completion.chunk", model, '"delta":{"content":')
+    chat_chunk = chat(index, text)
+    expected = ChatCompletionStreamResponse(
+        id=response_id,
+        model=model,
+        created=json.loads(chat_chunk)["created"],
+        choices=[ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(content=text))],
+    ).model_dump_json(exclude_none=True)
+    assert chat_chunk == expected
+
+
+def _output(*completions: CompletionOutput, finished: bool = False) -> RequestOutput:
+    return RequestOutput("r", "p", [1, 2, 3], list(completions), finished, RequestMetrics(0.0))
+
+
+def _job(n: int = 1) -> PromptJob:
+    return PromptJob("p", [1, 2, 3], SamplingParams(n=n, max_tokens=8))
+
+
+def _completions(**fields) -> CompletionShaper:
+    request = CompletionRequest(model="m", prompt="p", stream=True, **fields)
+    return CompletionShaper(request, [_job(fields.get("n", 1))], "m")
+
+
+def _chat(**fields) -> ChatShaper:
+    request = ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "p"}], stream=True, **fields
+    )
+    return ChatShaper(request, _job(fields.get("n", 1)), "m")
+
+
+def test_plain_deltas_take_the_template_and_the_rest_the_model() -> None:
+    shaper = _completions()
+    plain = shaper.chunk(0, _output(CompletionOutput(0, " a", [5])))
+    assert isinstance(plain, str)
+    assert json.loads(plain)["choices"] == [{"index": 0, "text": " a"}]
+    last = shaper.chunk(0, _output(CompletionOutput(0, " b", [6], finish_reason="length"), finished=True))  # fmt: skip
+    assert isinstance(last, CompletionStreamResponse)
+    assert last.choices[0].finish_reason == "length"
+    assert shaper.usage.completion_tokens == 2  # counted on both paths
+
+    chat = _chat()
+    assert isinstance(chat.chunk(_output(CompletionOutput(0, " a", [5]))), str)
+    stopped = chat.chunk(_output(CompletionOutput(0, "", [2], finish_reason="stop", stop_reason=2)))
+    assert isinstance(stopped, ChatCompletionStreamResponse)
+    assert stopped.choices[0].stop_reason == 2
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"logprobs": 1},
+        {"return_token_ids": True},
+        {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+        {"echo": True, "logprobs": 0},
+    ],
+)
+def test_completion_chunks_with_more_than_text_use_the_model(fields: dict) -> None:
+    shaper = _completions(**fields)
+    row = {5: Logprob(-0.5, 1, " a")}
+    chunk = shaper.chunk(0, _output(CompletionOutput(0, " a", [5], logprobs=[row])))
+    assert isinstance(chunk, CompletionStreamResponse)
+
+
+def test_an_echoed_prompt_is_text_too() -> None:
+    shaper = _completions(echo=True)
+    chunk = shaper.chunk(0, _output(CompletionOutput(0, " a", [5])))
+    assert json.loads(chunk)["choices"] == [{"index": 0, "text": "p a"}]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"logprobs": True, "top_logprobs": 1},
+        {"return_token_ids": True},
+        {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    ],
+)
+def test_chat_chunks_with_more_than_text_use_the_model(fields: dict) -> None:
+    shaper = _chat(**fields)
+    row = {5: Logprob(-0.5, 1, " a")}
+    chunk = shaper.chunk(_output(CompletionOutput(0, " a", [5], logprobs=[row])))
+    assert isinstance(chunk, ChatCompletionStreamResponse)
+
+
+def test_two_choices_in_one_delta_use_the_model() -> None:
+    shaper = _completions(n=2)
+    chunk = shaper.chunk(0, _output(CompletionOutput(0, " a", [5]), CompletionOutput(1, " b", [6])))
+    assert isinstance(chunk, CompletionStreamResponse)
+    assert [c.index for c in chunk.choices] == [0, 1]
+    single = shaper.chunk(0, _output(CompletionOutput(0, "", []), CompletionOutput(1, " c", [7])))
+    assert isinstance(single, str)
+    assert json.loads(single)["choices"] == [{"index": 1, "text": " c"}]
