@@ -343,6 +343,9 @@ class AsyncLLM:
                     return
         except asyncio.CancelledError:
             raise
+        except EngineDeadError as error:  # the core exited: its output closed
+            if not self._shutting_down:
+                self._fail(error)
         except Exception as error:  # a bug here must not leave every client hanging
             logger.exception("output loop failed")
             self._fail(EngineDeadError(f"the API process's output loop failed: {error}"))

@@ -1,14 +1,17 @@
 """The engine-core process: a busy loop of schedule → forward → sample → update that never waits
 on a client. Inputs arrive on a ZeroMQ PULL socket, read and decoded by a thread (so decoding
-overlaps the forward, which releases the GIL); each step's outputs leave in one message on a
-PUSH socket. It blocks only when it has nothing to run."""
+overlaps the forward, which releases the GIL); each step's outputs leave in one message that
+the loop writes to the API process's Unix socket itself. It blocks only when it has nothing to
+run."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import signal
+import socket
 import threading
 import time
 import traceback
@@ -41,6 +44,8 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_SECONDS = 0.5
 # Put in the input queue by KV transfer threads: they have news for the core.
 _WAKE = object()
+# Bytes of output the kernel may hold for the API process (capped by net.core.wmem_max).
+OUTPUT_SEND_BUFFER = 4 << 20
 
 
 def _reset_prefix_cache(core: EngineCore) -> bool:
@@ -57,14 +62,37 @@ UTILITY_METHODS = {
 }
 
 
+class _Output:
+    """The core's end of the output socket: each message as a 4-byte little-endian length and
+    its msgpack, written by the step loop. A blocking write: the API process's event loop reads
+    as soon as it runs, and if it fell behind by a whole socket buffer the step loop would wait
+    for it rather than queue outputs without bound."""
+
+    def __init__(self, path: str) -> None:
+        self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, OUTPUT_SEND_BUFFER)
+        self.socket.connect(path)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.buffer = bytearray()
+
+    def send(self, message: Any) -> None:
+        """Raises ConnectionError once the API process has gone."""
+        self.encoder.encode_into(message, self.buffer, 4)
+        self.buffer[:4] = (len(self.buffer) - 4).to_bytes(4, "little")
+        self.socket.sendall(self.buffer)
+
+    def close(self) -> None:
+        self.socket.close()
+
+
 def _read_inputs(context: zmq.Context, address: str, inputs: queue.Queue) -> None:
     """Input thread: receive, decode, queue. A malformed message is a bug in the API process:
     it is logged and dropped, never fatal to the requests already running."""
-    socket = context.socket(zmq.PULL)
-    socket.connect(address)
+    pull = context.socket(zmq.PULL)
+    pull.connect(address)
     decoder = msgspec.msgpack.Decoder(CoreInput)
     while True:
-        frame = socket.recv()
+        frame = pull.recv()
         try:
             inputs.put(decoder.decode(frame))
         except msgspec.DecodeError as error:
@@ -72,11 +100,10 @@ def _read_inputs(context: zmq.Context, address: str, inputs: queue.Queue) -> Non
 
 
 class _CoreLoop:
-    def __init__(self, core: EngineCore, output: zmq.Socket, parent_pid: int) -> None:
+    def __init__(self, core: EngineCore, output: _Output, parent_pid: int) -> None:
         self.core = core
         self.output = output
         self.parent_pid = parent_pid
-        self.encoder = msgspec.msgpack.Encoder()
         self.errors: list[RequestError] = []
         self.running = True
 
@@ -104,7 +131,7 @@ class _CoreLoop:
             if outputs or stepped or changed or self.errors:
                 steps = [self.core.step_stats[-1]] if stepped else []
                 message = CoreOutputs(outputs, self.errors, self.core.scheduler_stats(), steps)
-                self.output.send(self.encoder.encode(message), copy=False)
+                self._send(message)
                 self.errors = []
             self._check_parent()
 
@@ -150,7 +177,14 @@ class _CoreLoop:
             result = UtilityResult(call.call_id, error=f"no utility method {call.method!r}")
         else:
             result = UtilityResult(call.call_id, method(self.core, *call.args))
-        self.output.send(self.encoder.encode(result))
+        self._send(result)
+
+    def _send(self, message: Any) -> None:
+        try:
+            self.output.send(message)
+        except ConnectionError:
+            logger.error("the API process closed its end of the outputs: engine core exits")
+            self.running = False
 
     def _check_parent(self) -> None:
         """An orphaned core would spin forever holding the model's memory: exit instead."""
@@ -160,7 +194,7 @@ class _CoreLoop:
 
 
 def run_engine_core(
-    config: EngineConfig, input_address: str, output_address: str, parent_pid: int
+    config: EngineConfig, input_address: str, output_path: str, parent_pid: int
 ) -> None:
     """Entry point of the engine-core process (started with multiprocessing's spawn)."""
     # Ctrl-C and a SIGTERM to the process group (systemd, docker stop, kill -- -pgid) reach
@@ -169,22 +203,17 @@ def run_engine_core(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s core: %(message)s")
     context = zmq.Context()
-    output = context.socket(zmq.PUSH)
-    output.setsockopt(zmq.LINGER, 2000)
-    output.connect(output_address)
-    encoder = msgspec.msgpack.Encoder()
+    output = _Output(output_path)
     exit_code = 0
     try:
         start = time.perf_counter()
         core = EngineCore(config)
         output.send(
-            encoder.encode(
-                CoreReady(
-                    num_kv_blocks=core.kv_cache_manager.num_blocks,
-                    block_size=config.runner.block_size,
-                    max_model_len=core.scheduler.max_model_len,
-                    load_seconds=time.perf_counter() - start,
-                )
+            CoreReady(
+                num_kv_blocks=core.kv_cache_manager.num_blocks,
+                block_size=config.runner.block_size,
+                max_model_len=core.scheduler.max_model_len,
+                load_seconds=time.perf_counter() - start,
             )
         )
         inputs: queue.Queue = queue.Queue()
@@ -197,7 +226,8 @@ def run_engine_core(
         _CoreLoop(core, output, parent_pid).run(inputs)
     except Exception as error:
         logger.error("engine core failed:\n%s", traceback.format_exc())
-        output.send(encoder.encode(CoreFailed(f"{type(error).__name__}: {error}")))
+        with contextlib.suppress(ConnectionError):
+            output.send(CoreFailed(f"{type(error).__name__}: {error}"))
         exit_code = 1
     finally:
         output.close()
