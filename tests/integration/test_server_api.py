@@ -311,6 +311,27 @@ def test_echo(client, offline_llm):
     assert "".join(pieces) == PROMPT + reference.outputs[0].text
 
 
+def test_long_prompt_logprobs_cross_in_one_large_message(client, offline_llm):
+    """A 1,500-token prompt's 20 top logprobs per position leave the engine core in one
+    message of about a megabyte: more than the output socket and the API process's reader
+    buffer hold at once. They arrive whole and equal the offline engine's."""
+    prompt = list(range(1000, 2500))
+    reference = offline(
+        offline_llm, prompt, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=20)
+    )
+    response = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=20
+    )
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.token_logprobs) == len(prompt) + 1
+    assert all(len(top) > 10 for top in logprobs.top_logprobs[1 : len(prompt)])
+    expected = [
+        row[token].logprob
+        for token, row in zip(prompt[1:], reference.prompt_logprobs[1:], strict=True)
+    ]
+    assert logprobs.token_logprobs[1 : len(prompt)] == pytest.approx(expected, abs=1e-4)
+
+
 # -- usage: prefix-cache hits, cache_salt ------------------------------------------------------
 
 
