@@ -78,7 +78,8 @@ def test_plain_deltas_take_the_template_and_the_rest_the_model() -> None:
     plain = shaper.chunk(0, _output(CompletionOutput(0, " a", [5])))
     assert isinstance(plain, str)
     assert json.loads(plain)["choices"] == [{"index": 0, "text": " a"}]
-    last = shaper.chunk(0, _output(CompletionOutput(0, " b", [6], finish_reason="length"), finished=True))  # fmt: skip
+    finishing = CompletionOutput(0, " b", [6], finish_reason="length")
+    last = shaper.chunk(0, _output(finishing, finished=True))
     assert isinstance(last, CompletionStreamResponse)
     assert last.choices[0].finish_reason == "length"
     assert shaper.usage.completion_tokens == 2  # counted on both paths

@@ -74,6 +74,24 @@ class BatchInputs:
 MAX_DECODE_QUERY = 16
 
 
+@dataclass
+class _HostBatch:
+    """A step's inputs as host arrays, before they go to the device."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    logits_indices: np.ndarray
+    slot_mapping: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_table: np.ndarray
+    num_computed: np.ndarray
+    req_of_token: np.ndarray
+    decode_tokens: np.ndarray
+    prefill_indices: np.ndarray
+    prompt_logits: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+
 def build_batch(
     requests: Sequence[RequestSlice],
     block_size: int,
@@ -88,6 +106,67 @@ def build_batch(
     ((0, 0): none); each must have a known next token. `draft_token_ids`: per request, guessed
     tokens after its known ones, the last of its new tokens; a sampled request gets logits at
     its last known token and at each draft, in order."""
+    if (
+        draft_token_ids is None
+        and prompt_logits_ranges is None
+        and all(r.num_new_tokens == 1 for r in requests)
+    ):
+        host = _decode_arrays(requests, block_size, sample_mask)
+    else:
+        host = _mixed_arrays(
+            requests, block_size, sample_mask, prompt_logits_ranges, draft_token_ids
+        )
+    return _to_device(host, block_size, device)
+
+
+def _decode_arrays(
+    requests: Sequence[RequestSlice], block_size: int, sample_mask: Sequence[bool] | None
+) -> _HostBatch:
+    """`_mixed_arrays` for a step of one new token per request (no drafts, no prompt
+    logprobs): the decode steps that are most steps, in a third of the numpy calls, which at
+    small batches are most of the cost of building a step."""
+    num_reqs = len(requests)
+    num_computed = np.fromiter((r.num_computed_tokens for r in requests), np.int64, num_reqs)
+    try:
+        input_ids = np.fromiter(
+            (r.token_ids[c] for r, c in zip(requests, num_computed.tolist(), strict=True)),
+            np.int64,
+            num_reqs,
+        )
+    except IndexError:
+        raise ValueError("a request has fewer known token ids than it asks to compute") from None
+    seq_lens = num_computed + 1
+    block_table = _block_table(requests, seq_lens, block_size)
+    every_request = np.arange(num_reqs)
+    slot_mapping = (
+        block_table[every_request, num_computed // block_size] * block_size
+        + num_computed % block_size
+    )
+    logits_indices = every_request
+    if sample_mask is not None:
+        logits_indices = np.flatnonzero(np.asarray(sample_mask, dtype=bool))
+    return _HostBatch(
+        input_ids=input_ids,
+        positions=num_computed,
+        logits_indices=logits_indices,
+        slot_mapping=slot_mapping,
+        query_start_loc=np.arange(num_reqs + 1),
+        seq_lens=seq_lens,
+        block_table=block_table,
+        num_computed=num_computed,
+        req_of_token=every_request,
+        decode_tokens=every_request,
+        prefill_indices=np.zeros(0, dtype=np.int64),
+    )
+
+
+def _mixed_arrays(
+    requests: Sequence[RequestSlice],
+    block_size: int,
+    sample_mask: Sequence[bool] | None,
+    prompt_logits_ranges: Sequence[tuple[int, int]] | None,
+    draft_token_ids: Sequence[Sequence[int]] | None,
+) -> _HostBatch:
     num_reqs = len(requests)
     num_new = np.fromiter((r.num_new_tokens for r in requests), np.int64, num_reqs)
     num_computed = np.fromiter((r.num_computed_tokens for r in requests), np.int64, num_reqs)
@@ -116,20 +195,8 @@ def build_batch(
     if num_ids != num_tokens:
         raise ValueError("a request has fewer known token ids than it asks to compute")
     input_ids = np.fromiter(chain.from_iterable(parts), np.int64, num_ids)
-    placeholders = np.flatnonzero(input_ids < 0)
 
-    block_lists = [r.block_ids for r in requests]
-    held_blocks = np.fromiter(map(len, block_lists), np.int64, num_reqs)
-    num_held = int(held_blocks.sum())
-    block_table = np.zeros((num_reqs, max(int(held_blocks.max(initial=0)), 1)), dtype=np.int64)
-    first_of_row = np.cumsum(held_blocks) - held_blocks
-    rows_of_blocks = np.repeat(np.arange(num_reqs), held_blocks)
-    block_table[rows_of_blocks, np.arange(num_held) - first_of_row[rows_of_blocks]] = np.fromiter(
-        chain.from_iterable(block_lists), np.int64, num_held
-    )
-    needed_blocks = -(-seq_lens // block_size)
-    if np.any(needed_blocks > held_blocks):
-        raise ValueError("a request's block table is too short for its context")
+    block_table = _block_table(requests, seq_lens, block_size)
     slot_mapping = (
         block_table[req_of_token, positions // block_size] * block_size + positions % block_size
     )
@@ -147,41 +214,78 @@ def build_batch(
             first + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
         )
     is_decode = (num_new == 1) | ((num_computed > 0) & (num_new <= MAX_DECODE_QUERY))
-    decode_tokens = np.flatnonzero(is_decode[req_of_token])
-
-    prompt_logits_arrays = None
+    prompt_logits = None
     if prompt_logits_ranges is not None:
-        prompt_logits_arrays = _prompt_logits_rows(
+        prompt_logits = _prompt_logits_rows(
             requests, prompt_logits_ranges, query_start_loc, num_computed, num_new
         )
-    host = {
-        "input_ids": input_ids, "positions": positions, "logits_indices": logits_indices,
-        "slot_mapping": slot_mapping, "query_start_loc": query_start_loc, "seq_lens": seq_lens,
-        "block_table": block_table,
+    return _HostBatch(
+        input_ids=input_ids,
+        positions=positions,
+        logits_indices=logits_indices,
+        slot_mapping=slot_mapping,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_table=block_table,
+        num_computed=num_computed,
+        req_of_token=req_of_token,
+        decode_tokens=np.flatnonzero(is_decode[req_of_token]),
+        prefill_indices=np.flatnonzero(~is_decode),
+        prompt_logits=prompt_logits,
+    )
+
+
+def _block_table(
+    requests: Sequence[RequestSlice], seq_lens: np.ndarray, block_size: int
+) -> np.ndarray:
+    """[requests, most blocks held] block ids, padded with 0; checks each holds its context."""
+    num_reqs = len(requests)
+    block_lists = [r.block_ids for r in requests]
+    held_blocks = np.fromiter(map(len, block_lists), np.int64, num_reqs)
+    num_held = int(held_blocks.sum())
+    block_table = np.zeros((num_reqs, max(int(held_blocks.max(initial=0)), 1)), dtype=np.int64)
+    first_of_row = np.cumsum(held_blocks) - held_blocks
+    rows_of_blocks = np.repeat(np.arange(num_reqs), held_blocks)
+    block_table[rows_of_blocks, np.arange(num_held) - first_of_row[rows_of_blocks]] = np.fromiter(
+        chain.from_iterable(block_lists), np.int64, num_held
+    )
+    if np.any(-(-seq_lens // block_size) > held_blocks):
+        raise ValueError("a request's block table is too short for its context")
+    return block_table
+
+
+def _to_device(host: _HostBatch, block_size: int, device: torch.device) -> BatchInputs:
+    placeholders = np.flatnonzero(host.input_ids < 0)
+    arrays = {
+        "input_ids": host.input_ids, "positions": host.positions,
+        "logits_indices": host.logits_indices, "slot_mapping": host.slot_mapping,
+        "query_start_loc": host.query_start_loc, "seq_lens": host.seq_lens,
+        "block_table": host.block_table,
     }  # fmt: skip
     if len(placeholders):
-        host["placeholders"] = placeholders
-    if prompt_logits_arrays is not None:
-        host["prompt_rows"], host["prompt_target_ids"], _ = prompt_logits_arrays
-    on_device = dict(zip(host, copy_to_device(list(host.values()), device), strict=True))
+        arrays["placeholders"] = placeholders
+    if host.prompt_logits is not None:
+        arrays["prompt_rows"], arrays["prompt_target_ids"], _ = host.prompt_logits
+    on_device = dict(zip(arrays, copy_to_device(list(arrays.values()), device), strict=True))
+    decode_tokens = host.decode_tokens
     metadata = AttentionMetadata(
         slot_mapping=on_device["slot_mapping"],
         query_start_loc=on_device["query_start_loc"],
         seq_lens=on_device["seq_lens"],
         block_table=on_device["block_table"],
-        query_start_loc_cpu=query_start_loc,
-        seq_lens_cpu=seq_lens,
-        num_computed_tokens_cpu=num_computed,
+        query_start_loc_cpu=host.query_start_loc,
+        seq_lens_cpu=host.seq_lens,
+        num_computed_tokens_cpu=host.num_computed,
         decode_token_indices_cpu=decode_tokens,
-        decode_token_requests_cpu=req_of_token[decode_tokens],
-        decode_token_seq_lens_cpu=positions[decode_tokens] + 1,
-        prefill_indices_cpu=np.flatnonzero(~is_decode),
+        decode_token_requests_cpu=host.req_of_token[decode_tokens],
+        decode_token_seq_lens_cpu=host.positions[decode_tokens] + 1,
+        prefill_indices_cpu=host.prefill_indices,
         block_size=block_size,
     )
     prompt_logits = None
-    if prompt_logits_arrays is not None:
+    if host.prompt_logits is not None:
         prompt_logits = PromptLogitsInputs(
-            on_device["prompt_rows"], on_device["prompt_target_ids"], prompt_logits_arrays[2]
+            on_device["prompt_rows"], on_device["prompt_target_ids"], host.prompt_logits[2]
         )
     return BatchInputs(
         input_ids=on_device["input_ids"],
@@ -190,7 +294,7 @@ def build_batch(
         logits_indices=on_device["logits_indices"],
         prompt_logits=prompt_logits,
         placeholder_indices=on_device.get("placeholders"),
-        placeholder_requests_cpu=req_of_token[placeholders] if len(placeholders) else None,
+        placeholder_requests_cpu=host.req_of_token[placeholders] if len(placeholders) else None,
     )
 
 

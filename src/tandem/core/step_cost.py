@@ -18,8 +18,6 @@ a small model. No torch: the scheduler asks it how big a prefill chunk fits a ti
 
 from __future__ import annotations
 
-from collections import deque
-
 import numpy as np
 
 from tandem.core.roofline import BatchSums, MachinePeaks, ModelShape, sums_work
@@ -58,10 +56,14 @@ class StepCostModel:
         self.packed_max_tokens = shape.packed_max_tokens if shape.packed_weights else 0
         self.min_steps = min_steps
         self.refit_every = refit_every
-        self._rows: deque[tuple[float, ...]] = deque(maxlen=window)
-        self._times: deque[float] = deque(maxlen=window)
+        # The window as a ring of rows: appending a step is two stores, and a fit reads the
+        # arrays as they are (a window of tuples took ~0.5 ms to turn into one per fit).
+        self._rows = np.zeros((window, len(FEATURE_NAMES)))
+        self._times = np.zeros(window)
+        self._num_observed = 0
         self._since_fit = 0
-        self.coefficients: np.ndarray | None = None  # None: the roofline predicts
+        # One per feature (a tuple: the step loop's dot product in Python beats numpy's call).
+        self.coefficients: tuple[float, ...] | None = None  # None: the roofline predicts
         self.overhead: float | None = None  # least (measured - roofline) seen, >= 0
         # Small steps by token count: what the fitted line misses (seconds, moving average).
         self.residuals: dict[int, float] = {}
@@ -75,7 +77,8 @@ class StepCostModel:
 
     def _line(self, sums: BatchSums) -> float:
         assert self.coefficients is not None
-        return float(np.dot(self.coefficients, features(sums, self.packed_max_tokens)))
+        row = features(sums, self.packed_max_tokens)
+        return sum(c * f for c, f in zip(self.coefficients, row, strict=True))
 
     def roofline_seconds(self, sums: BatchSums) -> float:
         work = sums_work(self.shape, sums)
@@ -92,12 +95,15 @@ class StepCostModel:
             )
         unexplained = max(0.0, seconds - self.roofline_seconds(sums))
         self.overhead = unexplained if self.overhead is None else min(self.overhead, unexplained)
-        self._rows.append(features(sums, self.packed_max_tokens))
-        self._times.append(seconds)
+        slot = self._num_observed % len(self._times)
+        self._rows[slot] = features(sums, self.packed_max_tokens)
+        self._times[slot] = seconds
+        self._num_observed += 1
         self._since_fit += 1
+        num_rows = min(self._num_observed, len(self._times))
         # While the window is short every new step teaches a lot: refit more often.
-        every = self.refit_every if len(self._rows) >= 4 * self.refit_every else self.min_steps // 2
-        if len(self._rows) >= self.min_steps and self._since_fit >= max(1, every):
+        every = self.refit_every if num_rows >= 4 * self.refit_every else self.min_steps // 2
+        if num_rows >= self.min_steps and self._since_fit >= max(1, every):
             self._fit()
 
     def _fit(self) -> None:
@@ -105,13 +111,14 @@ class StepCostModel:
         varied in the window) is dropped and the rest refitted, so every prediction grows with
         the work. A window that cannot be fitted keeps the previous coefficients."""
         self._since_fit = 0
-        rows, times = np.array(self._rows), np.array(self._times)
+        num_rows = min(self._num_observed, len(self._times))
+        rows, times = self._rows[:num_rows], self._times[:num_rows]
         active = [i for i in range(rows.shape[1]) if rows[:, i].any()]
         while active:
             solution, *_ = np.linalg.lstsq(rows[:, active], times, rcond=None)
             if (solution >= 0).all():
                 coefficients = np.zeros(rows.shape[1])
                 coefficients[active] = solution
-                self.coefficients = coefficients
+                self.coefficients = tuple(coefficients.tolist())
                 return
             active = [i for i, value in zip(active, solution, strict=True) if value >= 0]

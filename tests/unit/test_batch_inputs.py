@@ -1,0 +1,75 @@
+"""A decode step's inputs come from a shorter path (metadata._decode_arrays) than a mixed step's
+(_mixed_arrays); on every decode batch both must give the same arrays, and the same errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.attention.metadata import _decode_arrays, _mixed_arrays, build_batch
+
+from helpers import Slice
+
+BLOCK_SIZE = 4
+CPU = torch.device("cpu")
+
+
+@st.composite
+def decode_batches(draw) -> tuple[list[Slice], list[bool] | None]:
+    requests = []
+    for _ in range(draw(st.integers(1, 12))):
+        num_computed = draw(st.integers(0, 30))
+        token_ids = draw(st.lists(st.integers(0, 999), min_size=num_computed + 1, max_size=40))
+        if draw(st.booleans()):  # async scheduling: the token is still being sampled
+            token_ids[num_computed] = -1
+        num_blocks = -(-(num_computed + 1) // BLOCK_SIZE) + draw(st.integers(0, 2))
+        block_ids = draw(st.lists(st.integers(0, 500), min_size=num_blocks, max_size=num_blocks))
+        requests.append(Slice(token_ids, num_computed, 1, block_ids))
+    mask = draw(st.none() | st.lists(st.booleans(), min_size=len(requests), max_size=len(requests)))
+    return requests, mask
+
+
+@settings(max_examples=200, deadline=None)
+@given(decode_batches())
+def test_decode_path_equals_the_general_one(batch) -> None:
+    requests, mask = batch
+    fast = _decode_arrays(requests, BLOCK_SIZE, mask)
+    general = _mixed_arrays(requests, BLOCK_SIZE, mask, None, None)
+    for field in dataclasses.fields(fast):
+        expected, got = getattr(general, field.name), getattr(fast, field.name)
+        if expected is None:
+            assert got is None, field.name
+        else:
+            np.testing.assert_array_equal(got, expected, err_msg=field.name)
+            assert got.dtype == expected.dtype, field.name
+
+
+def test_decode_path_refuses_what_the_general_one_refuses() -> None:
+    missing_token = [Slice([1, 2], 2, 1, [0])]
+    short_table = [Slice(list(range(6)), 4, 1, [0])]  # position 4 needs a second block
+    for requests, message in [(missing_token, "fewer known token ids"), (short_table, "too short")]:
+        with pytest.raises(ValueError, match=message):
+            _decode_arrays(requests, BLOCK_SIZE, None)
+        with pytest.raises(ValueError, match=message):
+            _mixed_arrays(requests, BLOCK_SIZE, None, None, None)
+
+
+def test_build_batch_takes_the_decode_path_only_for_one_token_each(monkeypatch) -> None:
+    import tandem.attention.metadata as metadata
+
+    calls = []
+    monkeypatch.setattr(
+        metadata, "_decode_arrays", lambda *args: calls.append(args) or _decode_arrays(*args)
+    )
+    decode = [Slice([1, 2, 3], 2, 1, [7]), Slice([4, 5], 1, 1, [8])]
+    build_batch(decode, BLOCK_SIZE, CPU)
+    assert len(calls) == 1
+    build_batch([*decode, Slice([6, 7, 8], 0, 3, [9])], BLOCK_SIZE, CPU)  # a prefill
+    build_batch(decode, BLOCK_SIZE, CPU, draft_token_ids=[[9], []])
+    build_batch(decode, BLOCK_SIZE, CPU, prompt_logits_ranges=[(0, 0), (0, 0)])
+    assert len(calls) == 1
