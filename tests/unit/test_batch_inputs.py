@@ -59,6 +59,14 @@ def test_decode_path_refuses_what_the_general_one_refuses() -> None:
             _mixed_arrays(requests, BLOCK_SIZE, None, None, None)
 
 
+def test_a_sample_mask_of_the_wrong_length_is_refused_on_both_paths() -> None:
+    requests = [Slice([1, 2], 1, 1, [0]), Slice([3, 4], 1, 1, [1])]
+    with pytest.raises(ValueError, match="one entry per request"):
+        _decode_arrays(requests, BLOCK_SIZE, [True])
+    with pytest.raises(ValueError, match="one entry per request"):
+        _mixed_arrays(requests, BLOCK_SIZE, [True, False, True], None, None)
+
+
 def test_build_batch_takes_the_decode_path_only_for_one_token_each(monkeypatch) -> None:
     import tandem.attention.metadata as metadata
 

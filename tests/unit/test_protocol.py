@@ -215,6 +215,18 @@ def test_top_logprobs_needs_logprobs() -> None:
     assert chat(logprobs=True, top_logprobs=3).top_logprobs == 3
 
 
+def test_request_id_must_be_valid_unicode() -> None:
+    """It comes back in every chunk as UTF-8, which cannot carry the lone surrogate that JSON's
+    escapes let in."""
+    body = json.loads('{"prompt": "p", "request_id": "abc\\ud800"}')
+    error = rejection(CompletionRequest, body)
+    assert error["loc"] == ("request_id",)
+    assert "unpaired surrogate" in error["msg"]
+    chat_error = rejection(ChatCompletionRequest, {"messages": USER, "request_id": "\udfff"})
+    assert chat_error["loc"] == ("request_id",)
+    assert CompletionRequest(prompt="p", request_id="é-🤖").request_id == "é-🤖"
+
+
 def test_stream_options_need_stream() -> None:
     error = rejection(CompletionRequest, {"prompt": "x", "stream_options": {"include_usage": True}})
     assert error["loc"] == ("stream_options",)

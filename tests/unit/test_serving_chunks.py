@@ -61,12 +61,12 @@ def _job(n: int = 1) -> PromptJob:
     return PromptJob("p", [1, 2, 3], SamplingParams(n=n, max_tokens=8))
 
 
-def _completions(**fields) -> CompletionShaper:
+def _completions(**fields: object) -> CompletionShaper:
     request = CompletionRequest(model="m", prompt="p", stream=True, **fields)
     return CompletionShaper(request, [_job(fields.get("n", 1))], "m")
 
 
-def _chat(**fields) -> ChatShaper:
+def _chat(**fields: object) -> ChatShaper:
     request = ChatCompletionRequest(
         model="m", messages=[{"role": "user", "content": "p"}], stream=True, **fields
     )

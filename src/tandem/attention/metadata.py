@@ -137,6 +137,8 @@ def _decode_arrays(
         raise ValueError("a request has fewer known token ids than it asks to compute") from None
     seq_lens = num_computed + 1
     block_table = _block_table(requests, seq_lens, block_size)
+    # One array in several roles below (positions too is num_computed): batch inputs are
+    # read-only once built.
     every_request = np.arange(num_reqs)
     slot_mapping = (
         block_table[every_request, num_computed // block_size] * block_size
@@ -144,7 +146,7 @@ def _decode_arrays(
     )
     logits_indices = every_request
     if sample_mask is not None:
-        logits_indices = np.flatnonzero(np.asarray(sample_mask, dtype=bool))
+        logits_indices = np.flatnonzero(_request_mask(sample_mask, num_reqs))
     return _HostBatch(
         input_ids=input_ids,
         positions=num_computed,
@@ -204,7 +206,7 @@ def _mixed_arrays(
     ends = query_start_loc[1:] - 1
     sampled_drafts = num_drafts
     if sample_mask is not None:
-        mask = np.asarray(sample_mask, dtype=bool)
+        mask = _request_mask(sample_mask, num_reqs)
         ends, sampled_drafts = ends[mask], num_drafts[mask]
     logits_indices = ends
     if sampled_drafts.any():
@@ -233,6 +235,13 @@ def _mixed_arrays(
         prefill_indices=np.flatnonzero(~is_decode),
         prompt_logits=prompt_logits,
     )
+
+
+def _request_mask(sample_mask: Sequence[bool], num_reqs: int) -> np.ndarray:
+    mask = np.asarray(sample_mask, dtype=bool)
+    if mask.shape != (num_reqs,):
+        raise ValueError(f"sample_mask needs one entry per request ({num_reqs}), got {mask.shape}")
+    return mask
 
 
 def _block_table(

@@ -2,7 +2,7 @@
 on a client. Inputs arrive on a ZeroMQ PULL socket, read and decoded by a thread (so decoding
 overlaps the forward, which releases the GIL); each step's outputs leave in one message that
 the loop writes to the API process's Unix socket itself. It blocks only when it has nothing to
-run."""
+run, or when the API process has fallen a whole socket buffer behind in reading its outputs."""
 
 from __future__ import annotations
 
@@ -73,13 +73,11 @@ class _Output:
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, OUTPUT_SEND_BUFFER)
         self.socket.connect(path)
         self.encoder = msgspec.msgpack.Encoder()
-        self.buffer = bytearray()
 
     def send(self, message: Any) -> None:
         """Raises ConnectionError once the API process has gone."""
-        self.encoder.encode_into(message, self.buffer, 4)
-        self.buffer[:4] = (len(self.buffer) - 4).to_bytes(4, "little")
-        self.socket.sendall(self.buffer)
+        payload = self.encoder.encode(message)
+        self.socket.sendall(len(payload).to_bytes(4, "little") + payload)
 
     def close(self) -> None:
         self.socket.close()
@@ -183,7 +181,7 @@ class _CoreLoop:
         try:
             self.output.send(message)
         except ConnectionError:
-            logger.error("the API process closed its end of the outputs: engine core exits")
+            logger.info("the API process has closed its end of the outputs: engine core exits")
             self.running = False
 
     def _check_parent(self) -> None:

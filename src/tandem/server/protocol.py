@@ -319,6 +319,21 @@ class _Generation(_Request):
     ec_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
 
+    @field_validator("request_id")
+    @classmethod
+    def _check_request_id(cls, value: str | None) -> str | None:
+        """Every chunk echoes it back as UTF-8: JSON lets a lone surrogate in, UTF-8 cannot
+        carry one out."""
+        if value is not None:
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                raise ValueError(
+                    "request_id has an unpaired surrogate (\\ud800-\\udfff escape): send "
+                    "valid Unicode text"
+                ) from None
+        return value
+
     @field_validator("best_of")
     @classmethod
     def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:

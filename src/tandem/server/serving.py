@@ -409,16 +409,16 @@ class CompletionShaper:
             news.append((completion, text, logprobs))
         if not news:
             return None
-        completion, text, logprobs = news[0]
+        first, first_text, first_logprobs = news[0]
         if (
             len(news) == 1
-            and logprobs is None
-            and completion.finish_reason is None
-            and completion.stop_reason is None
+            and first_logprobs is None
+            and first.finish_reason is None
+            and first.stop_reason is None
             and not self.request.return_token_ids
             and not self._continuous_usage
         ):
-            return self.text_chunk(self.choice_index(prompt_index, completion), text)
+            return self.text_chunk(self.choice_index(prompt_index, first), first_text)
         choices = [
             CompletionResponseStreamChoice(
                 index=self.choice_index(prompt_index, completion),
