@@ -313,8 +313,8 @@ def test_echo(client, offline_llm):
 
 def test_long_prompt_logprobs_cross_in_one_large_message(client, offline_llm):
     """A 1,500-token prompt's 20 top logprobs per position leave the engine core in one
-    message of about a megabyte: more than the output socket and the API process's reader
-    buffer hold at once. They arrive whole and equal the offline engine's."""
+    message of about a megabyte: several times what the output socket holds at once. They
+    arrive whole and equal the offline engine's."""
     prompt = list(range(1000, 2500))
     reference = offline(
         offline_llm, prompt, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=20)
