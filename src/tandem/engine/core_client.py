@@ -116,7 +116,8 @@ class EngineCoreClient:
             if self._output_writer is not None:
                 # Nothing reads the outputs any more: a core blocked writing them (requests
                 # still running) gets EPIPE and exits, instead of never reading Shutdown.
-                self._output_writer.get_extra_info("socket").shutdown(socket.SHUT_RDWR)
+                with contextlib.suppress(OSError):
+                    self._output_writer.get_extra_info("socket").shutdown(socket.SHUT_RDWR)
             self.process.join(timeout)
         if self.process.is_alive():
             self.process.kill()
