@@ -310,6 +310,29 @@ def _json_string(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def _continuous_usage(request: CompletionRequest | ChatCompletionRequest) -> bool:
+    options = request.stream_options
+    return bool(options and options.include_usage and options.continuous_usage_stats)
+
+
+def _text_only(
+    request: CompletionRequest | ChatCompletionRequest,
+    news: Sequence[tuple[CompletionOutput, object]],
+) -> bool:
+    """Whether a delta's chunk carries nothing but text for one choice (TextChunk writes it):
+    `news` pairs each choice with news with its logprobs (None: none to send)."""
+    if len(news) != 1:
+        return False
+    completion, logprobs = news[0]
+    return (
+        logprobs is None
+        and completion.finish_reason is None
+        and completion.stop_reason is None
+        and not request.return_token_ids
+        and not _continuous_usage(request)
+    )
+
+
 @dataclass
 class _ChoiceState:
     """What a completions choice has sent so far (for echo and text offsets)."""
@@ -409,15 +432,8 @@ class CompletionShaper:
             news.append((completion, text, logprobs))
         if not news:
             return None
-        first, first_text, first_logprobs = news[0]
-        if (
-            len(news) == 1
-            and first_logprobs is None
-            and first.finish_reason is None
-            and first.stop_reason is None
-            and not self.request.return_token_ids
-            and not self._continuous_usage
-        ):
+        if _text_only(self.request, [(completion, logprobs) for completion, _, logprobs in news]):
+            first, first_text, _ = news[0]
             return self.text_chunk(self.choice_index(prompt_index, first), first_text)
         choices = [
             CompletionResponseStreamChoice(
@@ -430,15 +446,10 @@ class CompletionShaper:
             )
             for completion, text, logprobs in news
         ]
-        usage = self.usage.usage() if self._continuous_usage else None
+        usage = self.usage.usage() if _continuous_usage(self.request) else None
         return CompletionStreamResponse(
             id=self.response_id, model=self.model, choices=choices, usage=usage
         )
-
-    @property
-    def _continuous_usage(self) -> bool:
-        options = self.request.stream_options
-        return bool(options and options.include_usage and options.continuous_usage_stats)
 
     def usage_chunk(self) -> CompletionStreamResponse | None:
         options = self.request.stream_options
@@ -523,34 +534,25 @@ class ChatShaper:
         if not news:
             return None
         self.finish_sent.update(c.index for c in news if c.finish_reason is not None)
-        options = self.request.stream_options
-        continuous = bool(options and options.include_usage and options.continuous_usage_stats)
-        first = news[0]
-        if (
-            len(news) == 1
-            and first.finish_reason is None
-            and first.stop_reason is None
-            and (not self.request.logprobs or first.logprobs is None)
-            and not self.request.return_token_ids
-            and not continuous
-        ):
-            return self.text_chunk(first.index, first.text)
+        with_logprobs = [(completion, self._logprobs(completion)) for completion in news]
+        if _text_only(self.request, with_logprobs):
+            return self.text_chunk(news[0].index, news[0].text)
         choices = [
             ChatCompletionResponseStreamChoice(
                 index=completion.index,
                 delta=DeltaMessage(content=completion.text),
-                logprobs=self._logprobs(completion),
+                logprobs=logprobs,
                 finish_reason=completion.finish_reason,
                 stop_reason=completion.stop_reason,
                 token_ids=completion.token_ids if self.request.return_token_ids else None,
             )
-            for completion in news
+            for completion, logprobs in with_logprobs
         ]
         return ChatCompletionStreamResponse(
             id=self.response_id,
             model=self.model,
             choices=choices,
-            usage=self.usage.usage() if continuous else None,
+            usage=self.usage.usage() if _continuous_usage(self.request) else None,
         )
 
     def usage_chunk(self) -> ChatCompletionStreamResponse | None:
