@@ -258,6 +258,8 @@ def quality_rows(num_tokens: int) -> tuple[dict[str, dict[str, float]], dict]:
                 dtype=auto.dtype,
                 num_kv_blocks=blocks,
                 packed_max_tokens=auto.packed_max_tokens,
+                packed_int8_min_tokens=auto.packed_int8_min_tokens,
+                attention_backend=auto.attention_backend,
             )
         ),
     }
@@ -275,6 +277,7 @@ def quality_rows(num_tokens: int) -> tuple[dict[str, dict[str, float]], dict]:
     return rows, {
         "dtype": auto.dtype,
         "packed_max_tokens": auto.packed_max_tokens,
+        "packed_int8_min_tokens": auto.packed_int8_min_tokens,
         "num_tokens": len(tokens),
     }
 
@@ -302,7 +305,8 @@ def main() -> None:
     auto = EngineConfig.create("default", device="cpu").runner
     print(
         f"dtype='auto' here: {auto.dtype}, packed 4-bit weights for steps of at most "
-        f"{auto.packed_max_tokens} tokens"
+        f"{auto.packed_max_tokens} tokens, int8 activations from "
+        f"{auto.packed_int8_min_tokens or 'none'}"
     )
 
     engines = [HF(), *(Tandem(dtype) for dtype in TANDEM_DTYPES)]
@@ -376,7 +380,11 @@ def main() -> None:
                 "date": f"{datetime.datetime.now():%Y-%m-%d %H:%M}",
                 "commit": commit,
                 "threads": torch.get_num_threads(),
-                "auto": {"dtype": auto.dtype, "packed_max_tokens": auto.packed_max_tokens},
+                "auto": {
+                    "dtype": auto.dtype,
+                    "packed_max_tokens": auto.packed_max_tokens,
+                    "packed_int8_min_tokens": auto.packed_int8_min_tokens,
+                },
                 "speed": speed,
                 "breakdown": breakdown,
                 "offline": offline,

@@ -59,6 +59,7 @@ def layer_by_layer(runner: ModelRunner, batch) -> torch.Tensor:
         return runner.model(batch.input_ids, batch.positions)
 
 
+@pytest.mark.parametrize("int8_min_tokens", [0, 4], ids=["fp32-activations", "int8"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
     "arch,config_class,extra,num_verified",
@@ -72,9 +73,11 @@ def layer_by_layer(runner: ModelRunner, batch) -> torch.Tensor:
     ids=["llama", "qwen2", "llama-biases-64"],
 )
 def test_fused_step_equals_the_layer_by_layer_forward(
-    tmp_path, dtype, arch, config_class, extra, num_verified
+    tmp_path, dtype, arch, config_class, extra, num_verified, int8_min_tokens
 ):
-    runner = packed_runner(tmp_path, dtype, config_class, arch, extra, packed_max_tokens=16)
+    """int8: both quantize the same activations (up to the paths' rounding)."""
+    runner = packed_runner(tmp_path, dtype, config_class, arch, extra, packed_max_tokens=16,
+                           packed_int8_min_tokens=int8_min_tokens)  # fmt: skip
     assert runner.cpu_decode is not None
     requests = prefilled(runner, [5, 16, 33, 70], seed=1)
     # Three decode tokens, and a request verifying drafts (num_verified query tokens).
@@ -103,9 +106,10 @@ def test_fused_step_equals_the_layer_by_layer_forward(
         assert set(torch.nonzero(changed.any(0).flatten()).flatten().tolist()) == slots
 
 
-def test_greedy_decoding_matches_layer_by_layer(tmp_path):
+@pytest.mark.parametrize("int8_min_tokens", [0, 1], ids=["fp32-activations", "int8"])
+def test_greedy_decoding_matches_layer_by_layer(tmp_path, int8_min_tokens):
     """Eight decode steps of three requests, fed their own argmax: the same tokens."""
-    runner = packed_runner(tmp_path, "float32")
+    runner = packed_runner(tmp_path, "float32", packed_int8_min_tokens=int8_min_tokens)
     requests = prefilled(runner, [7, 20, 41], seed=2)
 
     def decode(use_fused: bool) -> list[list[int]]:

@@ -8,6 +8,7 @@ import logging
 
 import pytest
 
+from tandem.attention import cpu_kernel
 from tandem.cache import cache_root
 from tandem.config import model_config_from_hf
 from tandem.engine import cpu_formats as formats_module
@@ -39,12 +40,25 @@ def test_probe_measures_both_phases_and_is_cached(fresh_cache, monkeypatch):
     assert set(chosen.prefill_ms) == {"float32", "bfloat16"}
     assert chosen.prefill_ms[chosen.dtype] == min(chosen.prefill_ms.values())
     decode = chosen.decode_ms
-    assert set(decode) == {chosen.dtype, "packed"}
-    # Packed for every size up to its cut, where it beat the dense format; not at the next one.
+    packed_formats = {"packed", "packed int8"} if cpu_kernel.load_library() else {"packed"}
+    assert set(decode) == {chosen.dtype, *packed_formats}
+    # Packed for every size up to its cut, where its faster form beat the dense format; not
+    # at the next one.
     assert chosen.packed_max_tokens in (0, *DECODE_PROBE_TOKENS)
-    for rows, packed_ms in decode["packed"].items():
-        faster = packed_ms < decode[chosen.dtype][rows]
+    for rows, dense_ms in decode[chosen.dtype].items():
+        faster = min(decode[name][rows] for name in packed_formats) < dense_ms
         assert faster == (rows <= chosen.packed_max_tokens)
+    # int8 activations from the size after which they win at every packed size.
+    int8_sizes = [
+        rows for rows in DECODE_PROBE_TOKENS
+        if rows <= chosen.packed_max_tokens and chosen.int8_min_tokens
+        and rows >= chosen.int8_min_tokens
+    ]  # fmt: skip
+    for rows in int8_sizes:
+        assert decode["packed int8"][rows] < decode["packed"][rows]
+    if chosen.int8_min_tokens == 0 and chosen.packed_max_tokens and "packed int8" in decode:
+        largest = chosen.packed_max_tokens
+        assert decode["packed int8"][largest] >= decode["packed"][largest]
     assert (cache_root() / "cpu-formats.json").exists()
 
     def no_second_probe(*args):
@@ -65,30 +79,35 @@ def test_a_corrupt_cache_is_probed_again(fresh_cache):
     assert json.loads((fresh_cache / "cpu-formats.json").read_text())
 
 
-def fake_choice(monkeypatch, dtype: str, packed_max_tokens: int) -> None:
-    choice = CpuFormats(dtype, packed_max_tokens, {"float32": 2.0, "bfloat16": 1.0}, {})
+def fake_choice(monkeypatch, dtype: str, packed_max_tokens: int, int8_min_tokens: int = 0) -> None:
+    choice = CpuFormats(
+        dtype, packed_max_tokens, {"float32": 2.0, "bfloat16": 1.0}, {}, int8_min_tokens
+    )
     monkeypatch.setattr(formats_module, "cpu_formats", lambda config, packable: choice)
 
 
 def test_auto_follows_the_probe_and_says_so(monkeypatch, caplog, tmp_path):
-    fake_choice(monkeypatch, "bfloat16", 8)
+    fake_choice(monkeypatch, "bfloat16", 8, int8_min_tokens=2)
     gguf = tmp_path / "model.gguf"
     monkeypatch.setattr("tandem.engine.config.gguf_has_packable_weights", lambda path: True)
     with caplog.at_level(logging.INFO, logger="tandem.engine.config"):
-        assert resolve_dtype("auto", "cpu", TINY, gguf) == ("bfloat16", 8)
-    assert "steps of at most 8 tokens" in caplog.text
+        assert resolve_dtype("auto", "cpu", TINY, gguf) == ("bfloat16", 8, 2)
+    assert "steps of at most 8 tokens, int8 activations from 2 tokens" in caplog.text
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float", "bfloat16", "half"])
 def test_an_explicit_dtype_wins_and_keeps_weights_dense(monkeypatch, tmp_path, dtype):
     fake_choice(monkeypatch, "bfloat16", 8)
     expected = {"float": "float32", "half": "float16"}.get(dtype, dtype)
-    assert resolve_dtype(dtype, "cpu", TINY, tmp_path / "model.gguf") == (expected, 0)
+    assert resolve_dtype(dtype, "cpu", TINY, tmp_path / "model.gguf") == (expected, 0, 0)
 
 
 def test_engine_config_carries_the_choice_to_the_runner(monkeypatch, tiny_llama):
-    fake_choice(monkeypatch, "bfloat16", 4)
+    fake_choice(monkeypatch, "bfloat16", 4, int8_min_tokens=2)
     config = EngineConfig.create(tiny_llama[0], device="cpu")
-    assert (config.runner.dtype, config.runner.packed_max_tokens) == ("bfloat16", 4)
+    runner = config.runner
+    assert (runner.dtype, runner.packed_max_tokens, runner.packed_int8_min_tokens) == (
+        "bfloat16", 4, 2,
+    )  # fmt: skip
     pinned = EngineConfig.create(tiny_llama[0], device="cpu", dtype="float32")
     assert (pinned.runner.dtype, pinned.runner.packed_max_tokens) == ("float32", 0)

@@ -84,13 +84,13 @@ def test_auto_dtype_on_cuda(folder, monkeypatch):
     model_config = EngineConfig.create(folder, device="cpu", dtype="float32").model_config
     assert model_config.torch_dtype == "float32"  # save_pretrained of an fp32 model
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
-    assert resolve_dtype("auto", "cuda", model_config, folder) == ("bfloat16", 0)  # fp32: bf16
+    assert resolve_dtype("auto", "cuda", model_config, folder) == ("bfloat16", 0, 0)  # fp32: bf16
     unknown = replace(model_config, torch_dtype=None)
-    assert resolve_dtype("auto", "cuda", unknown, folder) == ("bfloat16", 0)
+    assert resolve_dtype("auto", "cuda", unknown, folder) == ("bfloat16", 0, 0)
     saved_fp16 = replace(model_config, torch_dtype="float16")
-    assert resolve_dtype("auto", "cuda", saved_fp16, folder) == ("float16", 0)
+    assert resolve_dtype("auto", "cuda", saved_fp16, folder) == ("float16", 0, 0)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
-    assert resolve_dtype("auto", "cuda:0", model_config, folder) == ("float16", 0)
+    assert resolve_dtype("auto", "cuda:0", model_config, folder) == ("float16", 0, 0)
 
 
 def test_knobs_without_effect_here_are_logged(folder, caplog):

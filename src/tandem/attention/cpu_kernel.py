@@ -1,7 +1,7 @@
 """The CPU kernels (csrc/): decode attention over the paged cache, a layer's RMSNorm and RoPE
-in one call each, GGUF-quantized matmuls for decode steps, and a decode step's whole layer
-stack in one call (worker/cpu_decode.py); compiled for this machine on first use, cached,
-loaded with ctypes.
+in one call each, GGUF-quantized matmuls for decode steps (with fp32 or int8 activations),
+and a decode step's whole layer stack in one call (worker/cpu_decode.py); compiled for this
+machine on first use, cached, loaded with ctypes.
 
 Plain C files (no torch headers) builds in well under a second with the C compiler torch's
 own CPU compilation already needs, so there is nothing to install and nothing to ship
@@ -29,8 +29,8 @@ from tandem.cache import cache_root
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_decode_attention.c", "layer_ops.c",
-                                     "packed_matmul.c", "decode_forward.c")]  # fmt: skip
+SOURCES = [CSRC / name for name in ("paged_decode_attention.c", "layer_ops.c", "packed_matmul.c",
+                                     "packed_matmul_int8.c", "decode_forward.c")]  # fmt: skip
 # Hashed with the sources: a change rebuilds.
 HEADERS = [CSRC / name for name in ("element_types.h", "kernels.h", "vector_math.h")]
 # -ffast-math's parts that vectorize reductions and the exp polynomial; -ffast-math itself
@@ -59,7 +59,8 @@ _ARGTYPES = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _
              _i64, _i64, ctypes.c_float, _ptr, ctypes.c_int]  # fmt: skip
 _RMS_NORM_ARGTYPES = [_ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float, ctypes.c_int]
 _ROTARY_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, ctypes.c_int]
-_PACKED_MATMUL_ARGTYPES = [_ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, ctypes.c_int]
+_PACKED_MATMUL_ARGTYPES = [_ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64,
+                           ctypes.c_int]  # fmt: skip
 QUANT_TYPE_IDS = {"Q4_1": 0, "Q8_0": 1}  # csrc/packed_matmul.c's enum (Q4_0 goes as Q4_1)
 
 
@@ -155,6 +156,8 @@ def load_library() -> ctypes.CDLL | None:
             function = getattr(library, f"{name}_{suffix}")
             function.argtypes = argtypes
             function.restype = restype
+    library.quantize_rows_int8.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr]
+    library.quantize_rows_int8.restype = None
     return library
 
 
@@ -223,10 +226,16 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
 
 
 def packed_matmul(
-    codes: torch.Tensor, scales: torch.Tensor, quant_type: str, out_features: int, x: torch.Tensor
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    quant_type: str,
+    out_features: int,
+    x: torch.Tensor,
+    int8_activations: bool = False,
 ) -> torch.Tensor:
     """x [T, K] times the quantized matrix (models/packed.py's kernel layout), transposed:
-    [T, out_features], in x's dtype (fp16 computed through fp32)."""
+    [T, out_features], in x's dtype (fp16 computed through fp32). `int8_activations`: x
+    quantized per 32 columns first (csrc/packed_matmul_int8.c)."""
     library = load_library()
     if library is None:
         raise RuntimeError("the CPU kernels could not be built: GGUF blocks cannot be multiplied")
@@ -238,11 +247,27 @@ def packed_matmul(
     status = getattr(library, f"packed_matmul_{DTYPE_SUFFIXES[compute_dtype]}")(
         codes.data_ptr(), scales.data_ptr(), QUANT_TYPE_IDS[quant_type], out_features,
         inputs.shape[1], inputs.data_ptr(), inputs.stride(0), inputs.shape[0], out.data_ptr(),
-        torch.get_num_threads(),
+        int8_activations, torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError("the packed matmul could not allocate its buffers")
     return out.to(x.dtype)
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, K] (fp32; K a multiple of 32) as the int8 matmul quantizes it: codes [T, K] and,
+    per 32-column block, the scale d and d·Σ codes [T, K / 32]; for tests."""
+    library = load_library()
+    if library is None:
+        raise RuntimeError("the CPU kernels could not be built")
+    x = x.float().contiguous()
+    codes = torch.empty(x.shape, dtype=torch.int8)
+    scales = torch.empty(x.shape[0], x.shape[1] // 32)
+    sums = torch.empty_like(scales)
+    library.quantize_rows_int8(
+        x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(), scales.data_ptr(), sums.data_ptr()
+    )
+    return codes, scales, sums
 
 
 def kernel(dtype: torch.dtype, head_dim: int) -> ctypes._CFuncPtr:

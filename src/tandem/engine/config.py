@@ -175,7 +175,9 @@ class EngineConfig:
             max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
             if not enable_chunked_prefill:
                 max_num_batched_tokens = max(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
-        dtype_name, packed_max_tokens = resolve_dtype(dtype, device, model_config, model_path)
+        dtype_name, packed_max_tokens, packed_int8_min_tokens = resolve_dtype(
+            dtype, device, model_config, model_path
+        )
         attention = resolve_attention_backend(attention_backend, device)
         decode_graphs = device.startswith("cuda") and not enforce_eager
         if decode_graphs and attention != "triton":
@@ -186,6 +188,7 @@ class EngineConfig:
             model=model_path,
             dtype=dtype_name,
             packed_max_tokens=packed_max_tokens,
+            packed_int8_min_tokens=packed_int8_min_tokens,
             device=device,
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
@@ -302,9 +305,10 @@ class EngineConfig:
 
 def resolve_dtype(
     dtype: str | torch.dtype, device: str, model_config: ModelConfig, model_path: Path
-) -> tuple[str, int]:
-    """vLLM's dtype names to one of DTYPES, and the largest step (in tokens) that multiplies
-    packed 4-bit weights (0: none). "auto" on CPU: what the CPU format probe measures fastest
+) -> tuple[str, int, int]:
+    """vLLM's dtype names to one of DTYPES, the largest step (in tokens) that multiplies
+    packed 4-bit weights (0: none) and the smallest of those that quantizes its activations
+    to int8 (0: none). "auto" on CPU: what the CPU format probe measures fastest
     here (engine/cpu_formats.py); on CUDA the checkpoint's own dtype, with float32 (or unknown,
     e.g. GGUF) checkpoints run in bfloat16 (float16 without bf16). An explicit dtype runs the
     dense weights only: float32 stays the reference."""
@@ -314,11 +318,11 @@ def resolve_dtype(
             names.setdefault(value, name)  # the long name ("float16", not "fp16")
         if dtype not in names:
             raise ValueError(f"dtype {dtype} is not supported; choose one of {DTYPE_CHOICES}")
-        return names[dtype], 0
+        return names[dtype], 0, 0
     if not isinstance(dtype, str) or dtype not in DTYPE_CHOICES:
         raise ValueError(f"dtype {dtype!r} is not supported; choose one of {DTYPE_CHOICES}")
     if dtype != "auto":
-        return DTYPE_ALIASES.get(dtype, dtype), 0
+        return DTYPE_ALIASES.get(dtype, dtype), 0, 0
     saved = model_config.torch_dtype
     if not device.startswith("cuda"):
         from tandem.engine.cpu_formats import cpu_formats
@@ -326,13 +330,13 @@ def resolve_dtype(
         packable = model_path.suffix == ".gguf" and gguf_has_packable_weights(model_path)
         formats = cpu_formats(model_config, packable)
         logger.info("dtype='auto' on %s: %s", device, formats.describe())
-        return formats.dtype, formats.packed_max_tokens
+        return formats.dtype, formats.packed_max_tokens, formats.int8_min_tokens
     if saved in ("bfloat16", "float16"):
         chosen = saved
     else:
         chosen = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     logger.info("dtype='auto' on %s: %s (checkpoint saved in %s)", device, chosen, saved)
-    return chosen, 0
+    return chosen, 0, 0
 
 
 def _draft_runner(
@@ -356,11 +360,14 @@ def _draft_runner(
             f"the draft model {speculative.draft_model!r} handles {config.max_position_embeddings}"
             f" positions, fewer than max_model_len={max_model_len}: lower max_model_len"
         )
-    dtype, packed_max_tokens = resolve_dtype(speculative.draft_dtype, target.device, config, path)
+    dtype, packed_max_tokens, int8_min_tokens = resolve_dtype(
+        speculative.draft_dtype, target.device, config, path
+    )
     return RunnerConfig(
         model=path,
         dtype=dtype,
         packed_max_tokens=packed_max_tokens,
+        packed_int8_min_tokens=int8_min_tokens,
         device=target.device,
         block_size=target.block_size,
         attention_backend=target.attention_backend,

@@ -6,8 +6,9 @@ is several times slower. And the two phases want different things: prefill is co
 kernel keeps up). So a short probe over the model's own layer shapes times, once per machine and
 model shape (cached), a prefill-sized matmul in fp32 and bf16, and decode-sized ones (1, 2,
 4, ... rows) of the chosen dense format against the packed kernel (models/packed.py, for
-GGUF Q4_0 / Q4_1 / Q8_0 weights). The result: the model's dtype, and up to how many
-tokens a step uses the packed weights.
+GGUF Q4_0 / Q4_1 / Q8_0 weights) with fp32 and with int8 activations. The result: the model's
+dtype, up to how many tokens a step uses the packed weights, and from how many tokens up those
+steps quantize their activations to int8.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ from tandem.models.packed import PackedWeight, QuantBlocks
 logger = logging.getLogger(__name__)
 
 PREFILL_PROBE_TOKENS = 256
-DECODE_PROBE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+DECODE_PROBE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
 # Decode-sized matmuls stream their weights from memory, not from cache: the probe's set of
 # layers is at least this large in fp32 (or all of the model's layers, if smaller).
 DECODE_PROBE_BYTES = 256 << 20
@@ -44,6 +45,8 @@ class CpuFormats:
     # What was measured (ms for the probe's layer set), for the log.
     prefill_ms: dict[str, float]
     decode_ms: dict[str, dict[int, float]]
+    # Packed steps of at least this many tokens quantize their activations to int8; 0: none.
+    int8_min_tokens: int = 0
 
     def describe(self) -> str:
         packed = (
@@ -51,6 +54,8 @@ class CpuFormats:
             if self.packed_max_tokens
             else "no packed weights"
         )
+        if self.int8_min_tokens:
+            packed += f", int8 activations from {self.int8_min_tokens} tokens"
         return f"{self.dtype}, {packed} (probe, ms: prefill {self.prefill_ms}, decode " + (
             f"{self.decode_ms})"
         )
@@ -118,18 +123,27 @@ def probe_cpu_formats(config: ModelConfig, packable: bool) -> CpuFormats:
     dense = fp32 if dtype == "float32" else [w.bfloat16() for w in fp32]
     del fp32
     decode_ms: dict[str, dict[int, float]] = {dtype: {}}
-    packed_max_tokens = 0
+    packed_max_tokens = int8_min_tokens = 0
     if packable:
         packed = [_packed_zeros(shape) for _ in range(num_layers) for shape in shapes]
-        decode_ms["packed"] = {}
+        formats = {"packed": packed}
+        if packed[0].codes is not None:  # the C kernel: int8 activations too
+            formats["packed int8"] = [replace(weight, int8_min_tokens=1) for weight in packed]
+        decode_ms.update({name: {} for name in formats})
         for rows in DECODE_PROBE_TOKENS:
-            dense_ms = _matmul_ms(dense, rows, getattr(torch, dtype), _dense)
-            packed_ms = _matmul_ms(packed, rows, getattr(torch, dtype), _packed)
-            decode_ms[dtype][rows], decode_ms["packed"][rows] = dense_ms, packed_ms
-            if packed_ms >= dense_ms:
+            decode_ms[dtype][rows] = _matmul_ms(dense, rows, getattr(torch, dtype), _dense)
+            for name, weights in formats.items():
+                decode_ms[name][rows] = _matmul_ms(weights, rows, getattr(torch, dtype), _packed)
+            if min(decode_ms[name][rows] for name in formats) >= decode_ms[dtype][rows]:
                 break
             packed_max_tokens = rows
-    return CpuFormats(dtype, packed_max_tokens, prefill_ms, decode_ms)
+        # int8 from the smallest step size after which it wins at every size measured.
+        for rows in reversed([r for r in DECODE_PROBE_TOKENS if r <= packed_max_tokens]):
+            int8 = decode_ms.get("packed int8", {})
+            if rows not in int8 or int8[rows] >= decode_ms["packed"][rows]:
+                break
+            int8_min_tokens = rows
+    return CpuFormats(dtype, packed_max_tokens, prefill_ms, decode_ms, int8_min_tokens)
 
 
 def _dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -77,10 +77,12 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     packed_max_tokens: int = 0,
+    packed_int8_min_tokens: int = 0,
 ) -> torch.nn.Module:
     """Build the model for the checkpoint at `model` and fill its weights. `packed_max_tokens`
     > 0 (CPU, GGUF): also keep the Q4_0 / Q4_1 / Q8_0 matrices packed, multiplied natively in steps
-    of at most that many tokens (models/packed.py)."""
+    of at most that many tokens, with int8 activations from `packed_int8_min_tokens` tokens up
+    (models/packed.py)."""
     path = resolve_model_path(model)
     config = load_model_config(path)
     with torch.device("meta"):
@@ -94,7 +96,9 @@ def load_model(
         if packed_max_tokens > 0 and torch.device(device).type == "cpu":
             from tandem.models.gguf_loader import iter_gguf_packable
 
-            attach_packed_weights(net, iter_gguf_packable(path, config), packed_max_tokens)
+            attach_packed_weights(
+                net, iter_gguf_packable(path, config), packed_max_tokens, packed_int8_min_tokens
+            )
     else:
         load_weights(net, iter_safetensors(path))
     return net.eval()
@@ -166,11 +170,15 @@ def load_weights(net: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tensor
 
 
 def attach_packed_weights(
-    net: torch.nn.Module, matrices: Iterator[tuple[str, QuantBlocks]], max_tokens: int
+    net: torch.nn.Module,
+    matrices: Iterator[tuple[str, QuantBlocks]],
+    max_tokens: int,
+    int8_min_tokens: int = 0,
 ) -> int:
     """Give each linear layer whose every shard came in one block type its packed weight
-    (fused shards concatenated in row order), and the LM head its own; returns the packed
-    bytes. Layers with a shard in another format (e.g. a Q6_K V projection) stay dense only."""
+    (fused shards concatenated in row order; PackedWeight's `max_tokens` and
+    `int8_min_tokens`), and the LM head its own; returns the packed bytes. Layers with a shard
+    in another format (e.g. a Q6_K V projection) stay dense only."""
     head_name = getattr(net, "lm_head_checkpoint_name", None)
     shards: dict[str, dict[str, QuantBlocks]] = {}
     for name, blocks in matrices:
@@ -180,7 +188,9 @@ def attach_packed_weights(
     packed_bytes = 0
     for module_name, parts in shards.items():
         if module_name == head_name:
-            net.lm_head_packed = PackedWeight.from_blocks(parts[None], max_tokens)
+            net.lm_head_packed = PackedWeight.from_blocks(
+                parts[None], max_tokens, int8_min_tokens=int8_min_tokens
+            )
             packed_bytes += net.lm_head_packed.nbytes
             continue
         module = net.get_submodule(module_name)
@@ -192,11 +202,15 @@ def attach_packed_weights(
         blocks = QuantBlocks.cat([parts[shard_id] for shard_id in order])
         if blocks is None:
             continue
-        module.packed = PackedWeight.from_blocks(blocks, max_tokens)
+        module.packed = PackedWeight.from_blocks(
+            blocks, max_tokens, int8_min_tokens=int8_min_tokens
+        )
         packed_bytes += module.packed.nbytes
     logger.info(
-        "GGUF weights kept packed (%.1f MB) for steps of at most %d tokens",
+        "GGUF weights kept packed (%.1f MB) for steps of at most %d tokens (int8 activations "
+        "from %s)",
         packed_bytes / 1e6,
         max_tokens,
+        f"{int8_min_tokens} tokens" if int8_min_tokens else "none",
     )
     return packed_bytes

@@ -8,7 +8,11 @@ prefill-sized steps, where a packed kernel loses to a dense GEMM.
 Two kernels multiply them. The C one (attention/csrc/packed_matmul.c, built by cpu_kernel.py)
 takes the blocks' codes and fp16 scales regrouped 16 output rows side by side
 (`kernel_layout`) and widens each weight to fp32 exactly, so its results equal the
-dequantized fp32 matrix's up to the order of the sums. Where it cannot be built,
+dequantized fp32 matrix's up to the order of the sums. From `int8_min_tokens` rows up (where
+the CPU format probe found it faster) it quantizes the activations to int8 per 32 columns
+instead and sums integer products (csrc/packed_matmul_int8.c, llama.cpp's scheme): a few
+times fewer instructions per weight and token, at the activations' rounding. Where it cannot
+be built,
 torch's CPU int4 weight-only matmul runs instead: it computes w = (q − 8)·scale + zero per
 32-weight group, so Q4_0 and Q4_1 map onto it exactly (scale = d, zero = 0 or m + 8d), with
 scales, zeros and activations in bfloat16 (its fast path); a Q8_0 block (q = 16·hi + lo with
@@ -154,7 +158,7 @@ def unpack_blocks(raw: np.ndarray, quant_type: str, shape: tuple[int, int]) -> I
 class PackedWeight:
     """A linear layer's weight kept packed, used for steps of at most `max_tokens` rows: the
     file's codes and scales in the C kernel's layout, or (where it is not built) torch's int4
-    layout."""
+    layout. Steps of at least `int8_min_tokens` rows (0: none) multiply int8 activations."""
 
     max_tokens: int
     in_features: int
@@ -165,10 +169,15 @@ class PackedWeight:
     int4_weight: torch.Tensor | None = None  # uint8, torch's packed int4 layout
     scales_zeros: torch.Tensor | None = None  # bfloat16 [K * input_copies / 32, N, 2]
     input_copies: int = 1
+    int8_min_tokens: int = 0  # the C kernel only
 
     @classmethod
     def from_blocks(
-        cls, blocks: QuantBlocks, max_tokens: int, use_kernel: bool = True
+        cls,
+        blocks: QuantBlocks,
+        max_tokens: int,
+        use_kernel: bool = True,
+        int8_min_tokens: int = 0,
     ) -> PackedWeight:
         if use_kernel and cpu_kernel.load_library() is not None:
             if blocks.quant_type == "Q4_0":
@@ -181,6 +190,7 @@ class PackedWeight:
                 scales=torch.from_numpy(scales.view(np.int16)),
                 out_features=len(blocks.data),
                 quant_type=blocks.quant_type,
+                int8_min_tokens=int8_min_tokens,
             )
         codes = blocks.int4_codes()
         weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -209,8 +219,10 @@ class PackedWeight:
                 f"a packed matmul of {self.in_features} inputs got rows of {x.shape[-1]}"
             )
         if self.codes is not None:
+            rows = x.numel() // self.in_features
+            int8 = 0 < self.int8_min_tokens <= rows
             out = cpu_kernel.packed_matmul(
-                self.codes, self.scales, self.quant_type, self.out_features, x
+                self.codes, self.scales, self.quant_type, self.out_features, x, int8
             )
         else:
             inputs = x.to(torch.bfloat16)

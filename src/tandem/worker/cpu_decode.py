@@ -37,7 +37,8 @@ class _DecodeLayer(ctypes.Structure):
 class _DecodeModel(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64),
                 ("num_kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64),
-                ("num_blocks", _i64), ("block_size", _i64), ("eps", ctypes.c_float),
+                ("num_blocks", _i64), ("block_size", _i64), ("int8_min_tokens", _i64),
+                ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("layers", ctypes.POINTER(_DecodeLayer))]  # fmt: skip
 
 
@@ -69,7 +70,9 @@ class CpuDecode:
     """The fused decode forward of one model over its bound KV caches; holds the C structures
     (and fp32 copies of the norms and biases) they point into."""
 
-    def __init__(self, model: CausalLM, max_tokens: int) -> None:
+    def __init__(self, model: CausalLM, max_tokens: int, int8_min_tokens: int = 0) -> None:
+        """`int8_min_tokens`: steps of at least this many tokens multiply int8 activations
+        (models/packed.py; 0: none)."""
         config = model.config
         self.model = model
         self.max_tokens = max_tokens
@@ -92,7 +95,7 @@ class CpuDecode:
         self._model = _DecodeModel(
             config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
             config.num_key_value_heads, config.head_dim, config.intermediate_size, num_blocks,
-            block_size, config.rms_norm_eps, attention[0].scale, layers,
+            block_size, int8_min_tokens, config.rms_norm_eps, attention[0].scale, layers,
         )  # fmt: skip
         self._final_norm = model.model.norm.weight.detach().float().contiguous()
         library = cpu_kernel.load_library()

@@ -80,6 +80,8 @@ class RunnerConfig:
     device: str = "cpu"
     # Steps of at most this many tokens multiply the GGUF's 4-bit weights packed (CPU; 0: never).
     packed_max_tokens: int = 0
+    # Of those, steps of at least this many tokens quantize their activations to int8 (0: none).
+    packed_int8_min_tokens: int = 0
     compile_layers: bool = False  # torch.compile each layer's halves around attention
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides the size computed from kv_cache_memory
@@ -143,8 +145,9 @@ class ModelRunner:
         if config.gpu_memory_utilization is not None and config.num_kv_blocks is None:
             profile = MemoryProfile(self.device, config.gpu_memory_utilization)  # before loading
         self.model = model or load_model(
-            config.model, self.dtype, self.device, config.packed_max_tokens
-        )
+            config.model, self.dtype, self.device, config.packed_max_tokens,
+            config.packed_int8_min_tokens,
+        )  # fmt: skip
         if config.compile_layers:
             # Inductor's kernels are cached beside tandem's other caches: a second start reuses
             # them (it still re-traces the graphs).
@@ -203,7 +206,9 @@ class ModelRunner:
         if reason is not None:
             logger.info("decode steps run layer by layer: %s", reason)
             return None
-        return CpuDecode(self.model, self.config.packed_max_tokens)
+        return CpuDecode(
+            self.model, self.config.packed_max_tokens, self.config.packed_int8_min_tokens
+        )
 
     def packed_weights(self) -> tuple[int, int, int]:
         """(weights kept packed, their packed bytes, the largest step that uses them), for the

@@ -35,6 +35,7 @@ typedef struct {
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
     int64_t num_blocks, block_size;
+    int64_t int8_min_tokens; /* steps of at least this many tokens: int8 activations; 0: never */
     float eps, scale;
     const DecodeLayer *layers;
 } DecodeModel;
@@ -48,10 +49,15 @@ typedef struct {
     const int64_t *token_rows, *token_requests, *token_seq_lens;  /* as the attention kernel */
 } DecodeStep;
 
+/* int8_scratch: packed_matmul_int8_into's scratch for int8 activations; NULL: fp32 ones. */
 static void matmul(const PackedMatrix *m, int64_t k, const float *x, int64_t num_tokens,
-                   float *out, int num_threads) {
-    packed_matmul(m->codes, m->scales, m->quant_type, m->out_features, k, x, num_tokens, out,
-                  num_threads);
+                   float *out, void *int8_scratch, int num_threads) {
+    if (int8_scratch)
+        packed_matmul_int8_into(m->codes, m->scales, m->quant_type, m->out_features, k, x,
+                                num_tokens, out, int8_scratch, num_threads);
+    else
+        packed_matmul(m->codes, m->scales, m->quant_type, m->out_features, k, x, num_tokens,
+                      out, num_threads);
     if (m->bias)
         for (int64_t t = 0; t < num_tokens; t++)
             for (int64_t i = 0; i < m->out_features; i++) out[t * m->out_features + i] += m->bias[i];
@@ -68,63 +74,69 @@ static void silu_and_mul(const float *gate_up, int64_t num_tokens, int64_t size,
 
 /* SUFFIX: the attention kernels' element type (f32, bf16); heads of 64 and 128 take the
    kernels compiled for them. */
-#define DEFINE_DECODE_LAYERS(NAME, T, LOAD, STORE, SUFFIX)                                      \
-int NAME(const DecodeModel *model, const DecodeStep *step, float *hidden, int num_threads) {    \
-    __typeof__(paged_decode_attention_##SUFFIX) *attention =                                    \
-        model->head_dim == 64    ? paged_decode_attention_##SUFFIX##_64                         \
-        : model->head_dim == 128 ? paged_decode_attention_##SUFFIX##_128                        \
-                                 : paged_decode_attention_##SUFFIX;                             \
-    const int64_t tokens = step->num_tokens, width = model->hidden;                             \
-    const int64_t q_size = model->num_heads * model->head_dim;                                  \
-    const int64_t kv_size = model->num_kv_heads * model->head_dim;                              \
-    const int64_t qkv_size = q_size + 2 * kv_size, inter = model->intermediate;                 \
-    float *normed = malloc(sizeof(float) * tokens * (2 * width + qkv_size + q_size + 3 * inter));\
-    float *delta = normed + tokens * width, *qkv = delta + tokens * width;                      \
-    float *attended = qkv + tokens * qkv_size;                                                  \
-    float *gate_up = attended + tokens * q_size, *act = gate_up + tokens * 2 * inter;            \
-    T *query = malloc(sizeof(T) * tokens * 2 * q_size);                                         \
-    if (normed == NULL || query == NULL) {                                                      \
-        free(normed);                                                                           \
-        free(query);                                                                            \
-        return -1;                                                                              \
-    }                                                                                           \
-    T *out = query + tokens * q_size;                                                           \
-    for (int64_t l = 0; l < model->num_layers; l++) {                                           \
-        const DecodeLayer *layer = model->layers + l;                                           \
-        T *key_cache = layer->kv_cache;                                                         \
-        T *value_cache = key_cache + model->num_blocks * model->block_size * kv_size;           \
-        rms_norm_f32(hidden, layer->input_norm, normed, tokens, width, model->eps, num_threads); \
-        matmul(&layer->qkv, width, normed, tokens, qkv, num_threads);                            \
-        rotary_f32(qkv, qkv_size, model->num_heads + model->num_kv_heads, model->head_dim,      \
-                   step->cos_sin, model->head_dim, tokens, num_threads);                        \
-        for (int64_t t = 0; t < tokens; t++) {                                                  \
-            const float *row = qkv + t * qkv_size;                                              \
-            for (int64_t i = 0; i < q_size; i++) query[t * q_size + i] = STORE(row[i]);         \
-            const int64_t slot = step->slot_mapping[t];                                         \
-            if (slot < 0) continue;                                                             \
-            for (int64_t i = 0; i < kv_size; i++) {                                             \
-                key_cache[slot * kv_size + i] = STORE(row[q_size + i]);                         \
-                value_cache[slot * kv_size + i] = STORE(row[q_size + kv_size + i]);             \
-            }                                                                                   \
-        }                                                                                       \
-        attention(query, q_size, model->head_dim, key_cache, model->num_blocks,                  \
-                  step->block_table, step->block_table_stride, step->token_rows,                \
-                  step->token_requests, step->token_seq_lens, tokens, model->num_heads,         \
-                  model->num_kv_heads, model->head_dim, model->block_size, model->scale, out,   \
-                  num_threads);                                                                 \
-        for (int64_t i = 0; i < tokens * q_size; i++) attended[i] = LOAD(out[i]);               \
-        matmul(&layer->o, q_size, attended, tokens, delta, num_threads);                         \
-        for (int64_t i = 0; i < tokens * width; i++) hidden[i] += delta[i];                     \
-        rms_norm_f32(hidden, layer->post_attention_norm, normed, tokens, width, model->eps,     \
-                     num_threads);                                                              \
-        matmul(&layer->gate_up, width, normed, tokens, gate_up, num_threads);                    \
-        silu_and_mul(gate_up, tokens, inter, act);                                              \
-        matmul(&layer->down, inter, act, tokens, delta, num_threads);                            \
-        for (int64_t i = 0; i < tokens * width; i++) hidden[i] += delta[i];                     \
-    }                                                                                           \
-    free(query);                                                                                \
-    free(normed);                                                                               \
-    return 0;                                                                                   \
+#define DEFINE_DECODE_LAYERS(NAME, T, LOAD, STORE, SUFFIX)                                         \
+int NAME(const DecodeModel *model, const DecodeStep *step, float *hidden, int num_threads) {       \
+    __typeof__(paged_decode_attention_##SUFFIX) *attention =                                       \
+        model->head_dim == 64    ? paged_decode_attention_##SUFFIX##_64                            \
+        : model->head_dim == 128 ? paged_decode_attention_##SUFFIX##_128                           \
+                                 : paged_decode_attention_##SUFFIX;                                \
+    const int64_t tokens = step->num_tokens, width = model->hidden;                                \
+    const int64_t q_size = model->num_heads * model->head_dim;                                     \
+    const int64_t kv_size = model->num_kv_heads * model->head_dim;                                 \
+    const int64_t qkv_size = q_size + 2 * kv_size, inter = model->intermediate;                    \
+    float *normed = malloc(sizeof(float) * tokens * (2 * width + qkv_size + q_size + 3 * inter));  \
+    float *delta = normed + tokens * width, *qkv = delta + tokens * width;                         \
+    float *attended = qkv + tokens * qkv_size;                                                     \
+    float *gate_up = attended + tokens * q_size, *act = gate_up + tokens * 2 * inter;              \
+    T *query = malloc(sizeof(T) * tokens * 2 * q_size);                                            \
+    const int int8 = model->int8_min_tokens > 0 && tokens >= model->int8_min_tokens;               \
+    const int64_t widest = width > q_size ? (width > inter ? width : inter)                        \
+                                          : (q_size > inter ? q_size : inter);                     \
+    void *scratch = int8 ? malloc(packed_matmul_int8_scratch(tokens, widest)) : NULL;              \
+    if (normed == NULL || query == NULL || (int8 && scratch == NULL)) {                            \
+        free(normed);                                                                              \
+        free(query);                                                                               \
+        free(scratch);                                                                             \
+        return -1;                                                                                 \
+    }                                                                                              \
+    T *out = query + tokens * q_size;                                                              \
+    for (int64_t l = 0; l < model->num_layers; l++) {                                              \
+        const DecodeLayer *layer = model->layers + l;                                              \
+        T *key_cache = layer->kv_cache;                                                            \
+        T *value_cache = key_cache + model->num_blocks * model->block_size * kv_size;              \
+        rms_norm_f32(hidden, layer->input_norm, normed, tokens, width, model->eps, num_threads);   \
+        matmul(&layer->qkv, width, normed, tokens, qkv, scratch, num_threads);                     \
+        rotary_f32(qkv, qkv_size, model->num_heads + model->num_kv_heads, model->head_dim,         \
+                   step->cos_sin, model->head_dim, tokens, num_threads);                           \
+        for (int64_t t = 0; t < tokens; t++) {                                                     \
+            const float *row = qkv + t * qkv_size;                                                 \
+            for (int64_t i = 0; i < q_size; i++) query[t * q_size + i] = STORE(row[i]);            \
+            const int64_t slot = step->slot_mapping[t];                                            \
+            if (slot < 0) continue;                                                                \
+            for (int64_t i = 0; i < kv_size; i++) {                                                \
+                key_cache[slot * kv_size + i] = STORE(row[q_size + i]);                            \
+                value_cache[slot * kv_size + i] = STORE(row[q_size + kv_size + i]);                \
+            }                                                                                      \
+        }                                                                                          \
+        attention(query, q_size, model->head_dim, key_cache, model->num_blocks,                    \
+                  step->block_table, step->block_table_stride, step->token_rows,                   \
+                  step->token_requests, step->token_seq_lens, tokens, model->num_heads,            \
+                  model->num_kv_heads, model->head_dim, model->block_size, model->scale, out,      \
+                  num_threads);                                                                    \
+        for (int64_t i = 0; i < tokens * q_size; i++) attended[i] = LOAD(out[i]);                  \
+        matmul(&layer->o, q_size, attended, tokens, delta, scratch, num_threads);                  \
+        for (int64_t i = 0; i < tokens * width; i++) hidden[i] += delta[i];                        \
+        rms_norm_f32(hidden, layer->post_attention_norm, normed, tokens, width, model->eps,        \
+                     num_threads);                                                                 \
+        matmul(&layer->gate_up, width, normed, tokens, gate_up, scratch, num_threads);             \
+        silu_and_mul(gate_up, tokens, inter, act);                                                 \
+        matmul(&layer->down, inter, act, tokens, delta, scratch, num_threads);                     \
+        for (int64_t i = 0; i < tokens * width; i++) hidden[i] += delta[i];                        \
+    }                                                                                              \
+    free(scratch);                                                                                 \
+    free(query);                                                                                   \
+    free(normed);                                                                                  \
+    return 0;                                                                                      \
 }
 
 DEFINE_DECODE_LAYERS(decode_layers_f32, float, f32_load, f32_store, f32)

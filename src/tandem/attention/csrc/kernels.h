@@ -28,4 +28,12 @@ void packed_matmul(const uint8_t *codes, const uint16_t *scales, int64_t quant_t
                    int64_t n_out, int64_t k, const float *x, int64_t num_tokens, float *out,
                    int num_threads);
 
+int64_t packed_matmul_int8_scratch(int64_t num_tokens, int64_t k);
+void packed_matmul_int8_into(const uint8_t *codes, const uint16_t *scales, int64_t quant_type,
+                             int64_t n_out, int64_t k, const float *x, int64_t num_tokens,
+                             float *out, void *scratch, int num_threads);
+int packed_matmul_int8(const uint8_t *codes, const uint16_t *scales, int64_t quant_type,
+                       int64_t n_out, int64_t k, const float *x, int64_t num_tokens, float *out,
+                       int num_threads);
+
 #endif

@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "element_types.h"
+#include "kernels.h"
 
 #if defined(__clang__)
 #pragma clang fp contract(fast)
@@ -191,20 +192,27 @@ void packed_matmul(const uint8_t *codes, const uint16_t *scales, int64_t quant_t
 }
 
 /* The same for x [num_tokens, k] of element type T with a row stride, out contiguous T
-   (through fp32 copies). Returns -1 where the copies cannot be allocated, else 0. */
+   (through fp32 copies); int8_activations: through packed_matmul_int8.c. Returns -1 where
+   the copies cannot be allocated, else 0. */
 #define DEFINE_PACKED_MATMUL(NAME, T, LOAD, STORE)                                              \
 int NAME(const uint8_t *codes, const uint16_t *scales, int64_t quant_type, int64_t n_out,       \
          int64_t k, const T *x, int64_t x_stride, int64_t num_tokens, T *out,                   \
-         int num_threads) {                                                                     \
+         int64_t int8_activations, int num_threads) {                                           \
     float *x32 = malloc(sizeof(float) * num_tokens * (k + n_out));                              \
     if (x32 == NULL) return -1;                                                                 \
     float *out32 = x32 + num_tokens * k;                                                        \
     for (int64_t t = 0; t < num_tokens; t++)                                                    \
         for (int64_t j = 0; j < k; j++) x32[t * k + j] = LOAD(x[t * x_stride + j]);             \
-    packed_matmul(codes, scales, quant_type, n_out, k, x32, num_tokens, out32, num_threads);    \
-    for (int64_t i = 0; i < num_tokens * n_out; i++) out[i] = STORE(out32[i]);                  \
+    int status = 0;                                                                             \
+    if (int8_activations)                                                                       \
+        status = packed_matmul_int8(codes, scales, quant_type, n_out, k, x32, num_tokens,       \
+                                    out32, num_threads);                                        \
+    else                                                                                        \
+        packed_matmul(codes, scales, quant_type, n_out, k, x32, num_tokens, out32,              \
+                      num_threads);                                                             \
+    for (int64_t i = 0; status == 0 && i < num_tokens * n_out; i++) out[i] = STORE(out32[i]);   \
     free(x32);                                                                                  \
-    return 0;                                                                                   \
+    return status;                                                                              \
 }
 
 DEFINE_PACKED_MATMUL(packed_matmul_f32, float, f32_load, f32_store)

@@ -1,0 +1,91 @@
+"""The packed GGUF matmul with int8 activations (csrc/packed_matmul_int8.c): each token row is
+quantized per 32 columns as llama.cpp's Q8_0 activations are, and the product equals the
+dequantized weights times the dequantized activations up to fp32 rounding; a row's result
+does not depend on the rows beside it; a layer uses it only from `int8_min_tokens` rows."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from test_packed_weights import QUANT_TYPES, quantized
+
+from tandem.attention import cpu_kernel
+from tandem.models.packed import PackedWeight
+
+from helpers import needs_cpu_kernels
+
+pytestmark = needs_cpu_kernels
+
+
+def int8_weight(quant_type: str, rows: int = 50, cols: int = 160, seed: int = 0):
+    reference, blocks = quantized(rows, cols, quant_type, seed)
+    packed = PackedWeight.from_blocks(blocks, max_tokens=64, int8_min_tokens=1)
+    return torch.from_numpy(reference).double(), packed
+
+
+def activations(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    x[0, :32] = 0.0  # an all-zero block: d = 0
+    x[-1, 32:64] = 1e-30  # a tiny one
+    x[-1, 64:96] *= 1e4  # a large one
+    return x
+
+
+def test_activations_round_to_the_nearest_of_127_steps_per_block():
+    x = activations(5, 160)
+    codes, scales, sums = cpu_kernel.quantize_rows_int8(x)
+    blocks = x.reshape(5, 5, 32)
+    assert codes.abs().max() <= 127
+    torch.testing.assert_close(scales, blocks.abs().amax(-1) / 127, rtol=1e-6, atol=0)
+    dequantized = codes.reshape(5, 5, 32).float() * scales[..., None]
+    assert ((dequantized - blocks).abs() <= scales[..., None] * (0.5 + 1e-5)).all()
+    assert (codes.reshape(5, 5, 32).abs().amax(-1)[scales > 0] == 127).all()
+    assert (codes[0, :32] == 0).all() and scales[0, 0] == 0
+    torch.testing.assert_close(sums, scales * codes.reshape(5, 5, 32).sum(-1).float())
+
+
+@pytest.mark.parametrize("quant_type", QUANT_TYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8, 11, 20])
+def test_int8_matmul_equals_the_dequantized_product(quant_type, rows):
+    """50 output rows: a partial group of 16; 11 and 20 rows: several passes of 8."""
+    weight, packed = int8_weight(quant_type)
+    x = activations(rows, 160, seed=rows)
+    codes, scales, _ = cpu_kernel.quantize_rows_int8(x)
+    x_int8 = (codes.reshape(rows, 5, 32).double() * scales[..., None].double()).reshape(rows, 160)
+    expected = x_int8 @ weight.T
+    got = packed.matmul(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, 50)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max())
+    # ... which is the fp32 product up to the activations' rounding.
+    exact = x.double() @ weight.T
+    assert (got.double() - exact).abs().max() <= 0.02 * exact.abs().max()
+
+
+@pytest.mark.parametrize("quant_type", QUANT_TYPES)
+def test_a_rows_result_does_not_depend_on_its_batch(quant_type):
+    _, packed = int8_weight(quant_type, rows=40, cols=96)
+    x = torch.randn(19, 96)
+    together = packed.matmul(x)
+    for index in range(19):
+        assert torch.equal(packed.matmul(x[index : index + 1])[0], together[index])
+
+
+def test_bf16_activations_go_through_fp32():
+    _, packed = int8_weight("Q4_1")
+    x = torch.randn(6, 160).bfloat16()
+    got = packed.matmul(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, packed.matmul(x.float()).bfloat16(), rtol=0, atol=0)
+
+
+def test_a_layer_quantizes_only_from_int8_min_tokens_rows():
+    _, blocks = quantized(50, 160, "Q8_0")
+    fp32_only = PackedWeight.from_blocks(blocks, max_tokens=64)
+    from_four = replace(fp32_only, int8_min_tokens=4)
+    every = replace(fp32_only, int8_min_tokens=1)
+    x = torch.randn(4, 160)
+    assert torch.equal(from_four.matmul(x[:3]), fp32_only.matmul(x[:3]))
+    assert torch.equal(from_four.matmul(x), every.matmul(x))
+    assert not torch.equal(every.matmul(x), fp32_only.matmul(x))
