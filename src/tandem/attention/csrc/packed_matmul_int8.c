@@ -45,12 +45,25 @@ enum { Q4 = 0, Q8_0 = 1 };
 #define VNNI 0
 #endif
 
-/* x [rows, k] to codes [rows, k] and, per 32-column block, d_x and d_x·Σ q_x. */
+/* x [k] to codes [k] and, per 32-column block, d_x and d_x·Σ q_x. Rounds to nearest even
+   either way (the vector conversion under the default rounding mode, nearbyintf). */
 static void quantize_row(const float *x, int64_t k, int8_t *codes, float *scales, float *sums) {
     for (int64_t g = 0; g < k / BLOCK; g++) {
         const float *block = x + g * BLOCK;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        const __m512 low = _mm512_loadu_ps(block), high = _mm512_loadu_ps(block + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low),
+                                                               _mm512_abs_ps(high)));
+        const float d = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m512i q_low = _mm512_cvtps_epi32(_mm512_mul_ps(low, _mm512_set1_ps(inverse)));
+        const __m512i q_high = _mm512_cvtps_epi32(_mm512_mul_ps(high, _mm512_set1_ps(inverse)));
+        _mm_storeu_si128((__m128i *)(codes + g * BLOCK), _mm512_cvtepi32_epi8(q_low));
+        _mm_storeu_si128((__m128i *)(codes + g * BLOCK + 16), _mm512_cvtepi32_epi8(q_high));
+        const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q_low, q_high));
+#else
         float amax = 0.0f;
-        for (int j = 0; j < BLOCK; j++) amax = fmaxf(amax, fabsf(block[j]));
+        for (int j = 0; j < BLOCK; j++) /* not fmaxf: GCC calls libm for it */
+            amax = fabsf(block[j]) > amax ? fabsf(block[j]) : amax;
         const float d = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
         int sum = 0;
         for (int j = 0; j < BLOCK; j++) {
@@ -58,6 +71,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *codes, float *scales
             codes[g * BLOCK + j] = (int8_t)q;
             sum += q;
         }
+#endif
         scales[g] = d;
         sums[g] = d * (float)sum;
     }
