@@ -40,25 +40,22 @@ def test_probe_measures_both_phases_and_is_cached(fresh_cache, monkeypatch):
     assert set(chosen.prefill_ms) == {"float32", "bfloat16"}
     assert chosen.prefill_ms[chosen.dtype] == min(chosen.prefill_ms.values())
     decode = chosen.decode_ms
-    packed_formats = {"packed", "packed int8"} if cpu_kernel.load_library() else {"packed"}
+    int8 = cpu_kernel.int8_matmul_vectorized()
+    packed_formats = {"packed", "packed int8"} if int8 else {"packed"}
     assert set(decode) == {chosen.dtype, *packed_formats}
-    # Packed for every size up to its cut, where its faster form beat the dense format; not
-    # at the next one.
+    # Packed for every size up to its cut, where its fastest form still measured beat the
+    # dense format; not at the next one.
     assert chosen.packed_max_tokens in (0, *DECODE_PROBE_TOKENS)
     for rows, dense_ms in decode[chosen.dtype].items():
-        faster = min(decode[name][rows] for name in packed_formats) < dense_ms
-        assert faster == (rows <= chosen.packed_max_tokens)
-    # int8 activations from the size after which they win at every packed size.
-    int8_sizes = [
-        rows for rows in DECODE_PROBE_TOKENS
-        if rows <= chosen.packed_max_tokens and chosen.int8_min_tokens
-        and rows >= chosen.int8_min_tokens
-    ]  # fmt: skip
-    for rows in int8_sizes:
-        assert decode["packed int8"][rows] < decode["packed"][rows]
-    if chosen.int8_min_tokens == 0 and chosen.packed_max_tokens and "packed int8" in decode:
-        largest = chosen.packed_max_tokens
-        assert decode["packed int8"][largest] >= decode["packed"][largest]
+        faster = min(decode[name][rows] for name in packed_formats if rows in decode[name])
+        assert (faster < dense_ms) == (rows <= chosen.packed_max_tokens)
+    # int8 activations from the size after which they were the faster packed form.
+    assert chosen.int8_min_tokens in (0, *DECODE_PROBE_TOKENS) and (
+        int8 or not chosen.int8_min_tokens
+    )
+    for rows in decode[chosen.dtype]:
+        if chosen.int8_min_tokens and chosen.int8_min_tokens <= rows <= chosen.packed_max_tokens:
+            assert decode["packed int8"][rows] < decode["packed"].get(rows, float("inf"))
     assert (cache_root() / "cpu-formats.json").exists()
 
     def no_second_probe(*args):

@@ -158,7 +158,14 @@ def load_library() -> ctypes.CDLL | None:
             function.restype = restype
     library.quantize_rows_int8.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr]
     library.quantize_rows_int8.restype = None
+    library.packed_matmul_int8_vectorized.restype = ctypes.c_int
     return library
+
+
+def int8_matmul_vectorized() -> bool:
+    """Whether the int8-activation matmul has its vector path here (AVX-512 VNNI and VBMI)."""
+    library = load_library()
+    return library is not None and bool(library.packed_matmul_int8_vectorized())
 
 
 def _layer_op_library(x: torch.Tensor) -> ctypes.CDLL | None:

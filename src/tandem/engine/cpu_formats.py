@@ -31,7 +31,7 @@ from tandem.models.packed import PackedWeight, QuantBlocks
 logger = logging.getLogger(__name__)
 
 PREFILL_PROBE_TOKENS = 256
-DECODE_PROBE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
+DECODE_PROBE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Decode-sized matmuls stream their weights from memory, not from cache: the probe's set of
 # layers is at least this large in fp32 (or all of the model's layers, if smaller).
 DECODE_PROBE_BYTES = 256 << 20
@@ -126,21 +126,26 @@ def probe_cpu_formats(config: ModelConfig, packable: bool) -> CpuFormats:
     packed_max_tokens = int8_min_tokens = 0
     if packable:
         packed = [_packed_zeros(shape) for _ in range(num_layers) for shape in shapes]
-        formats = {"packed": packed}
-        if packed[0].codes is not None:  # the C kernel: int8 activations too
-            formats["packed int8"] = [replace(weight, int8_min_tokens=1) for weight in packed]
-        decode_ms.update({name: {} for name in formats})
+        running = {"packed": packed}
+        if packed[0].codes is not None and cpu_kernel.int8_matmul_vectorized():
+            running["packed int8"] = [replace(weight, int8_min_tokens=1) for weight in packed]
+        decode_ms.update({name: {} for name in running})
         for rows in DECODE_PROBE_TOKENS:
             decode_ms[dtype][rows] = _matmul_ms(dense, rows, getattr(torch, dtype), _dense)
-            for name, weights in formats.items():
+            for name, weights in running.items():
                 decode_ms[name][rows] = _matmul_ms(weights, rows, getattr(torch, dtype), _packed)
-            if min(decode_ms[name][rows] for name in formats) >= decode_ms[dtype][rows]:
+            best = min(decode_ms[name][rows] for name in running)
+            if best >= decode_ms[dtype][rows]:
                 break
             packed_max_tokens = rows
-        # int8 from the smallest step size after which it wins at every size measured.
+            # A packed format at twice the best one's time is out of the running.
+            running = {n: w for n, w in running.items() if decode_ms[n][rows] <= 2 * best}
+        # int8 from the smallest step size after which it was the faster packed format at
+        # every size measured.
         for rows in reversed([r for r in DECODE_PROBE_TOKENS if r <= packed_max_tokens]):
-            int8 = decode_ms.get("packed int8", {})
-            if rows not in int8 or int8[rows] >= decode_ms["packed"][rows]:
+            int8_ms = decode_ms.get("packed int8", {}).get(rows)
+            fp32_ms = decode_ms["packed"].get(rows)
+            if int8_ms is None or (fp32_ms is not None and fp32_ms <= int8_ms):
                 break
             int8_min_tokens = rows
     return CpuFormats(dtype, packed_max_tokens, prefill_ms, decode_ms, int8_min_tokens)

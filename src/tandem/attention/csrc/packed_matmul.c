@@ -192,12 +192,19 @@ void packed_matmul(const uint8_t *codes, const uint16_t *scales, int64_t quant_t
 }
 
 /* The same for x [num_tokens, k] of element type T with a row stride, out contiguous T
-   (through fp32 copies); int8_activations: through packed_matmul_int8.c. Returns -1 where
+   (through fp32 copies, unless T is fp32 and x contiguous); int8_activations: through
+   packed_matmul_int8.c. Returns -1 where
    the copies cannot be allocated, else 0. */
 #define DEFINE_PACKED_MATMUL(NAME, T, LOAD, STORE)                                              \
 int NAME(const uint8_t *codes, const uint16_t *scales, int64_t quant_type, int64_t n_out,       \
          int64_t k, const T *x, int64_t x_stride, int64_t num_tokens, T *out,                   \
          int64_t int8_activations, int num_threads) {                                           \
+    if (sizeof(T) == sizeof(float) && x_stride == k) /* fp32 and contiguous: no copies */       \
+        return int8_activations                                                                 \
+                   ? packed_matmul_int8(codes, scales, quant_type, n_out, k, (const float *)x,  \
+                                        num_tokens, (float *)out, num_threads)                  \
+                   : (packed_matmul(codes, scales, quant_type, n_out, k, (const float *)x,      \
+                                    num_tokens, (float *)out, num_threads), 0);                 \
     float *x32 = malloc(sizeof(float) * num_tokens * (k + n_out));                              \
     if (x32 == NULL) return -1;                                                                 \
     float *out32 = x32 + num_tokens * k;                                                        \

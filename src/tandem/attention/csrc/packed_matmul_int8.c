@@ -45,6 +45,10 @@ enum { Q4 = 0, Q8_0 = 1 };
 #define VNNI 0
 #endif
 
+/* Whether this build has the vector path (elsewhere the plain C loop is far slower than the
+   fp32-activation kernel, and the probe does not offer int8). */
+int packed_matmul_int8_vectorized(void) { return VNNI; }
+
 /* x [k] to codes [k] and, per 32-column block, d_x and d_x·Σ q_x. Rounds to nearest even
    either way (the vector conversion under the default rounding mode, nearbyintf). */
 static void quantize_row(const float *x, int64_t k, int8_t *codes, float *scales, float *sums) {
