@@ -12,6 +12,8 @@ import torch
 from test_packed_weights import QUANT_TYPES, quantized
 
 from tandem.attention import cpu_kernel
+from tandem.models.layers import Linear
+from tandem.models.loader import attach_packed_weights
 from tandem.models.packed import PackedWeight
 
 from helpers import needs_cpu_kernels
@@ -89,3 +91,17 @@ def test_a_layer_quantizes_only_from_int8_min_tokens_rows():
     assert torch.equal(from_four.matmul(x[:3]), fp32_only.matmul(x[:3]))
     assert torch.equal(from_four.matmul(x), every.matmul(x))
     assert not torch.equal(every.matmul(x), fp32_only.matmul(x))
+
+
+def test_layers_take_int8_activations_and_the_lm_head_never():
+    """The head decides the top token: it keeps fp32 activations (BENCHMARKS.md, issue 10)."""
+    layer = Linear(160, 50, bias=False)
+    net = torch.nn.Module()
+    net.add_module("proj", layer)
+    net.lm_head_checkpoint_name = "head"
+    _, layer_blocks = quantized(50, 160, "Q4_1")
+    _, head_blocks = quantized(64, 160, "Q8_0", seed=1)
+    matrices = iter([("proj.weight", layer_blocks), ("head.weight", head_blocks)])
+    assert attach_packed_weights(net, matrices, max_tokens=16, int8_min_tokens=2) > 0
+    assert layer.packed.int8_min_tokens == 2
+    assert net.lm_head_packed.max_tokens == 16 and net.lm_head_packed.int8_min_tokens == 0
