@@ -243,7 +243,8 @@ def teacher_forced(runner: ModelRunner, tokens: list[int], chunk: int) -> tuple:
 
 def quality_rows(num_tokens: int) -> tuple[dict[str, dict[str, float]], dict]:
     """Top-1 agreement with fp32 and perplexity of the auto mode (and of plain bf16), with
-    prefill-sized steps (512 tokens) and decode-sized ones (the packed weights' size)."""
+    prefill-sized steps (512 tokens) and decode-sized ones (16 tokens, or fewer where packed
+    weights stop sooner)."""
     auto = EngineConfig.create("default", device="cpu").runner
     tokens = reference_text_tokens(num_tokens)
     blocks = -(-len(tokens) // 16) + 1
@@ -263,7 +264,9 @@ def quality_rows(num_tokens: int) -> tuple[dict[str, dict[str, float]], dict]:
             )
         ),
     }
-    decode_chunk = auto.packed_max_tokens or 1
+    # Decode-sized steps: 16 tokens of one request after its first step run on the fused decode
+    # path as verification tokens, through the kernels a decode step uses, row by row.
+    decode_chunk = min(auto.packed_max_tokens, 16) or 1
     reference_logprobs, reference_argmax = teacher_forced(runners["float32"], tokens, 512)
     reference_ppl = math.exp(-reference_logprobs.double().mean().item())
     rows = {"float32, 512-token steps": {"top1_same": 1.0, "perplexity": reference_ppl}}

@@ -1,7 +1,7 @@
 """The packed GGUF matmul with int8 activations (csrc/packed_matmul_int8.c): each token row is
-quantized per 32 columns as llama.cpp's Q8_0 activations are, and the product equals the
-dequantized weights times the dequantized activations up to fp32 rounding; a row's result
-does not depend on the rows beside it; a layer uses it only from `int8_min_tokens` rows."""
+quantized per 8 columns, and the product equals the dequantized weights times the dequantized
+activations up to fp32 rounding; a row's result does not depend on the rows beside it; a layer
+uses it only from `int8_min_tokens` rows; an LM head recomputes its largest logits exactly."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from test_packed_weights import QUANT_TYPES, quantized
 from tandem.attention import cpu_kernel
 from tandem.models.layers import Linear
 from tandem.models.loader import attach_packed_weights
-from tandem.models.packed import PackedWeight
+from tandem.models.packed import EXACT_TOP_LOGITS, PackedWeight
 
 from helpers import needs_cpu_kernels
 
@@ -35,17 +35,17 @@ def activations(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     return x
 
 
-def test_activations_round_to_the_nearest_of_127_steps_per_block():
+def test_activations_round_to_the_nearest_of_127_steps_per_8_columns():
     x = activations(5, 160)
     codes, scales, sums = cpu_kernel.quantize_rows_int8(x)
-    blocks = x.reshape(5, 5, 32)
+    groups = x.reshape(5, 20, 8)
     assert codes.abs().max() <= 127
-    torch.testing.assert_close(scales, blocks.abs().amax(-1) / 127, rtol=1e-6, atol=0)
-    dequantized = codes.reshape(5, 5, 32).float() * scales[..., None]
-    assert ((dequantized - blocks).abs() <= scales[..., None] * (0.5 + 1e-5)).all()
-    assert (codes.reshape(5, 5, 32).abs().amax(-1)[scales > 0] == 127).all()
-    assert (codes[0, :32] == 0).all() and scales[0, 0] == 0
-    torch.testing.assert_close(sums, scales * codes.reshape(5, 5, 32).sum(-1).float())
+    torch.testing.assert_close(scales, groups.abs().amax(-1) / 127, rtol=1e-6, atol=0)
+    dequantized = codes.reshape(5, 20, 8).float() * scales[..., None]
+    assert ((dequantized - groups).abs() <= scales[..., None] * (0.5 + 1e-5)).all()
+    assert (codes.reshape(5, 20, 8).abs().amax(-1)[scales > 0] == 127).all()
+    assert (codes[0, :32] == 0).all() and (scales[0, :4] == 0).all()
+    torch.testing.assert_close(sums, dequantized.reshape(5, 5, 32).sum(-1))
 
 
 @pytest.mark.parametrize("quant_type", QUANT_TYPES)
@@ -55,7 +55,7 @@ def test_int8_matmul_equals_the_dequantized_product(quant_type, rows):
     weight, packed = int8_weight(quant_type)
     x = activations(rows, 160, seed=rows)
     codes, scales, _ = cpu_kernel.quantize_rows_int8(x)
-    x_int8 = (codes.reshape(rows, 5, 32).double() * scales[..., None].double()).reshape(rows, 160)
+    x_int8 = (codes.reshape(rows, 20, 8).double() * scales[..., None].double()).reshape(rows, 160)
     expected = x_int8 @ weight.T
     got = packed.matmul(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 50)
@@ -93,8 +93,7 @@ def test_a_layer_quantizes_only_from_int8_min_tokens_rows():
     assert not torch.equal(every.matmul(x), fp32_only.matmul(x))
 
 
-def test_layers_take_int8_activations_and_the_lm_head_never():
-    """The head decides the top token: it keeps fp32 activations (BENCHMARKS.md, issue 10)."""
+def test_layers_and_the_lm_head_take_the_probes_choice():
     layer = Linear(160, 50, bias=False)
     net = torch.nn.Module()
     net.add_module("proj", layer)
@@ -103,5 +102,22 @@ def test_layers_take_int8_activations_and_the_lm_head_never():
     _, head_blocks = quantized(64, 160, "Q8_0", seed=1)
     matrices = iter([("proj.weight", layer_blocks), ("head.weight", head_blocks)])
     assert attach_packed_weights(net, matrices, max_tokens=16, int8_min_tokens=2) > 0
-    assert layer.packed.int8_min_tokens == 2
-    assert net.lm_head_packed.max_tokens == 16 and net.lm_head_packed.int8_min_tokens == 0
+    assert layer.packed.int8_min_tokens == net.lm_head_packed.int8_min_tokens == 2
+
+
+@pytest.mark.parametrize("quant_type", QUANT_TYPES)
+def test_head_logits_recompute_the_largest_with_fp32_activations(quant_type):
+    """Each row's EXACT_TOP_LOGITS largest int8 logits are replaced by the fp32-activation
+    kernel's; the rest stay int8; the top token is the exact one."""
+    _, head = int8_weight(quant_type, rows=100, cols=160)
+    fp32_head = replace(head, int8_min_tokens=0)
+    x = torch.randn(7, 160)
+    got, int8, exact = head.logits(x), head.matmul(x), fp32_head.logits(x)
+    assert torch.equal(exact, fp32_head.matmul(x))  # below int8_min_tokens: the fp32 kernel
+    top = int8.topk(EXACT_TOP_LOGITS, dim=-1).indices
+    recomputed = torch.zeros_like(got, dtype=torch.bool).scatter_(1, top, True)
+    torch.testing.assert_close(got[recomputed], exact[recomputed], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[~recomputed], int8[~recomputed])
+    assert torch.equal(got.argmax(-1), exact.argmax(-1))
+    for index in range(7):  # row by row: the same
+        assert torch.equal(head.logits(x[index : index + 1])[0], got[index])

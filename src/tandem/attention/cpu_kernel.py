@@ -159,6 +159,9 @@ def load_library() -> ctypes.CDLL | None:
     library.quantize_rows_int8.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr]
     library.quantize_rows_int8.restype = None
     library.packed_matmul_int8_vectorized.restype = ctypes.c_int
+    library.packed_rows_dot.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr,
+                                        ctypes.c_int]  # fmt: skip
+    library.packed_rows_dot.restype = None
     return library
 
 
@@ -261,16 +264,34 @@ def packed_matmul(
     return out.to(x.dtype)
 
 
+def packed_rows_dot(
+    codes: torch.Tensor, scales: torch.Tensor, quant_type: str, x: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
+    """For x [T, K] (fp32) and rows [T, C] (int64 output rows of the quantized matrix): x[t]
+    times each chosen row, fp32 activations, [T, C]."""
+    library = load_library()
+    if library is None:
+        raise RuntimeError("the CPU kernels could not be built: GGUF blocks cannot be multiplied")
+    x = x.float().contiguous()
+    rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=torch.float32)
+    library.packed_rows_dot(
+        codes.data_ptr(), scales.data_ptr(), QUANT_TYPE_IDS[quant_type], x.shape[1], x.data_ptr(),
+        x.shape[0], rows.data_ptr(), rows.shape[1], out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [T, K] (fp32; K a multiple of 32) as the int8 matmul quantizes it: codes [T, K] and,
-    per 32-column block, the scale d and d·Σ codes [T, K / 32]; for tests."""
+    """x [T, K] (fp32; K a multiple of 32) as the int8 matmul quantizes it: codes [T, K], the
+    scale d of every 8 columns [T, K / 8] and Σ d·codes of every 32 [T, K / 32]; for tests."""
     library = load_library()
     if library is None:
         raise RuntimeError("the CPU kernels could not be built")
     x = x.float().contiguous()
     codes = torch.empty(x.shape, dtype=torch.int8)
-    scales = torch.empty(x.shape[0], x.shape[1] // 32)
-    sums = torch.empty_like(scales)
+    scales = torch.empty(x.shape[0], x.shape[1] // 8)
+    sums = torch.empty(x.shape[0], x.shape[1] // 32)
     library.quantize_rows_int8(
         x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(), scales.data_ptr(), sums.data_ptr()
     )

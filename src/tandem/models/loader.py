@@ -177,7 +177,7 @@ def attach_packed_weights(
 ) -> int:
     """Give each linear layer whose every shard came in one block type its packed weight
     (fused shards concatenated in row order; PackedWeight's `max_tokens` and
-    `int8_min_tokens`), and the LM head its own (fp32 activations only); returns the packed
+    `int8_min_tokens`), and the LM head its own (PackedWeight.logits); returns the packed
     bytes. Layers with a shard
     in another format (e.g. a Q6_K V projection) stay dense only."""
     head_name = getattr(net, "lm_head_checkpoint_name", None)
@@ -189,9 +189,9 @@ def attach_packed_weights(
     packed_bytes = 0
     for module_name, parts in shards.items():
         if module_name == head_name:
-            # fp32 activations always: the head decides the top token, and int8 ones there
-            # cost ~0.5% of greedy tokens (BENCHMARKS.md, issue 10).
-            net.lm_head_packed = PackedWeight.from_blocks(parts[None], max_tokens)
+            net.lm_head_packed = PackedWeight.from_blocks(
+                parts[None], max_tokens, int8_min_tokens=int8_min_tokens
+            )
             packed_bytes += net.lm_head_packed.nbytes
             continue
         module = net.get_submodule(module_name)

@@ -2,15 +2,17 @@
    steps of many token rows, where the fp32 kernel's cost per row (one FMA per weight and
    token) makes a dense bf16 GEMM win: y = x·Wᵀ.
 
-   Each token row is quantized per 32-column block as llama.cpp's Q8_0 activations are:
-   d_x = max|x| / 127, q_x = round(x / d_x). A block's dot product is then an integer sum,
-   four code pairs per lane per instruction (AVX-512 VNNI), scaled once per block:
-     Q4 (w = d·q + m, q in 0..15):   d·d_x·Σ q·q_x + m·d_x·Σ q_x
-     Q8_0 (w = d·q, q in −127..127): d·d_x·Σ q·q_x
+   Each token row is quantized per 8 columns: d_x = max|x| / 127, q_x = round(x / d_x) (as
+   llama.cpp's Q8 activations are, per 32: on the embedded model that costs 1.5% of greedy
+   tokens against fp32, per 8 about 0.6%, where RMSNorm's outlier channels share fewer
+   neighbours' scale). A weight block's dot product is then four integer sums, four code
+   pairs per lane per instruction (AVX-512 VNNI), scaled per 8 columns and per block:
+     Q4 (w = d·q + m, q in 0..15):   d·Σ_s d_xs·Σ q·q_x + m·Σ_s d_xs·Σ q_x
+     Q8_0 (w = d·q, q in −127..127): d·Σ_s d_xs·Σ q·q_x
    The integer sums are exact and each row's result depends on its own activations only, so
    a row's output does not depend on the batch around it. The error is the activations'
-   rounding (≤ d_x / 2 per element), as in llama.cpp; models/packed.py keeps this path for the
-   step sizes the probe (engine/cpu_formats.py) found it fastest at.
+   rounding (≤ d_x / 2 per element); models/packed.py keeps this path for the step sizes the
+   probe (engine/cpu_formats.py) found it fastest at.
 
    On x86 with AVX-512 VNNI and VBMI: per 16-row group and 32-column block the codes are put
    into VNNI order once (Q4: one byte permute per 64 bytes, then nibble masks; Q8_0 is stored
@@ -28,6 +30,8 @@
 #include "kernels.h"
 
 #define BLOCK 32
+#define SUB 8 /* columns per activation scale */
+#define SUBS (BLOCK / SUB)
 #define LANES 16
 #define MAX_ROWS 8 /* token rows per pass over a row group's codes */
 
@@ -49,43 +53,57 @@ enum { Q4 = 0, Q8_0 = 1 };
    fp32-activation kernel, and the probe does not offer int8). */
 int packed_matmul_int8_vectorized(void) { return VNNI; }
 
-/* x [k] to codes [k] and, per 32-column block, d_x and d_x·Σ q_x. Rounds to nearest even
-   either way (the vector conversion under the default rounding mode, nearbyintf). */
+/* x [k] to codes [k], per 8 columns d_x ([k / 8]) and per 32 Σ d_x·q_x ([k / 32]). Rounds to
+   nearest even either way (the vector conversion under the default rounding mode,
+   nearbyintf). */
 static void quantize_row(const float *x, int64_t k, int8_t *codes, float *scales, float *sums) {
     for (int64_t g = 0; g < k / BLOCK; g++) {
         const float *block = x + g * BLOCK;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-        const __m512 low = _mm512_loadu_ps(block), high = _mm512_loadu_ps(block + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low),
-                                                               _mm512_abs_ps(high)));
-        const float d = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-        const __m512i q_low = _mm512_cvtps_epi32(_mm512_mul_ps(low, _mm512_set1_ps(inverse)));
-        const __m512i q_high = _mm512_cvtps_epi32(_mm512_mul_ps(high, _mm512_set1_ps(inverse)));
-        _mm_storeu_si128((__m128i *)(codes + g * BLOCK), _mm512_cvtepi32_epi8(q_low));
-        _mm_storeu_si128((__m128i *)(codes + g * BLOCK + 16), _mm512_cvtepi32_epi8(q_high));
-        const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q_low, q_high));
-#else
-        float amax = 0.0f;
-        for (int j = 0; j < BLOCK; j++) /* not fmaxf: GCC calls libm for it */
-            amax = fabsf(block[j]) > amax ? fabsf(block[j]) : amax;
-        const float d = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int sum = 0;
-        for (int j = 0; j < BLOCK; j++) {
-            const int q = (int)nearbyintf(block[j] * inverse);
-            codes[g * BLOCK + j] = (int8_t)q;
-            sum += q;
+        __m512 d[2], q[2];
+        for (int half = 0; half < 2; half++) {
+            const __m512 v = _mm512_loadu_ps(block + 16 * half);
+            __m512 amax = _mm512_abs_ps(v); /* then each lane: its 8 lanes' maximum */
+            amax = _mm512_max_ps(amax, _mm512_permute_ps(amax, 0xB1));
+            amax = _mm512_max_ps(amax, _mm512_permute_ps(amax, 0x4E));
+            amax = _mm512_max_ps(amax, _mm512_shuffle_f32x4(amax, amax, 0xB1));
+            const __mmask16 nonzero = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ);
+            const __m512 inverse = _mm512_maskz_div_ps(nonzero, _mm512_set1_ps(127.0f), amax);
+            d[half] = _mm512_div_ps(amax, _mm512_set1_ps(127.0f));
+            const __m512i codes32 = _mm512_cvtps_epi32(_mm512_mul_ps(v, inverse));
+            _mm_storeu_si128((__m128i *)(codes + g * BLOCK + 16 * half),
+                             _mm512_cvtepi32_epi8(codes32));
+            q[half] = _mm512_cvtepi32_ps(codes32);
+            _mm512_mask_compressstoreu_ps(scales + g * SUBS + 2 * half, 0x0101, d[half]);
         }
+        sums[g] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_mul_ps(q[0], d[0]),
+                                                     _mm512_mul_ps(q[1], d[1])));
+#else
+        float sum = 0.0f;
+        for (int s = 0; s < SUBS; s++) {
+            const float *sub = block + s * SUB;
+            float amax = 0.0f;
+            for (int j = 0; j < SUB; j++) /* not fmaxf: GCC calls libm for it */
+                amax = fabsf(sub[j]) > amax ? fabsf(sub[j]) : amax;
+            const float d = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+            for (int j = 0; j < SUB; j++) {
+                const int q = (int)nearbyintf(sub[j] * inverse);
+                codes[g * BLOCK + s * SUB + j] = (int8_t)q;
+                sum += d * (float)q;
+            }
+            scales[g * SUBS + s] = d;
+        }
+        sums[g] = sum;
 #endif
-        scales[g] = d;
-        sums[g] = d * (float)sum;
     }
 }
 
-/* For tests: the activations exactly as the matmul quantizes them. */
+/* For tests: the activations exactly as the matmul quantizes them (scales [rows, k / 8],
+   sums [rows, k / 32]). */
 void quantize_rows_int8(const float *x, int64_t rows, int64_t k, int8_t *codes, float *scales,
                         float *sums) {
     for (int64_t t = 0; t < rows; t++)
-        quantize_row(x + t * k, k, codes + t * k, scales + t * (k / BLOCK),
+        quantize_row(x + t * k, k, codes + t * k, scales + t * (k / SUB),
                      sums + t * (k / BLOCK));
 }
 
@@ -145,15 +163,21 @@ static inline __attribute__((always_inline)) void row_group(
             d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
             m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + LANES)));
         }
-        /* Token-inner: consecutive instructions feed independent sums. */
-        __m512i dot[MAX_ROWS];
-        UNROLL for (int t = 0; t < tokens; t++) dot[t] = _mm512_setzero_si512();
-        UNROLL for (int q = 0; q < 8; q++)
-            UNROLL for (int t = 0; t < tokens; t++)
-                dot[t] = dot_broadcast(dot[t], w[q], xq + t * k + g * BLOCK + 4 * q);
+        /* Per 8 columns (two quads) an integer sum, scaled by its d_x into the block's sum;
+           token-inner: consecutive instructions feed independent sums. */
+        __m512 block_sum[MAX_ROWS];
+        UNROLL for (int s = 0; s < SUBS; s++)
+            UNROLL for (int t = 0; t < tokens; t++) {
+                const int8_t *xt = xq + t * k + g * BLOCK + s * SUB;
+                const __m512i dot = dot_broadcast(
+                    dot_broadcast(_mm512_setzero_si512(), w[2 * s], xt), w[2 * s + 1], xt + 4);
+                const __m512 x_scale = _mm512_set1_ps(xd[(t * groups + g) * SUBS + s]);
+                block_sum[t] = s == 0 ? _mm512_mul_ps(_mm512_cvtepi32_ps(dot), x_scale)
+                                      : _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), x_scale,
+                                                        block_sum[t]);
+            }
         UNROLL for (int t = 0; t < tokens; t++) {
-            const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xd[t * groups + g]));
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), scale, acc[t]);
+            acc[t] = _mm512_fmadd_ps(block_sum[t], d, acc[t]);
             acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[t * groups + g]), acc[t]);
         }
     }
@@ -170,24 +194,28 @@ static inline void row_group(const uint8_t *codes, const uint16_t *scales, int64
         for (int64_t r = 0; r < valid; r++) {
             float acc = 0.0f;
             for (int64_t g = 0; g < groups; g++) {
-                int32_t dot = 0;
+                int32_t dot[SUBS] = {0};
                 float d, m = 0.0f;
                 if (quant_type == Q8_0) {
                     const int8_t *quads = (const int8_t *)codes + g * BLOCK * LANES;
                     for (int c = 0; c < BLOCK; c++)
-                        dot += quads[(c / 4) * 4 * LANES + r * 4 + c % 4] * xt[g * BLOCK + c];
+                        dot[c / SUB] +=
+                            quads[(c / 4) * 4 * LANES + r * 4 + c % 4] * xt[g * BLOCK + c];
                     d = f16_load(scales[g * LANES + r]);
                 } else {
                     const uint8_t *column = codes + g * (BLOCK / 2) * LANES;
                     for (int j = 0; j < BLOCK / 2; j++) {
                         const uint8_t byte = column[j * LANES + r];
-                        dot += (byte & 15) * xt[g * BLOCK + j] +
-                               (byte >> 4) * xt[g * BLOCK + BLOCK / 2 + j];
+                        dot[j / SUB] += (byte & 15) * xt[g * BLOCK + j];
+                        dot[(BLOCK / 2 + j) / SUB] += (byte >> 4) * xt[g * BLOCK + BLOCK / 2 + j];
                     }
                     d = f16_load(scales[g * 2 * LANES + r]);
                     m = f16_load(scales[g * 2 * LANES + LANES + r]);
                 }
-                acc += (float)dot * (d * xd[t * groups + g]);
+                float block_sum = 0.0f;
+                for (int s = 0; s < SUBS; s++)
+                    block_sum += (float)dot[s] * xd[(t * groups + g) * SUBS + s];
+                acc += block_sum * d;
                 if (quant_type == Q4) acc += m * xs[t * groups + g];
             }
             out[t * n_out + r] = acc;
@@ -223,7 +251,7 @@ static const group_fn GROUP_BY_TYPE[2][MAX_ROWS] = {
 
 /* Bytes of scratch packed_matmul_int8_into needs: the activations' codes and block terms. */
 int64_t packed_matmul_int8_scratch(int64_t num_tokens, int64_t k) {
-    return num_tokens * k + 2 * (int64_t)sizeof(float) * num_tokens * (k / BLOCK);
+    return num_tokens * k + (int64_t)sizeof(float) * num_tokens * (k / SUB + k / BLOCK);
 }
 
 /* out [num_tokens, n_out] = x [num_tokens, k] · Wᵀ through int8 activations, fp32 in and out,
@@ -234,14 +262,14 @@ void packed_matmul_int8_into(const uint8_t *codes, const uint16_t *scales, int64
                              int64_t n_out, int64_t k, const float *x, int64_t num_tokens,
                              float *out, void *scratch, int num_threads) {
     const int64_t groups = k / BLOCK, row_groups = (n_out + LANES - 1) / LANES;
-    float *xd = scratch, *xs = xd + num_tokens * groups;
+    float *xd = scratch, *xs = xd + num_tokens * groups * SUBS;
     int8_t *xq = (int8_t *)(xs + num_tokens * groups);
     const group_fn *by_tokens = GROUP_BY_TYPE[quant_type];
     #pragma omp parallel num_threads(num_threads) if(n_out * k * num_tokens >= 65536)
     {
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < num_tokens; t++)
-            quantize_row(x + t * k, k, xq + t * k, xd + t * groups, xs + t * groups);
+            quantize_row(x + t * k, k, xq + t * k, xd + t * groups * SUBS, xs + t * groups);
         #pragma omp for schedule(static)
         for (int64_t n = 0; n < row_groups; n++) {
             const int64_t valid = n_out - n * LANES < LANES ? n_out - n * LANES : LANES;
@@ -249,8 +277,9 @@ void packed_matmul_int8_into(const uint8_t *codes, const uint16_t *scales, int64
             const uint16_t *group_scales = scales + n * groups * (quant_type == Q8_0 ? 16 : 32);
             for (int64_t t = 0; t < num_tokens; t += MAX_ROWS) {
                 const int64_t tokens = num_tokens - t < MAX_ROWS ? num_tokens - t : MAX_ROWS;
-                by_tokens[tokens - 1](group_codes, group_scales, k, xq + t * k, xd + t * groups,
-                                      xs + t * groups, out + t * n_out + n * LANES, n_out, valid);
+                by_tokens[tokens - 1](group_codes, group_scales, k, xq + t * k,
+                                      xd + t * groups * SUBS, xs + t * groups,
+                                      out + t * n_out + n * LANES, n_out, valid);
             }
         }
     }
