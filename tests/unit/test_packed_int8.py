@@ -1,7 +1,7 @@
 """The packed GGUF matmul with int8 activations (csrc/packed_matmul_int8.c): each token row is
 quantized per 8 columns, and the product equals the dequantized weights times the dequantized
 activations up to fp32 rounding; a row's result does not depend on the rows beside it; a layer
-uses it only from `int8_min_tokens` rows; an LM head recomputes its largest logits exactly."""
+uses it only from `int8_min_tokens` rows, the LM head too."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from test_packed_weights import QUANT_TYPES, quantized
 from tandem.attention import cpu_kernel
 from tandem.models.layers import Linear
 from tandem.models.loader import attach_packed_weights
-from tandem.models.packed import EXACT_TOP_LOGITS, PackedWeight
+from tandem.models.packed import PackedWeight
 
 from helpers import needs_cpu_kernels
 
@@ -103,21 +103,3 @@ def test_layers_and_the_lm_head_take_the_probes_choice():
     matrices = iter([("proj.weight", layer_blocks), ("head.weight", head_blocks)])
     assert attach_packed_weights(net, matrices, max_tokens=16, int8_min_tokens=2) > 0
     assert layer.packed.int8_min_tokens == net.lm_head_packed.int8_min_tokens == 2
-
-
-@pytest.mark.parametrize("quant_type", QUANT_TYPES)
-def test_head_logits_recompute_the_largest_with_fp32_activations(quant_type):
-    """Each row's EXACT_TOP_LOGITS largest int8 logits are replaced by the fp32-activation
-    kernel's; the rest stay int8; the top token is the exact one."""
-    _, head = int8_weight(quant_type, rows=100, cols=160)
-    fp32_head = replace(head, int8_min_tokens=0)
-    x = torch.randn(7, 160)
-    got, int8, exact = head.logits(x), head.matmul(x), fp32_head.logits(x)
-    assert torch.equal(exact, fp32_head.matmul(x))  # below int8_min_tokens: the fp32 kernel
-    top = int8.topk(EXACT_TOP_LOGITS, dim=-1).indices
-    recomputed = torch.zeros_like(got, dtype=torch.bool).scatter_(1, top, True)
-    torch.testing.assert_close(got[recomputed], exact[recomputed], rtol=1e-5, atol=1e-5)
-    assert torch.equal(got[~recomputed], int8[~recomputed])
-    assert torch.equal(got.argmax(-1), exact.argmax(-1))
-    for index in range(7):  # row by row: the same
-        assert torch.equal(head.logits(x[index : index + 1])[0], got[index])

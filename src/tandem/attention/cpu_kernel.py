@@ -159,9 +159,6 @@ def load_library() -> ctypes.CDLL | None:
     library.quantize_rows_int8.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr]
     library.quantize_rows_int8.restype = None
     library.packed_matmul_int8_vectorized.restype = ctypes.c_int
-    library.packed_rows_dot.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr,
-                                        ctypes.c_int]  # fmt: skip
-    library.packed_rows_dot.restype = None
     return library
 
 
@@ -262,24 +259,6 @@ def packed_matmul(
     if status != 0:
         raise MemoryError("the packed matmul could not allocate its buffers")
     return out.to(x.dtype)
-
-
-def packed_rows_dot(
-    codes: torch.Tensor, scales: torch.Tensor, quant_type: str, x: torch.Tensor, rows: torch.Tensor
-) -> torch.Tensor:
-    """For x [T, K] (fp32) and rows [T, C] (int64 output rows of the quantized matrix): x[t]
-    times each chosen row, fp32 activations, [T, C]."""
-    library = load_library()
-    if library is None:
-        raise RuntimeError("the CPU kernels could not be built: GGUF blocks cannot be multiplied")
-    x = x.float().contiguous()
-    rows = rows.contiguous()
-    out = torch.empty(rows.shape, dtype=torch.float32)
-    library.packed_rows_dot(
-        codes.data_ptr(), scales.data_ptr(), QUANT_TYPE_IDS[quant_type], x.shape[1], x.data_ptr(),
-        x.shape[0], rows.data_ptr(), rows.shape[1], out.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
-    return out
 
 
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

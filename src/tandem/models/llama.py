@@ -158,7 +158,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         packed = self.lm_head_packed
         if packed is not None and hidden.shape[0] <= packed.max_tokens:
-            return packed.logits(hidden)
+            return packed.matmul(hidden.float())  # the kernel's fp32 sums, not rounded to bf16
         return F.linear(hidden, self.lm_head_weight).float()
 
     def compile_layers(self, min_tokens: int = 1) -> None:

@@ -177,8 +177,7 @@ def attach_packed_weights(
 ) -> int:
     """Give each linear layer whose every shard came in one block type its packed weight
     (fused shards concatenated in row order; PackedWeight's `max_tokens` and
-    `int8_min_tokens`), and the LM head its own (PackedWeight.logits); returns the packed
-    bytes. Layers with a shard
+    `int8_min_tokens`), and the LM head its own; returns the packed bytes. Layers with a shard
     in another format (e.g. a Q6_K V projection) stay dense only."""
     head_name = getattr(net, "lm_head_checkpoint_name", None)
     shards: dict[str, dict[str, QuantBlocks]] = {}

@@ -34,9 +34,6 @@ PACKED_QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # fp16 d (+ fp16 m), then the codes
 _INT4_OFFSET = 8  # the kernel's (q - 8)
 KERNEL_LANES = 16  # output rows side by side in the C kernel's layout
-# An LM head through int8 activations recomputes this many of each row's largest logits with
-# fp32 ones (PackedWeight.logits).
-EXACT_TOP_LOGITS = 16
 
 
 def _fp16(field: np.ndarray) -> np.ndarray:
@@ -209,22 +206,6 @@ class PackedWeight:
             scales_zeros=scales_zeros.to(torch.bfloat16).contiguous(),
             input_copies=codes.input_copies,
         )
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """An LM head's fp32 logits for x [T, K]. From `int8_min_tokens` rows, through int8
-        activations, then each row's EXACT_TOP_LOGITS largest recomputed with fp32 ones: the
-        top tokens, which greedy decoding picks and which hold the probability mass, are as
-        exact as the fp32-activation kernel's (int8 there cost ~0.5% of greedy tokens on the
-        embedded model), the tail within the activations' rounding, in a fraction of the
-        fp32 kernel's time. Each row's result depends on that row only."""
-        x = x.float()
-        logits = self.matmul(x)
-        rows = x.shape[0]
-        if self.codes is None or not 0 < self.int8_min_tokens <= rows:
-            return logits
-        top = logits.topk(min(EXACT_TOP_LOGITS, self.out_features), dim=-1).indices
-        exact = cpu_kernel.packed_rows_dot(self.codes, self.scales, self.quant_type, x, top)
-        return logits.scatter_(1, top, exact)
 
     @property
     def nbytes(self) -> int:

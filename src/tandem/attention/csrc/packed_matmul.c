@@ -61,12 +61,6 @@ static inline v16i widen_u8(const uint8_t *p) {
 #endif
 }
 
-static inline float f16_load(uint16_t bits) {
-    _Float16 h;
-    memcpy(&h, &bits, sizeof h);
-    return (float)h;
-}
-
 static inline v16f widen_f16(const uint16_t *p) {
 #if defined(__AVX512F__)
     return (v16f)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
@@ -195,47 +189,6 @@ void packed_matmul(const uint8_t *codes, const uint16_t *scales, int64_t quant_t
         ROWS_BY_TYPE[quant_type][tokens - 1](codes, scales, n_out, k, x + t * k, sums,
                                              out + t * n_out, num_threads);
     }
-}
-
-/* out [num_tokens, count] = for each token t and j < count, x[t] · W[rows[t, j]]: chosen
-   output rows of each token, fp32 activations, the same products and block scaling as
-   packed_matmul (sums in another order). The LM head recomputes its largest logits with it
-   after an int8-activation pass (models/packed.py). */
-void packed_rows_dot(const uint8_t *codes, const uint16_t *scales, int64_t quant_type,
-                     int64_t k, const float *x, int64_t num_tokens, const int64_t *rows,
-                     int64_t count, float *out, int num_threads) {
-    const int64_t groups = k / BLOCK;
-    #pragma omp parallel for collapse(2) num_threads(num_threads) if(num_tokens * count >= 64)
-    for (int64_t t = 0; t < num_tokens; t++)
-        for (int64_t j = 0; j < count; j++) {
-            const int64_t row = rows[t * count + j], lane = row % LANES;
-            const int64_t group = row / LANES; /* its group of 16 rows in the layout */
-            const uint8_t *row_codes = codes + group * groups * group_code_bytes(quant_type);
-            const uint16_t *row_scales = scales + group * groups * group_scales(quant_type);
-            const float *xt = x + t * k;
-            float sum = 0.0f;
-            for (int64_t g = 0; g < groups; g++) {
-                float dot = 0.0f, block_sum = 0.0f;
-                if (quant_type == Q8_0) {
-                    const int8_t *quads = (const int8_t *)row_codes + g * BLOCK * LANES;
-                    for (int c = 0; c < BLOCK; c++)
-                        dot += (float)quads[(c / 4) * 4 * LANES + lane * 4 + c % 4] *
-                               xt[g * BLOCK + c];
-                    sum += dot * f16_load(row_scales[g * LANES + lane]);
-                } else {
-                    const uint8_t *column = row_codes + g * (BLOCK / 2) * LANES;
-                    for (int c = 0; c < BLOCK / 2; c++) {
-                        const uint8_t byte = column[c * LANES + lane];
-                        const float low = xt[g * BLOCK + c], high = xt[g * BLOCK + BLOCK / 2 + c];
-                        dot += (float)(byte & 15) * low + (float)(byte >> 4) * high;
-                        block_sum += low + high;
-                    }
-                    sum += dot * f16_load(row_scales[g * 2 * LANES + lane]) +
-                           f16_load(row_scales[g * 2 * LANES + LANES + lane]) * block_sum;
-                }
-            }
-            out[t * count + j] = sum;
-        }
 }
 
 /* The same for x [num_tokens, k] of element type T with a row stride, out contiguous T
