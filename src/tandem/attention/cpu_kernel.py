@@ -242,7 +242,7 @@ def packed_matmul(
 ) -> torch.Tensor:
     """x [T, K] times the quantized matrix (models/packed.py's kernel layout), transposed:
     [T, out_features], in x's dtype (fp16 computed through fp32). `int8_activations`: x
-    quantized per 32 columns first (csrc/packed_matmul_int8.c)."""
+    quantized per 8 columns first (csrc/packed_matmul_int8.c)."""
     library = load_library()
     if library is None:
         raise RuntimeError("the CPU kernels could not be built: GGUF blocks cannot be multiplied")
