@@ -95,7 +95,9 @@ def test_fused_step_equals_the_layer_by_layer_forward(
     expected = layer_by_layer(runner, batch)
     assert fused.dtype == expected.dtype
     assert fused.shape == expected.shape == (3 + num_verified, 128)
-    tolerance = 1e-5 if dtype == "float32" else 3e-2
+    # int8: the two paths' fp32 roundings (SiLU in C against torch's) can flip an activation's
+    # code, moving an output by about d_x·w.
+    tolerance = (2e-3 if int8_min_tokens else 1e-5) if dtype == "float32" else 3e-2
     assert relative_error(fused, expected) <= tolerance
     for got, want in zip(fused_caches, runner.kv_caches, strict=True):
         assert relative_error(got, want) <= tolerance

@@ -45,7 +45,9 @@ def test_activations_round_to_the_nearest_of_127_steps_per_8_columns():
     assert ((dequantized - groups).abs() <= scales[..., None] * (0.5 + 1e-5)).all()
     assert (codes.reshape(5, 20, 8).abs().amax(-1)[scales > 0] == 127).all()
     assert (codes[0, :32] == 0).all() and (scales[0, :4] == 0).all()
-    torch.testing.assert_close(sums, dequantized.reshape(5, 5, 32).sum(-1))
+    # Sums of 32 terms in another order: within fp32 rounding of their magnitudes.
+    magnitudes = dequantized.abs().reshape(5, 5, 32).sum(-1)
+    assert ((sums - dequantized.reshape(5, 5, 32).sum(-1)).abs() <= 1e-6 * magnitudes).all()
 
 
 @pytest.mark.parametrize("quant_type", QUANT_TYPES)

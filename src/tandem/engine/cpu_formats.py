@@ -138,8 +138,10 @@ def probe_cpu_formats(config: ModelConfig, packable: bool) -> CpuFormats:
             if best >= decode_ms[dtype][rows]:
                 break
             packed_max_tokens = rows
-            # A packed format at twice the best one's time is out of the running.
-            running = {n: w for n, w in running.items() if decode_ms[n][rows] <= 2 * best}
+            # fp32 activations at twice int8's time are out of the running (their cost per row
+            # grows faster).
+            if running.keys() == {"packed", "packed int8"} and decode_ms["packed"][rows] > 2 * best:
+                del running["packed"]
         # int8 from the smallest step size after which it was the faster packed format at
         # every size measured.
         for rows in reversed([r for r in DECODE_PROBE_TOKENS if r <= packed_max_tokens]):

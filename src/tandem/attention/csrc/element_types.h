@@ -19,6 +19,22 @@ static inline uint16_t bf16_store(float value) {
     return (uint16_t)((c.u + 0x7FFF + ((c.u >> 16) & 1)) >> 16); /* round to nearest even */
 }
 
+/* An IEEE half's bits as fp32, by bit operations (no _Float16: older compilers lack it). */
+static inline float f16_load(uint16_t bits) {
+    const uint32_t sign = (uint32_t)(bits & 0x8000) << 16;
+    const uint32_t exponent = (bits >> 10) & 0x1F, mantissa = bits & 0x3FF;
+    union { uint32_t u; float f; } c;
+    if (exponent == 0x1F) {
+        c.u = sign | 0x7F800000u | (mantissa << 13); /* inf, NaN */
+    } else if (exponent != 0) {
+        c.u = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else { /* zero, subnormal: mantissa · 2^-24 */
+        c.f = (float)mantissa * 5.9604644775390625e-8f;
+        c.u |= sign;
+    }
+    return c.f;
+}
+
 static inline float f32_load(float x) { return x; }
 static inline float f32_store(float x) { return x; }
 

@@ -193,8 +193,7 @@ void packed_matmul(const uint8_t *codes, const uint16_t *scales, int64_t quant_t
 
 /* The same for x [num_tokens, k] of element type T with a row stride, out contiguous T
    (through fp32 copies, unless T is fp32 and x contiguous); int8_activations: through
-   packed_matmul_int8.c. Returns -1 where
-   the copies cannot be allocated, else 0. */
+   packed_matmul_int8.c. Returns -1 where the copies cannot be allocated, else 0. */
 #define DEFINE_PACKED_MATMUL(NAME, T, LOAD, STORE)                                              \
 int NAME(const uint8_t *codes, const uint16_t *scales, int64_t quant_type, int64_t n_out,       \
          int64_t k, const T *x, int64_t x_stride, int64_t num_tokens, T *out,                   \
