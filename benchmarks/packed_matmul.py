@@ -1,11 +1,12 @@
-"""The embedded model's GGUF matrices multiplied packed on CPU: the C kernel
-(attention/csrc/packed_matmul.c) against torch's int4 weight-only op, for decode-sized steps.
+"""The embedded model's GGUF matrices multiplied packed on CPU: the C kernel with fp32
+activations (attention/csrc/packed_matmul.c), with int8 ones (csrc/packed_matmul_int8.c, where
+this build has its vector path) and torch's int4 weight-only op, for decode-sized steps.
 
 Every matrix of the 30 layers as the file holds them (q, k, v, o, gate, up, down: 210 of
 Q4_1, 66 MB: more than the L3 caches of the machines here, so each pass streams from memory)
-and the Q8_0 LM head, at 1-16 rows;
-best of a few passes, the two kernels taking turns. Also each kernel's largest error against
-the dequantized fp32 matrices (relative to the largest output).
+and the Q8_0 LM head, at 1-32 rows; best of a few passes, the kernels taking turns. Also
+each kernel's largest error against the dequantized fp32 matrices (relative to the largest
+output; int8 activations: their rounding).
 
     .venv/bin/python benchmarks/packed_matmul.py [--passes 5]
 """
@@ -22,7 +23,7 @@ from tandem.models.gguf_loader import gguf_model_config, iter_gguf_packable
 from tandem.models.loader import resolve_model_path
 from tandem.models.packed import PackedWeight, QuantBlocks
 
-ROWS = (1, 2, 4, 8, 16)
+ROWS = (1, 2, 4, 8, 16, 32)
 
 
 def best_ms(weights: list[PackedWeight], rows: int, passes: int) -> float:
@@ -54,25 +55,27 @@ def main() -> None:
     head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
     matrices = dict(iter_gguf_packable(path, config))
     layers = [blocks for name, blocks in matrices.items() if name.startswith("model.layers.")]
-    kernels = {"C kernel": True, "torch int4": False}
+    kernels = {"C kernel": (True, 0), "C kernel int8": (True, 1), "torch int4": (False, 0)}
+    if not cpu_kernel.int8_matmul_vectorized():
+        del kernels["C kernel int8"]
     sets = {
-        (kernel, part): [PackedWeight.from_blocks(b, 16, use_kernel) for b in blocks]
-        for kernel, use_kernel in kernels.items()
+        (kernel, part): [
+            PackedWeight.from_blocks(b, max(ROWS), use_kernel, int8_min_tokens=int8) for b in blocks
+        ]
+        for kernel, (use_kernel, int8) in kernels.items()
         for part, blocks in (("layers", layers), ("head", [matrices[head]]))
     }
     print(f"# {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"{len(layers)} layer matrices + the LM head")  # fmt: skip
-    print("| rows | layers, C kernel ms | layers, torch int4 ms | head, C kernel ms | "
-          "head, torch int4 ms |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|")
+    columns = [(kernel, part) for part in ("layers", "head") for kernel in kernels]
+    print("| rows | " + " | ".join(f"{part}, {kernel} ms" for kernel, part in columns) + " |")
+    print("|---:|" + "---:|" * len(columns))
     for rows in ROWS:
         times = {key: float("inf") for key in sets}
         for _ in range(2):  # the kernels take turns
             for key, weights in sets.items():
                 times[key] = min(times[key], best_ms(weights, rows, args.passes))
-        print(f"| {rows} | {times['C kernel', 'layers']:.2f} | "
-              f"{times['torch int4', 'layers']:.2f} | {times['C kernel', 'head']:.2f} | "
-              f"{times['torch int4', 'head']:.2f} |")  # fmt: skip
+        print(f"| {rows} | " + " | ".join(f"{times[key]:.2f}" for key in columns) + " |")
     for kernel in kernels:
         errors = [
             largest_error(blocks, packed)
