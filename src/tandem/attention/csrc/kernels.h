@@ -28,6 +28,17 @@ void packed_matmul(const uint8_t *codes, const uint16_t *scales, int64_t quant_t
                    int64_t n_out, int64_t k, const float *x, int64_t num_tokens, float *out,
                    int num_threads);
 
+/* The packed matmuls' functions specialized per token-row count, 1 to 8 (their loops unroll
+   into registers): DEFINE(PREFIX_n, QUANT_TYPE, n) for each n, and a table of them. */
+#define DEFINE_1_TO_8(DEFINE, PREFIX, QUANT_TYPE)                                               \
+    DEFINE(PREFIX##_1, QUANT_TYPE, 1) DEFINE(PREFIX##_2, QUANT_TYPE, 2)                         \
+    DEFINE(PREFIX##_3, QUANT_TYPE, 3) DEFINE(PREFIX##_4, QUANT_TYPE, 4)                         \
+    DEFINE(PREFIX##_5, QUANT_TYPE, 5) DEFINE(PREFIX##_6, QUANT_TYPE, 6)                         \
+    DEFINE(PREFIX##_7, QUANT_TYPE, 7) DEFINE(PREFIX##_8, QUANT_TYPE, 8)
+#define TABLE_1_TO_8(PREFIX)                                                                    \
+    {PREFIX##_1, PREFIX##_2, PREFIX##_3, PREFIX##_4, PREFIX##_5, PREFIX##_6, PREFIX##_7,       \
+     PREFIX##_8}
+
 int64_t packed_matmul_int8_scratch(int64_t num_tokens, int64_t k);
 void packed_matmul_int8_into(const uint8_t *codes, const uint16_t *scales, int64_t quant_type,
                              int64_t n_out, int64_t k, const float *x, int64_t num_tokens,

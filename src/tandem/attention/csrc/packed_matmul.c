@@ -154,23 +154,14 @@ static void NAME(const uint8_t *codes, const uint16_t *scales, int64_t n_out, in
                   n_out - n * LANES < LANES ? n_out - n * LANES : LANES);                       \
 }
 
-#define DEFINE_TYPE(PREFIX, QUANT_TYPE)                                                         \
-DEFINE_ROWS(PREFIX##_1, QUANT_TYPE, 1) DEFINE_ROWS(PREFIX##_2, QUANT_TYPE, 2)                   \
-DEFINE_ROWS(PREFIX##_3, QUANT_TYPE, 3) DEFINE_ROWS(PREFIX##_4, QUANT_TYPE, 4)                   \
-DEFINE_ROWS(PREFIX##_5, QUANT_TYPE, 5) DEFINE_ROWS(PREFIX##_6, QUANT_TYPE, 6)                   \
-DEFINE_ROWS(PREFIX##_7, QUANT_TYPE, 7) DEFINE_ROWS(PREFIX##_8, QUANT_TYPE, 8)
-
-DEFINE_TYPE(rows_q4, Q4)
-DEFINE_TYPE(rows_q8_0, Q8_0)
+DEFINE_1_TO_8(DEFINE_ROWS, rows_q4, Q4)
+DEFINE_1_TO_8(DEFINE_ROWS, rows_q8_0, Q8_0)
 
 typedef void (*rows_fn)(const uint8_t *, const uint16_t *, int64_t, int64_t, const float *,
                         const float *, float *, int);
 
-static const rows_fn ROWS_BY_TYPE[2][MAX_ROWS] = {
-    {rows_q4_1, rows_q4_2, rows_q4_3, rows_q4_4, rows_q4_5, rows_q4_6, rows_q4_7, rows_q4_8},
-    {rows_q8_0_1, rows_q8_0_2, rows_q8_0_3, rows_q8_0_4,
-     rows_q8_0_5, rows_q8_0_6, rows_q8_0_7, rows_q8_0_8},
-};
+static const rows_fn ROWS_BY_TYPE[2][MAX_ROWS] = {TABLE_1_TO_8(rows_q4),
+                                                  TABLE_1_TO_8(rows_q8_0)};
 
 /* out [num_tokens, n_out] = x [num_tokens, k] · Wᵀ, all fp32 and contiguous; k a multiple
    of 32. Also the fused decode forward's matmul. */

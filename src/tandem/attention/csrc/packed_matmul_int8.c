@@ -5,8 +5,9 @@
    Each token row is quantized per 8 columns: d_x = max|x| / 127, q_x = round(x / d_x). (Per
    32, as llama.cpp's Q8 activations are, the embedded model's greedy tokens, teacher-forced
    in 16-token steps, agreed with fp32's at 97.7% of positions; per 8 at 98.6%, as with fp32
-   activations: RMSNorm's outlier channels set fewer neighbours' scale.) A weight block's dot product is then four integer sums, four code
-   pairs per lane per instruction (AVX-512 VNNI), scaled per 8 columns and per block:
+   activations: RMSNorm's outlier channels set fewer neighbours' scale.) A weight block's dot
+   product is then four integer sums, four code pairs per lane per instruction (AVX-512
+   VNNI), scaled per 8 columns and per block:
      Q4 (w = d·q + m, q in 0..15):   d·Σ_s d_xs·Σ q·q_x + m·Σ_s d_xs·Σ q_x
      Q8_0 (w = d·q, q in −127..127): d·Σ_s d_xs·Σ q·q_x
    The integer sums are exact and each row's result depends on its own activations only, so
@@ -14,10 +15,11 @@
    rounding (≤ d_x / 2 per element); models/packed.py keeps this path for the step sizes the
    probe (engine/cpu_formats.py) found it fastest at.
 
-   On x86 with AVX-512 VNNI and VBMI: per 16-row group and 32-column block the codes are put
-   into VNNI order once (Q4: one byte permute per 64 bytes, then nibble masks; Q8_0 is stored
-   in it) and reused by up to 8 token rows held in registers. Elsewhere a plain C loop gives
-   the same sums (tests build both). */
+   On x86 with AVX-512 VNNI and VBMI (VBMI for the Q4 permute; a CPU with VNNI alone, such as
+   Cascade Lake, gets the plain C loop, and the probe does not offer int8 there): per 16-row
+   group and 32-column block the codes are put into VNNI order once (Q4: one byte permute per
+   64 bytes, then nibble masks; Q8_0 is stored in it) and reused by up to 8 token rows held in
+   registers. Elsewhere a plain C loop gives the same sums (tests build both). */
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -228,21 +230,11 @@ static void NAME(const uint8_t *codes, const uint16_t *scales, int64_t k, const 
     row_group(codes, scales, k, QUANT_TYPE, xq, xd, xs, TOKENS, out, n_out, valid);             \
 }
 
-#define DEFINE_TYPE(PREFIX, QUANT_TYPE)                                                         \
-DEFINE_GROUP(PREFIX##_1, QUANT_TYPE, 1) DEFINE_GROUP(PREFIX##_2, QUANT_TYPE, 2)                 \
-DEFINE_GROUP(PREFIX##_3, QUANT_TYPE, 3) DEFINE_GROUP(PREFIX##_4, QUANT_TYPE, 4)                 \
-DEFINE_GROUP(PREFIX##_5, QUANT_TYPE, 5) DEFINE_GROUP(PREFIX##_6, QUANT_TYPE, 6)                 \
-DEFINE_GROUP(PREFIX##_7, QUANT_TYPE, 7) DEFINE_GROUP(PREFIX##_8, QUANT_TYPE, 8)
+DEFINE_1_TO_8(DEFINE_GROUP, group_q4, Q4)
+DEFINE_1_TO_8(DEFINE_GROUP, group_q8_0, Q8_0)
 
-DEFINE_TYPE(group_q4, Q4)
-DEFINE_TYPE(group_q8_0, Q8_0)
-
-static const group_fn GROUP_BY_TYPE[2][MAX_ROWS] = {
-    {group_q4_1, group_q4_2, group_q4_3, group_q4_4, group_q4_5, group_q4_6, group_q4_7,
-     group_q4_8},
-    {group_q8_0_1, group_q8_0_2, group_q8_0_3, group_q8_0_4, group_q8_0_5, group_q8_0_6,
-     group_q8_0_7, group_q8_0_8},
-};
+static const group_fn GROUP_BY_TYPE[2][MAX_ROWS] = {TABLE_1_TO_8(group_q4),
+                                                    TABLE_1_TO_8(group_q8_0)};
 
 /* Bytes of scratch packed_matmul_int8_into needs: the activations' codes and block terms. */
 int64_t packed_matmul_int8_scratch(int64_t num_tokens, int64_t k) {
