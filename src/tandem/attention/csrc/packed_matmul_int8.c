@@ -71,7 +71,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *codes, float *scales
             amax = _mm512_max_ps(amax, _mm512_shuffle_f32x4(amax, amax, 0xB1));
             const __mmask16 nonzero = _mm512_cmp_ps_mask(amax, _mm512_set1_ps(TINY), _CMP_GT_OQ);
             const __m512 inverse = _mm512_maskz_div_ps(nonzero, _mm512_set1_ps(127.0f), amax);
-            d[half] = _mm512_div_ps(amax, _mm512_set1_ps(127.0f));
+            d[half] = _mm512_mul_ps(amax, _mm512_set1_ps(1.0f / 127.0f));
             const __m512i codes32 = _mm512_cvtps_epi32(_mm512_mul_ps(v, inverse));
             _mm_storeu_si128((__m128i *)(codes + g * BLOCK + 16 * half),
                              _mm512_cvtepi32_epi8(codes32));
@@ -87,7 +87,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *codes, float *scales
             float amax = 0.0f;
             for (int j = 0; j < SUB; j++) /* not fmaxf: GCC calls libm for it */
                 amax = fabsf(sub[j]) > amax ? fabsf(sub[j]) : amax;
-            const float d = amax / 127.0f, inverse = amax > TINY ? 127.0f / amax : 0.0f;
+            const float d = amax * (1.0f / 127.0f), inverse = amax > TINY ? 127.0f / amax : 0.0f;
             for (int j = 0; j < SUB; j++) {
                 const int q = (int)nearbyintf(sub[j] * inverse);
                 codes[g * BLOCK + s * SUB + j] = (int8_t)q;
