@@ -11,10 +11,12 @@ from tandem.request import RequestStatus
 
 
 class LinearCost:
-    """A step costs `constant` plus `per_token` for each new token."""
+    """A step costs `constant` plus `per_token` for each new token; steps of at most
+    `packed_max_tokens` use packed weights (0: none do)."""
 
-    def __init__(self, constant: float, per_token: float) -> None:
+    def __init__(self, constant: float, per_token: float, packed_max_tokens: int = 0) -> None:
         self.constant, self.per_token = constant, per_token
+        self.packed_max_tokens = packed_max_tokens
 
     def predict(self, sums: BatchSums) -> float:
         return self.constant + self.per_token * sums.num_new_tokens
@@ -201,6 +203,23 @@ def test_adaptive_sees_past_a_jump_in_step_cost():
     assert scheduler.schedule().num_draft_tokens == 0
 
 
+def test_drafts_never_push_a_step_past_the_packed_weights():
+    """8 decodes with drafts that would pay even past the jump: within a packed size of 12,
+    only 4 drafts; a step already past it (packed size 4) takes them all."""
+    cost = SteppedCost(10.0, 0.5, small=12, jump=6.0)
+    cost.packed_max_tokens = 12
+    scheduler, requests = adaptive_scheduler(cost, 8)
+    for request in requests:
+        request.recent_accepted, request.recent_rejections = 100.0, 0.0
+    assert scheduler.schedule().num_draft_tokens == 4
+    cost = SteppedCost(10.0, 0.5, small=4, jump=6.0)
+    cost.packed_max_tokens = 4
+    scheduler, requests = adaptive_scheduler(cost, 8)
+    for request in requests:
+        request.recent_accepted, request.recent_rejections = 100.0, 0.0
+    assert scheduler.schedule().num_draft_tokens == 8 * 4
+
+
 def test_adaptive_turns_speculation_off_under_load():
     # 64 decodes share the constant: a token costs 10/64 + 1, so a draft must be emitted with
     # a chance above ~0.86 to pay: at acceptance 0.5 no request drafts.
@@ -267,6 +286,8 @@ def test_a_request_with_more_than_its_last_token_to_compute_verifies_no_drafts()
 
 class TableCost:
     """Step time by new tokens, from a table (a staircase no line follows)."""
+
+    packed_max_tokens = 0
 
     def __init__(self, seconds_by_tokens: dict[int, float]) -> None:
         self.table = seconds_by_tokens

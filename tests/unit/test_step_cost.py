@@ -132,6 +132,8 @@ def test_no_coefficient_is_negative_even_when_a_feature_never_varies():
 class FakeCost:
     """A known linear cost: 10 ms per step, 1 ms per new token, 0.01 ms per KV position."""
 
+    packed_max_tokens = 0
+
     def predict(self, sums: BatchSums) -> float:
         return 0.010 + 0.001 * sums.num_new_tokens + 0.00001 * sums.num_context
 

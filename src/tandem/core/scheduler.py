@@ -81,6 +81,8 @@ class SchedulerOutput:
 class StepCostPredictor(Protocol):
     """Seconds a step of these sums will take (core/step_cost.py fits one online)."""
 
+    packed_max_tokens: int  # the largest step that multiplies packed weights (0: none do)
+
     def predict(self, sums: BatchSums) -> float: ...
 
 
@@ -673,7 +675,11 @@ class Scheduler:
         token is worth its request's weight (`_token_weights`); drafts are added in order of
         their value, and the best of those prefixes wins if it beats verifying none by
         MIN_SPECULATION_GAIN (the step-cost model may jump, e.g. where packed weights stop
-        being used, so a longer prefix can win again)."""
+        being used, so a longer prefix can win again). Drafts never push a step past the
+        packed weights' size, though: there a CPU step leaves the fused decode path for the
+        layer-by-layer one, where verification tokens attend as prefill chunks, a cost the
+        model learns only from such steps, each worth many plain ones (BENCHMARKS.md, issue
+        12)."""
         assert self.cost_model is not None
         weights = self._token_weights([request for request, _ in plan.entries.values()])
         increments = []
@@ -697,6 +703,9 @@ class Scheduler:
         best_length = 0
         counts = [0] * len(candidates)
         budget = plan.token_budget
+        packed_limit = self.cost_model.packed_max_tokens
+        if packed_limit > 0 and plan.sums.num_new_tokens <= packed_limit:
+            budget = min(budget, packed_limit - plan.sums.num_new_tokens)
         for length, (negative_chance, index, position) in enumerate(increments, start=1):
             if length > budget:
                 break
