@@ -179,7 +179,7 @@ def test_adaptive_drafts_while_they_pay_for_their_time():
 
 
 class SteppedCost(LinearCost):
-    """Steps above `small` tokens cost `jump` more (packed weights stop being used)."""
+    """Steps above `small` tokens cost `jump` more (e.g. past a CUDA graph size)."""
 
     def __init__(self, constant: float, per_token: float, small: int, jump: float) -> None:
         super().__init__(constant, per_token)

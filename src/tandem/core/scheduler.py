@@ -674,12 +674,11 @@ class Scheduler:
         predicted time. The i-th draft of a request is emitted with chance acceptance^i, and a
         token is worth its request's weight (`_token_weights`); drafts are added in order of
         their value, and the best of those prefixes wins if it beats verifying none by
-        MIN_SPECULATION_GAIN (the step-cost model may jump, e.g. where packed weights stop
-        being used, so a longer prefix can win again). Drafts never push a step past the
-        packed weights' size, though: there a CPU step leaves the fused decode path for the
-        layer-by-layer one, where verification tokens attend as prefill chunks, a cost the
-        model learns only from such steps, each worth many plain ones (BENCHMARKS.md, issue
-        12)."""
+        MIN_SPECULATION_GAIN (the step-cost model may jump, e.g. at a CUDA graph size, so a
+        longer prefix can win again). Drafts never push a step past the packed weights' size,
+        though: there a CPU step leaves the fused decode path for the layer-by-layer one on
+        dense weights, a cost the model learns only from such steps, each worth many plain
+        ones (BENCHMARKS.md, issue 12)."""
         assert self.cost_model is not None
         weights = self._token_weights([request for request, _ in plan.entries.values()])
         increments = []
