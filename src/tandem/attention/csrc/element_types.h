@@ -19,7 +19,8 @@ static inline uint16_t bf16_store(float value) {
     return (uint16_t)((c.u + 0x7FFF + ((c.u >> 16) & 1)) >> 16); /* round to nearest even */
 }
 
-/* An IEEE half's bits as fp32, by bit operations (no _Float16: older compilers lack it). */
+/* An IEEE half's bits as fp32, by bit operations (no _Float16: GCC < 12 lacks it on x86); for
+   the kernels' paths without F16C. */
 static inline float f16_load(uint16_t bits) {
     const uint32_t sign = (uint32_t)(bits & 0x8000) << 16;
     const uint32_t exponent = (bits >> 10) & 0x1F, mantissa = bits & 0x3FF;

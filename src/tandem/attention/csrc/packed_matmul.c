@@ -72,11 +72,7 @@ static inline v16f widen_f16(const uint16_t *p) {
     return r;
 #else
     v16f r;
-    for (int i = 0; i < LANES; i++) {
-        _Float16 h;
-        memcpy(&h, p + i, 2);
-        r[i] = (float)h;
-    }
+    for (int i = 0; i < LANES; i++) r[i] = f16_load(p[i]);
     return r;
 #endif
 }
