@@ -218,8 +218,7 @@ class PackedWeight:
                 f"a packed matmul of {self.in_features} inputs got rows of {x.shape[-1]}"
             )
         if self.codes is not None:
-            rows = x.numel() // self.in_features
-            int8 = 0 < self.int8_min_tokens <= rows
+            int8 = 0 < self.int8_min_tokens <= x.shape[0]
             out = cpu_kernel.packed_matmul(
                 self.codes, self.scales, self.quant_type, self.out_features, x, int8
             )
