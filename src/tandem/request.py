@@ -55,7 +55,10 @@ _FINISH_REASONS = {
 }
 
 
-@dataclass(eq=False)  # identity equality: requests sit in queues that search by `is`/`==`
+# Identity equality: requests sit in queues that search by `is`/`==`. Slots: the step loop
+# reads a few fields of every running request each step, and a slotted object keeps them
+# together in one small block instead of a dict of its own.
+@dataclass(eq=False, slots=True)
 class Request:
     """Prompt and output tokens live in one list, `all_token_ids`, which only grows; the scheduler
     moves `num_computed_tokens` towards `num_tokens` (KV computed vs tokens known). Timestamps

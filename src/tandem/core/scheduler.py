@@ -455,8 +455,8 @@ class Scheduler:
     def _schedule_decode_first(self, plan: _StepPlan) -> None:
         # 1. every decoding request its token, 2. in-flight prompts their chunks;
         limit = self.config.long_prefill_token_limit
-        self._schedule_running_requests(plan, True, limit)
-        self._schedule_running_requests(plan, False, limit, True)
+        if self._schedule_running_requests(plan, True, limit):
+            self._schedule_running_requests(plan, False, limit, True)
         if plan.preempted:
             return  # blocks are short: admitting more (or drafts) would only preempt again
         # 3. new (and preempted) requests, in queue order.
@@ -539,11 +539,13 @@ class Scheduler:
         decoding: bool | None,
         max_tokens_each: int,
         prompt_chunks: bool = False,
-    ) -> None:
+    ) -> int:
         """Schedule the running requests that are decoding (`decoding` True), still in their
         prompt (False) or either (None), oldest first, while the budget lasts; `prompt_chunks`:
         they are prompts, sized against the ITL target if there is one. Decodes whose blocks
-        already hold their token, the common case, are gathered and planned in one go."""
+        already hold their token, the common case, are gathered and planned in one go.
+        Returns how many running requests it passed over for being in the other phase (with
+        none, a pass over the other phase has nothing to do)."""
         ending = self._ending_in_flight
         kv = self.kv_cache_manager
         held_blocks, block_size = kv.held_blocks, kv.block_size
@@ -551,14 +553,18 @@ class Scheduler:
         decodes: list[Request] = []  # gathered, not planned yet
         num_context = 0
         budget = plan.token_budget
+        num_other_phase = 0
         for request in list(self.running):
             if budget == 0:
                 break
             if ending and request.request_id in ending:
                 continue  # its token in flight ends it
             num_computed = request.num_computed_tokens
+            if request.status is not running:
+                continue
             is_decoding = num_computed >= len(request.prompt_token_ids)
-            if request.status is not running or (decoding is not None and is_decoding != decoding):
+            if decoding is not None and is_decoding != decoding:
+                num_other_phase += 1
                 continue
             num_uncomputed = len(request.all_token_ids) - num_computed
             if num_uncomputed == 1 and not prompt_chunks:
@@ -576,10 +582,11 @@ class Scheduler:
                     plan, num_computed, num_uncomputed, num_new_tokens
                 )
                 if num_new_tokens == 0:
-                    return
+                    return num_other_phase
             self._schedule_running(request, num_new_tokens, plan)
             budget = plan.token_budget
         plan.add_decodes(decodes, num_context)
+        return num_other_phase
 
     def _within_target(
         self, plan: _StepPlan, num_computed: int, num_remaining: int, num_tokens: int

@@ -28,7 +28,7 @@ from tandem.sampling_params import RequestOutputKind, SamplingParams, tokenize_b
 OutputKind = RequestOutputKind
 
 
-@dataclass
+@dataclass(slots=True)
 class _Sequence:
     """One of a request's n completions."""
 
@@ -44,7 +44,7 @@ class _Sequence:
     num_sent_tokens: int = 0  # for DELTA outputs
 
 
-@dataclass
+@dataclass(slots=True)
 class _RequestState:
     request_id: str
     prompt: str | None
