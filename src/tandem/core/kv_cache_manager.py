@@ -197,6 +197,12 @@ class KVCacheManager:
         checks that a request's blocks hold its next token without a call per request)."""
         return self._req_to_blocks
 
+    @property
+    def held_block_ids(self) -> Mapping[str, list[int]]:
+        """Request id -> its block table (the live lists), for reading only: the scheduler
+        reads every running request's each step, without a call per request."""
+        return self._req_to_block_ids
+
     def cache_blocks(self, request: Request, num_computed_tokens: int | None = None) -> None:
         """Index the request's blocks that are now full and computed, for later requests to hit.
         Called after a step has computed them, so a hit never reads KV still being written.

@@ -903,7 +903,7 @@ class Scheduler:
         decodes: list[ScheduledRequest] = []
         prefills: list[ScheduledRequest] = []
         num_decode_tokens = 0
-        get_block_ids = self.kv_cache_manager.get_block_ids
+        held_block_ids = self.kv_cache_manager.held_block_ids
         drafts, admitted = plan.drafts, plan.admitted
         for request, num_new_tokens in plan.entries.values():
             if request.first_scheduled_time is None:
@@ -912,12 +912,13 @@ class Scheduler:
             num_computed = request.num_computed_tokens
             num_drafts = drafts.get(request_id, 0) if drafts else 0
             token_ids = request.all_token_ids
+            block_ids = held_block_ids.get(request_id)
             scheduled = ScheduledRequest(
                 request_id,
                 token_ids,
                 num_computed,
                 num_new_tokens,
-                get_block_ids(request_id),
+                [] if block_ids is None else block_ids,
                 num_computed + num_new_tokens - num_drafts == len(token_ids),
                 request.spec_token_ids[:num_drafts] if num_drafts else [],
             )

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -452,7 +453,8 @@ class EngineCore:
                 if row is not None
             }
         updated = self.scheduler.settle_in_flight(in_flight.scheduled, sampled)
-        outputs = [self._output(r, len(r.token_times) - 1, logprobs_by_id, 1) for r in updated]
+        starts = [len(r.token_times) - 1 for r in updated]
+        outputs = self._outputs(updated, starts, logprobs_by_id, 1)
         now = time.perf_counter()
         step_time = now - max(in_flight.start, self._last_completion)
         self._last_completion = now
@@ -478,16 +480,14 @@ class EngineCore:
         prompt_logprobs_by_id = self._prompt_logprobs(entries, prompt_ranges, run.prompt_logprobs)
         if drafts is None:  # one token each
             updated = self.scheduler.update_from_output(scheduled, sampled)
-            outputs = [
-                self._output(r, len(r.output_token_ids) - 1, logprobs_by_id) for r in updated
-            ]
+            starts = [len(r.output_token_ids) - 1 for r in updated]
+            outputs = self._outputs(updated, starts, logprobs_by_id)
             num_accepted = 0
         else:
             num_outputs_before = {r.request_id: r.num_output_tokens for r in sampled_requests}
             updated = self.scheduler.update_from_output(scheduled, sampled)
-            outputs = [
-                self._output(r, num_outputs_before[r.request_id], logprobs_by_id) for r in updated
-            ]
+            starts = [num_outputs_before[r.request_id] for r in updated]
+            outputs = self._outputs(updated, starts, logprobs_by_id)
             num_accepted = sum(map(len, sampled.values())) - len(sampled)
         if self.proposer is not None:
             for request_id in scheduled.preempted_request_ids:
@@ -513,8 +513,8 @@ class EngineCore:
         inputs = self._sampling_inputs(requests)
         if not scheduled.num_draft_tokens:
             output = sample(logits, inputs)
-            tokens = zip(ids, output.token_ids.tolist(), strict=True)
-            sampled_ids = {i: [token] for i, token in tokens}
+            # Each token in a list of its own, made by tolist() itself.
+            sampled_ids = dict(zip(ids, output.token_ids.view(-1, 1).tolist(), strict=True))
             if output.logprobs is None:
                 return sampled_ids, {}
             rows = zip(ids, output.logprobs, strict=True)
@@ -678,45 +678,66 @@ class EngineCore:
             all_argmax_only=all(r.argmax_only for r in requests),
         )
 
-    def _output(
+    def _outputs(
         self,
-        request: Request,
-        num_outputs_before: int,
+        requests: list[Request],
+        starts: Iterable[int],
         logprobs_by_id: dict,
         num_new_tokens: int | None = None,
+    ) -> list[EngineCoreOutput]:
+        """Each request's output tokens from its `starts` entry on (`num_new_tokens` of them:
+        all by default; with async scheduling a placeholder may follow them). One loop for the
+        whole step: it runs for every running request, every step."""
+        outputs = []
+        append = outputs.append
+        running = RequestStatus.RUNNING
+        for request, start in zip(requests, starts, strict=True):
+            request_id = request.request_id
+            status = request.status
+            finish_reason = kv_transfer_params = None
+            rows = logprobs_by_id.get(request_id) if logprobs_by_id else None
+            if status is not running and status.is_finished:
+                finish_reason = status.finish_reason.value
+                kv_transfer_params = self._forget_finished(request, rows)
+            end = None if num_new_tokens is None else start + num_new_tokens
+            new_token_ids = request.output_token_ids[start:end]
+            append(
+                EngineCoreOutput(
+                    request_id,
+                    new_token_ids,
+                    None if rows is None else rows[: len(new_token_ids)],
+                    finish_reason,
+                    request.stop_reason,
+                    request.num_cached_tokens,
+                    request.num_preemptions,
+                    request.first_scheduled_time,
+                    request.first_token_time,
+                    request.token_times[start:],
+                    request.finished_time,
+                    None,
+                    request.num_draft_tokens,
+                    request.num_accepted_tokens,
+                    kv_transfer_params,
+                )
+            )
+        return outputs
+
+    def _output(
+        self, request: Request, num_outputs_before: int, logprobs_by_id: dict
     ) -> EngineCoreOutput:
-        """The request's output tokens from `num_outputs_before` on (`num_new_tokens` of them:
-        all by default; with async scheduling a placeholder may follow them)."""
+        return self._outputs([request], (num_outputs_before,), logprobs_by_id)[0]
+
+    def _forget_finished(
+        self, request: Request, rows: list[dict[int, Logprob]] | None
+    ) -> dict[str, Any] | None:
+        """A finished request's per-request state goes; on a prefill instance its prompt KV
+        is held for the decode side (the output's kv_transfer_params)."""
         request_id = request.request_id
-        status = request.status
-        finish_reason = None
-        rows = logprobs_by_id.get(request_id) if logprobs_by_id else None
-        kv_transfer_params = None
-        if status is not RequestStatus.RUNNING and status.is_finished:
-            generator = self.generators.pop(request_id, None)
-            self._sync_request_ids.discard(request_id)
-            finish_reason = status.finish_reason.value
-            if request.hold_kv and request_id in self.scheduler.detached:
-                kv_transfer_params = self._hold_kv(request, rows, generator)
-        end = None if num_new_tokens is None else num_outputs_before + num_new_tokens
-        new_token_ids = request.output_token_ids[num_outputs_before:end]
-        return EngineCoreOutput(
-            request_id,
-            new_token_ids,
-            None if rows is None else rows[: len(new_token_ids)],
-            finish_reason,
-            request.stop_reason,
-            request.num_cached_tokens,
-            request.num_preemptions,
-            request.first_scheduled_time,
-            request.first_token_time,
-            request.token_times[num_outputs_before:],
-            request.finished_time,
-            None,
-            request.num_draft_tokens,
-            request.num_accepted_tokens,
-            kv_transfer_params,
-        )
+        generator = self.generators.pop(request_id, None)
+        self._sync_request_ids.discard(request_id)
+        if request.hold_kv and request_id in self.scheduler.detached:
+            return self._hold_kv(request, rows, generator)
+        return None
 
     def _hold_kv(
         self,
