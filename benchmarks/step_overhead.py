@@ -7,8 +7,10 @@ outputs.
 1. Device time 0: for 16 to 1,024 running decodes, the engine core's step (what the server's
    core process runs) per running request, and the front end's output processing per request
    (the API process's work in the server). Target: <= 3 us per running request. The
-   sampler's arithmetic runs on the stand-in device (as part 2's does, and as a GPU's does);
-   a last column times the step with it on the host.
+   sampler's arithmetic runs on the stand-in device (as part 2's does, and as a GPU's does),
+   and the steps inside gc_policy.step_loop_gc, as the engine-core process runs them; two more
+   columns time the step with the sampler on the host, and at CPython's default collector
+   thresholds. --steps at most 50: each request's KV blocks (4) must last the run.
 2. Device time --device-ms, sampling included (as on a GPU, where it is kernels behind the
    forward), the device asynchronous as a CUDA stream is (StandInDevice): steps per second
    with async scheduling off and on, as a share of 1 / device time. Target: within 5% with it
@@ -23,18 +25,21 @@ outputs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import platform
 import statistics
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from tandem import LLM, SamplingParams
 from tandem.engine import engine_core
+from tandem.engine.gc_policy import step_loop_gc
 from tandem.worker.sampler import SamplerOutput, SamplingInputs
 
 RUNNING = (16, 64, 256, 1024)
@@ -111,25 +116,38 @@ def stand_in_engine(folder: Path, running: int, device_seconds: float, **kwargs)
     return llm
 
 
+@dataclass
+class LoopCost:
+    """Microseconds per running request per step."""
+
+    core_fastest: float  # the engine core's, in the fastest round of 10 steps
+    core_mean: float  # the engine core's, over every step (collections included)
+    front_end: float  # the output processor's, in the fastest round
+
+
 def step_loop_cost(
-    folder: Path, running: int, steps: int, sample_on_device: bool
-) -> tuple[float, float]:
-    """Microseconds per running request per step: the engine core's, the front end's. The
-    fastest of rounds of 10 steps: this machine is shared, and what is wanted is the cost, not
-    the neighbours' load. `sample_on_device`: the sampler's arithmetic (an argmax over the
+    folder: Path, running: int, steps: int, sample_on_device: bool, tuned_gc: bool
+) -> LoopCost:
+    """The engine core's cost (and the front end's) per running request per step, as the
+    fastest round of 10 steps (this machine is shared, and what is wanted is the cost, not the
+    neighbours' load) and as the mean over all steps (what a long run pays, the collector's
+    runs included). `sample_on_device`: the sampler's arithmetic (an argmax over the
     vocabulary of every row) is the stand-in device's, as it is a GPU's; the host still builds
-    the sampling inputs and records the tokens."""
+    the sampling inputs and records the tokens. `tuned_gc`: the steps run inside
+    gc_policy.step_loop_gc, as the engine-core process's and LLM.generate's do; otherwise at
+    CPython's default thresholds."""
     engine = stand_in_engine(folder, running, 0.0).llm_engine
     host_sample = engine_core.sample
     if sample_on_device:
         engine_core.sample = device_sample
     try:
-        return _timed_steps(engine, running, steps)
+        with step_loop_gc() if tuned_gc else contextlib.nullcontext():
+            return _timed_steps(engine, running, steps)
     finally:
         engine_core.sample = host_sample
 
 
-def _timed_steps(engine, running: int, steps: int) -> tuple[float, float]:
+def _timed_steps(engine, running: int, steps: int) -> LoopCost:
     processor = engine.processor
     process_outputs = processor.process_outputs
     in_front_end = 0.0
@@ -152,7 +170,8 @@ def _timed_steps(engine, running: int, steps: int) -> tuple[float, float]:
         rounds.append((time.perf_counter() - start - in_front_end, in_front_end))
     per_request = 1e6 / (10 * running)
     core, front_end = min(rounds)
-    return core * per_request, front_end * per_request
+    mean = statistics.mean(core for core, _ in rounds)
+    return LoopCost(core * per_request, mean * per_request, front_end * per_request)
 
 
 def device_sample(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
@@ -168,10 +187,11 @@ def steps_per_second(
     engine = llm.llm_engine
     host_sample, engine_core.sample = engine_core.sample, device_sample
     try:
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        return steps / (time.perf_counter() - start)
+        with step_loop_gc():  # as the engine-core process runs
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            return steps / (time.perf_counter() - start)
     finally:
         engine_core.sample = host_sample
 
@@ -208,18 +228,23 @@ def main() -> None:
                             text=True).stdout.strip()  # fmt: skip
     print(f"# step_overhead  {datetime.datetime.now():%Y-%m-%d %H:%M}  {platform.machine()}  "
           f"{torch.get_num_threads()} threads  commit {commit}")  # fmt: skip
-    print("Sampling on the stand-in device (its arithmetic), or on the host (the sampler's argmax "
-          "over the tiny model's 1,024-token vocabulary per row):")  # fmt: skip
-    print("| running requests | core step ms | core µs per request | front end µs per request "
-          "| core µs per request, sampling on the host |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|")
+    print("Columns 2-5: sampling's arithmetic on the stand-in device, the step loop inside "
+          "gc_policy.step_loop_gc (as in the engine-core process and LLM.generate). Column 6: "
+          "the sampler's argmax over the tiny model's 1,024-token vocabulary on the host. "
+          "Column 7: CPython's default collector thresholds.")  # fmt: skip
+    print("| running requests | core step ms | core µs per request | core µs per request, mean "
+          "of all steps | front end µs per request | core µs, sampling on the host | core µs, "
+          "mean, default GC |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as folder:
         model = tiny_model(Path(folder))
         for running in RUNNING:
-            core_us, front_us = step_loop_cost(model, running, args.steps, True)
-            host_us, _ = step_loop_cost(model, running, args.steps, False)
-            print(f"| {running} | {core_us * running / 1000:.2f} | {core_us:.1f} | "
-                  f"{front_us:.1f} | {host_us:.1f} |")  # fmt: skip
+            cost = step_loop_cost(model, running, args.steps, True, True)
+            host = step_loop_cost(model, running, args.steps, False, True)
+            default_gc = step_loop_cost(model, running, args.steps, True, False)
+            print(f"| {running} | {cost.core_fastest * running / 1000:.2f} | "
+                  f"{cost.core_fastest:.1f} | {cost.core_mean:.1f} | {cost.front_end:.1f} | "
+                  f"{host.core_fastest:.1f} | {default_gc.core_mean:.1f} |")  # fmt: skip
         if args.step_loop_only:
             return
         ideal = 1000 / args.device_ms

@@ -22,6 +22,7 @@ import zmq
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine_core import EngineCore
+from tandem.engine.gc_policy import freeze_startup_objects, step_loop_gc
 from tandem.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -221,7 +222,9 @@ def run_engine_core(
             target=_read_inputs, args=(context, input_address, inputs), daemon=True
         )
         reader.start()
-        _CoreLoop(core, output, parent_pid).run(inputs)
+        freeze_startup_objects()
+        with step_loop_gc():
+            _CoreLoop(core, output, parent_pid).run(inputs)
     except Exception as error:
         logger.error("engine core failed:\n%s", traceback.format_exc())
         with contextlib.suppress(ConnectionError):

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from tandem.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from tandem.engine.config import DEFAULT_MAX_LOGPROBS, EngineConfig
 from tandem.engine.engine_core import EngineCore
+from tandem.engine.gc_policy import step_loop_gc
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.log_stats import LoggingStatLogger
 from tandem.engine.tokenizer import load_tokenizer
@@ -400,21 +401,22 @@ class LLM:
         start = time.perf_counter()
         prefill_tokens = decode_tokens = 0
         last_stats = self.step_stats[-1] if self.step_stats else None
-        while self.llm_engine.has_unfinished_requests():
-            for output in self.llm_engine.step():
-                if output.finished:
-                    finished[output.request_id] = output
-                    bar.update(1)
-            stats = self.step_stats[-1] if self.step_stats else None
-            if show and stats is not last_stats:
-                last_stats = stats
-                prefill_tokens += stats.num_prefill_tokens
-                decode_tokens += stats.num_decode_tokens
-                elapsed = time.perf_counter() - start
-                bar.set_postfix_str(
-                    f"prefill {prefill_tokens / elapsed:.0f} tok/s, "
-                    f"decode {decode_tokens / elapsed:.0f} tok/s"
-                )
+        with step_loop_gc():
+            while self.llm_engine.has_unfinished_requests():
+                for output in self.llm_engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+                stats = self.step_stats[-1] if self.step_stats else None
+                if show and stats is not last_stats:
+                    last_stats = stats
+                    prefill_tokens += stats.num_prefill_tokens
+                    decode_tokens += stats.num_decode_tokens
+                    elapsed = time.perf_counter() - start
+                    bar.set_postfix_str(
+                        f"prefill {prefill_tokens / elapsed:.0f} tok/s, "
+                        f"decode {decode_tokens / elapsed:.0f} tok/s"
+                    )
         bar.close()
         return [finished[request_id] for request_id in request_ids]
 
