@@ -87,7 +87,7 @@ def stand_in_engine(folder: Path, running: int, device_seconds: float, **kwargs)
     after the launch does on a GPU."""
     llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, max_num_seqs=running,
               max_num_batched_tokens=max(2048, running), num_kv_blocks=running * 4 + 64,
-              enable_prefix_caching=False, **kwargs)  # fmt: skip
+              **kwargs)  # fmt: skip
     engine, core = llm.llm_engine, llm.engine.core
     model = core.runner.model
     # The device's output buffers: what it computes costs the host nothing.

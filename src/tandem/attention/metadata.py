@@ -61,7 +61,7 @@ class BatchInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [S] rows of the hidden states to turn into logits
+    logits_indices: torch.Tensor  # [S] rows of the hidden states to turn into logits, ascending
     prompt_logits: PromptLogitsInputs | None = None
     # Async scheduling: tokens whose ids a step still in flight is sampling (placeholders,
     # -1 in input_ids until the runner fills them in): their rows, and the request of each.

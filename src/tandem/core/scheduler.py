@@ -318,7 +318,7 @@ class Scheduler:
         updated: list[Request] = []
         any_finished = False
         kv = self.kv_cache_manager
-        caching = kv.enable_caching
+        caching, block_size = kv.enable_caching, kv.block_size
         requests = self.requests
         running = RequestStatus.RUNNING
         stop_status = self._stop_status
@@ -354,9 +354,10 @@ class Scheduler:
                 finished_status = stop_status(request, token_id, len(outputs), len(all_token_ids))
             # Every appended token but the last was computed this step (an accepted draft);
             # rejected drafts' KV is dropped by moving back, and blocks holding only them go.
-            request.num_computed_tokens = len(request.all_token_ids) - 1
-            if caching:
-                kv.cache_blocks(request)
+            num_computed_before = request.num_computed_tokens
+            num_computed = request.num_computed_tokens = len(request.all_token_ids) - 1
+            if caching and num_computed // block_size > num_computed_before // block_size:
+                kv.cache_blocks(request)  # a block filled up
             updated.append(request)
             if finished_status is not None:
                 self._finish(request, finished_status, now)

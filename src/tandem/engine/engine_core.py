@@ -192,6 +192,9 @@ class EngineCore:
         # Requests whose sampling reads their own output tokens (penalties, bad words): while
         # any is unfinished, steps run one at a time, as the tokens in flight would be missing.
         self._sync_request_ids: set[str] = set()
+        # Requests with fewer output tokens than their min_tokens: EOS and stop ids are
+        # blocked for them. Usually none, and then sampling does not look at each request.
+        self._min_tokens_ids: set[str] = set()
 
     @property
     def spec_decode_stats(self) -> SpecDecodeStats:
@@ -287,6 +290,8 @@ class EngineCore:
             self.prompt_logprobs_sent[request.request_id] = 0
         if self.async_scheduling and reads_output_tokens(request.sampling_params):
             self._sync_request_ids.add(request.request_id)
+        if request.sampling_params.min_tokens > request.num_output_tokens:
+            self._min_tokens_ids.add(request.request_id)
 
     def finish_requests(
         self, request_ids: list[str], status: RequestStatus, stop_reason: str | None = None
@@ -305,6 +310,7 @@ class EngineCore:
             self.generators.pop(request_id, None)
             self.prompt_logprobs_sent.pop(request_id, None)
             self._sync_request_ids.discard(request_id)
+            self._min_tokens_ids.discard(request_id)
             if self.proposer is not None:
                 self.proposer.forget(request_id)
         self.scheduler.finish_requests(request_ids, status)
@@ -473,9 +479,11 @@ class EngineCore:
         drafts = None
         if scheduled.num_draft_tokens:
             drafts = [s.draft_token_ids for s in entries]
-        run = self.runner.run(
-            entries, [s.sample for s in entries], prompt_ranges, num_prompt_top, drafts
-        )
+        # Mostly every request samples (a decode step): no mask to build then.
+        sample_mask = None
+        if len(sampled_requests) < len(entries):
+            sample_mask = [s.sample for s in entries]
+        run = self.runner.run(entries, sample_mask, prompt_ranges, num_prompt_top, drafts)
         sampled, logprobs_by_id = self._sample(run.logits, sampled_requests, scheduled)
         prompt_logprobs_by_id = self._prompt_logprobs(entries, prompt_ranges, run.prompt_logprobs)
         if drafts is None:  # one token each
@@ -662,10 +670,17 @@ class EngineCore:
     def _sampling_inputs(self, requests: list[Request]) -> SamplingInputs:
         params = [r.sampling_params for r in requests]
         blocked: list[list[int]] = [[]] * len(requests)  # shared, never written
-        for row, (request, request_params) in enumerate(zip(requests, params, strict=True)):
+        below_min = self._min_tokens_ids
+        for row, request in enumerate(requests if below_min else ()):
+            request_id = request.request_id
+            if request_id not in below_min:
+                continue
+            request_params = request.sampling_params
             if request_params.min_tokens > len(request.output_token_ids):
                 eos = [] if request.eos_token_id is None else [request.eos_token_id]
                 blocked[row] = eos + request_params.stop_token_ids
+            else:
+                below_min.discard(request_id)  # output tokens only grow
         generators = self.generators
         return SamplingInputs(
             params=params,
@@ -735,6 +750,7 @@ class EngineCore:
         request_id = request.request_id
         generator = self.generators.pop(request_id, None)
         self._sync_request_ids.discard(request_id)
+        self._min_tokens_ids.discard(request_id)
         if request.hold_kv and request_id in self.scheduler.detached:
             return self._hold_kv(request, rows, generator)
         return None

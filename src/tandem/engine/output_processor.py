@@ -60,7 +60,10 @@ class _RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.sequences)
+        sequences = self.sequences
+        if len(sequences) == 1:  # n = 1, nearly always: no generator per call
+            return sequences[0].finish_reason is not None
+        return all(s.finish_reason is not None for s in sequences)
 
     def take_prompt_logprobs(self) -> PromptLogprobs | None:
         """What an output carries: the whole list once complete, in DELTA mode only once."""

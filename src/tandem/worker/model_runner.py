@@ -293,7 +293,10 @@ class ModelRunner:
                 raise ValueError("the batch has placeholder tokens and no ids to fill them in")
             batch.input_ids[batch.placeholder_indices] = placeholder_token_ids
         hidden = self.hidden_states(batch)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        rows = batch.logits_indices
+        # The rows ascend, so as many rows as tokens is every token in order (a decode step):
+        # no gather.
+        logits = self.model.compute_logits(hidden if len(rows) == len(hidden) else hidden[rows])
         prompt = batch.prompt_logits
         if prompt is None:
             return RunnerOutput(logits)
