@@ -98,6 +98,8 @@ ACCEPTANCE_DECAY = 0.9
 # step's expected tokens per second by at least this much: the model's error (~5-10% per
 # step) must not turn a forecast gain into a loss.
 MIN_SPECULATION_GAIN = 0.05
+# The draft_token_ids of every entry without drafts (read only: one list, not one per entry).
+_NO_DRAFTS: list[int] = []
 
 
 @dataclass
@@ -921,7 +923,7 @@ class Scheduler:
                 num_new_tokens,
                 [] if block_ids is None else block_ids,
                 num_computed + num_new_tokens - num_drafts == len(token_ids),
-                request.spec_token_ids[:num_drafts] if num_drafts else [],
+                request.spec_token_ids[:num_drafts] if num_drafts else _NO_DRAFTS,
             )
             assert not num_drafts or scheduled.sample, "drafts follow a request's last token"
             # A request (re)admitted this step is catching up even if its prompt was a cache hit.
