@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -459,8 +459,7 @@ class EngineCore:
                 if row is not None
             }
         updated = self.scheduler.settle_in_flight(in_flight.scheduled, sampled)
-        starts = [len(r.token_times) - 1 for r in updated]
-        outputs = self._outputs(updated, starts, logprobs_by_id, 1)
+        outputs = self._outputs(updated, None, logprobs_by_id)
         now = time.perf_counter()
         step_time = now - max(in_flight.start, self._last_completion)
         self._last_completion = now
@@ -488,8 +487,7 @@ class EngineCore:
         prompt_logprobs_by_id = self._prompt_logprobs(entries, prompt_ranges, run.prompt_logprobs)
         if drafts is None:  # one token each
             updated = self.scheduler.update_from_output(scheduled, sampled)
-            starts = [len(r.output_token_ids) - 1 for r in updated]
-            outputs = self._outputs(updated, starts, logprobs_by_id)
+            outputs = self._outputs(updated, None, logprobs_by_id)
             num_accepted = 0
         else:
             num_outputs_before = {r.request_id: r.num_output_tokens for r in sampled_requests}
@@ -696,17 +694,21 @@ class EngineCore:
     def _outputs(
         self,
         requests: list[Request],
-        starts: Iterable[int],
+        starts: Sequence[int] | None,
         logprobs_by_id: dict,
-        num_new_tokens: int | None = None,
     ) -> list[EngineCoreOutput]:
-        """Each request's output tokens from its `starts` entry on (`num_new_tokens` of them:
-        all by default; with async scheduling a placeholder may follow them). One loop for the
+        """Each request's output tokens from its `starts` entry on; None: its newest sampled
+        token alone (with async scheduling a placeholder may follow it). One loop for the
         whole step: it runs for every running request, every step."""
         outputs = []
         append = outputs.append
         running = RequestStatus.RUNNING
-        for request, start in zip(requests, starts, strict=True):
+        for index, request in enumerate(requests):
+            if starts is None:
+                start = len(request.token_times) - 1  # one time per sampled token
+                end = start + 1
+            else:
+                start, end = starts[index], None
             request_id = request.request_id
             status = request.status
             finish_reason = kv_transfer_params = None
@@ -714,7 +716,6 @@ class EngineCore:
             if status is not running and status.is_finished:
                 finish_reason = status.finish_reason.value
                 kv_transfer_params = self._forget_finished(request, rows)
-            end = None if num_new_tokens is None else start + num_new_tokens
             new_token_ids = request.output_token_ids[start:end]
             append(
                 EngineCoreOutput(
