@@ -1,13 +1,18 @@
 """What sampling parameters cost over greedy on the embedded model (issue 13, item 3): the
 sampler's time per step for each mix of temperature / top-k / top-p / min-p at batch 1, 32
-and 256, with top-p found among the top candidates (today) and with the full-vocabulary sort
-(before), as a share of that batch's greedy decode step (measured in the same run).
+and 256, as the engine samples (the C kernel on CPU), and in torch ops (the path on GPUs and
+without a compiler) with top-p found among the top candidates or by a full-vocabulary sort,
+as a share of that batch's greedy decode step (measured in the same run).
 
-    .venv/bin/python benchmarks/sampling_cpu.py
+    .venv/bin/python benchmarks/sampling_cpu.py [--dtype auto]
+
+--dtype: the engine's weights for the greedy step the shares are taken of (default auto, the
+engine's default; the runs before 2026-12-01 used float32, whose steps are slower).
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
@@ -81,30 +86,37 @@ def decode_step_ms(llm: LLM, batch: int) -> float:
 
 
 def main() -> None:
-    llm = LLM("default", dtype="float32", max_num_seqs=256, max_num_batched_tokens=16384)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="auto")
+    args = parser.parse_args()
+    llm = LLM("default", dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=16384)
     vocab = llm.llm_engine.core.runner.model_config.vocab_size
     real_logits = model_logits(llm)
     generator = torch.Generator().manual_seed(0)
-    print(f"{datetime.date.today()}, {platform.machine()} {os.cpu_count()} cores, vocab {vocab}")
-    print("| batch | greedy step | mix | sampler (candidates) | over greedy | sampler (full sort) "
-          "| over greedy |")  # fmt: skip
-    print("|---:|---:|---|---:|---:|---:|---:|")
+    print(f"{datetime.date.today()}, {platform.machine()} {os.cpu_count()} cores, vocab {vocab}, "
+          f"dtype {args.dtype}")  # fmt: skip
+    print("| batch | greedy step | mix | sampler | over greedy | torch ops (candidates) | over "
+          "greedy | torch ops (full sort) | over greedy |")  # fmt: skip
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+
+    def sorted_floor(logits, top, k, p, min_floor=None):  # the sort-based oracle
+        return sampler._top_k_top_p_floor_sorted(logits, k, p, min_floor)
+
     for batch in BATCHES:
         step = decode_step_ms(llm, batch)
         logits = real_logits[torch.randint(0, len(real_logits), (batch,), generator=generator)]
         greedy = sampler_ms(logits, SamplingParams(**MIXES["greedy"]))
         for name, fields in MIXES.items():
             params = SamplingParams(**fields)
-            fast = sampler_ms(logits, params)
-
-            def sorted_floor(logits, top, k, p, min_floor=None):  # the sort-based oracle
-                return sampler._top_k_top_p_floor_sorted(logits, k, p, min_floor)
-
-            with mock.patch.object(sampler, "_top_k_top_p_floor", sorted_floor):
-                full = sampler_ms(logits, params)
-            fast_share, full_share = (fast - greedy) / step, (full - greedy) / step
-            print(f"| {batch} | {step:.1f} ms | {name} | {fast:.2f} ms | {fast_share:+.1%} | "
-                  f"{full:.2f} ms | {full_share:+.1%} |", flush=True)  # fmt: skip
+            engine = sampler_ms(logits, params)  # as the engine samples: the C kernel on CPU
+            with mock.patch.object(sampler, "_kernel_rows", lambda logits, inputs: []):
+                torch_ops = sampler_ms(logits, params)
+                with mock.patch.object(sampler, "_top_k_top_p_floor", sorted_floor):
+                    full = sampler_ms(logits, params)
+            shares = [(ms - greedy) / step for ms in (engine, torch_ops, full)]
+            print(f"| {batch} | {step:.1f} ms | {name} | {engine:.2f} ms | {shares[0]:+.1%} | "
+                  f"{torch_ops:.2f} ms | {shares[1]:+.1%} | {full:.2f} ms | {shares[2]:+.1%} |",
+                  flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from tandem.attention import cpu_kernel
 from tandem.sampling_params import SamplingParams
 from tandem.worker import sampler
 from tandem.worker.logits_processors import apply_penalties, process_logits
@@ -20,6 +21,8 @@ from tandem.worker.sampler import (
     sample,
     token_logprobs,
 )
+
+from helpers import needs_cpu_kernels
 
 # Distinct logits over a small vocab; sorted order 2, 7, 0, 4, 1, 6, 3, 5. Every truncation
 # boundary used below is at least 0.03 away from its threshold, far above float32 error.
@@ -181,8 +184,21 @@ CASES = {
 }
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def sampler_path(request, monkeypatch) -> str:
+    """On CPU the rows the C kernel takes (attention/csrc/sample_rows.c) draw there; "torch":
+    every row through the torch ops (the path on GPUs and without a compiler)."""
+    if request.param == "torch":
+        monkeypatch.setattr(sampler, "_kernel_rows", lambda logits, inputs: [])
+    elif cpu_kernel.load_library() is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    return request.param
+
+
 @pytest.mark.parametrize(("knobs", "top_p_mate"), CASES.values(), ids=CASES.keys())
-def test_random_rows_follow_the_intended_distribution(knobs: dict, top_p_mate: bool) -> None:
+def test_random_rows_follow_the_intended_distribution(
+    knobs: dict, top_p_mate: bool, sampler_path: str
+) -> None:
     """20k rows of the same logits in one call; a mate row with top_p forces the sort path."""
     torch.manual_seed(0)
     params = [SamplingParams(**knobs)] * NUM_DRAWS
@@ -195,7 +211,7 @@ def test_random_rows_follow_the_intended_distribution(knobs: dict, top_p_mate: b
     assert chi_square_p_value(tokens, expected) > 1e-3
 
 
-def test_chi_square_rejects_the_untempered_distribution() -> None:
+def test_chi_square_rejects_the_untempered_distribution(sampler_path: str) -> None:
     """The goodness-of-fit check above has power: temperature 0.6 is not temperature 1."""
     torch.manual_seed(0)
     params = [SamplingParams(temperature=0.6)] * NUM_DRAWS
@@ -671,3 +687,75 @@ def test_rows_sampled_in_chunks_equal_one_pass(monkeypatch):
     whole = run()
     monkeypatch.setattr(sampler, "SAMPLE_CHUNK_BYTES", 4 * vocab * 3)  # 3 rows a chunk
     assert run() == whole
+
+
+# -- the CPU kernel's draw: the sort-based floor and an inverse CDF are the oracle -----------
+
+KERNEL_MIXES = [  # temperature, top_k, top_p, min_p
+    (1.0, 0, 1.0, 0.0), (0.7, 0, 0.9, 0.0), (1.0, 50, 1.0, 0.0), (1.3, 0, 1.0, 0.05),
+    (0.8, 100, 0.95, 0.02), (1.0, 5, 0.5, 0.0), (1.0, 0, 0.999, 0.0),
+    (1.0, 300, 0.9999999, 0.001), (2.0, 1, 0.3, 0.0), (0.5, 0, 0.01, 0.5),
+]  # fmt: skip
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize(("temperature", "top_k", "top_p", "min_p"), KERNEL_MIXES)
+def test_kernel_draws_the_sorted_sets_inverse_cdf(temperature, top_k, top_p, min_p):
+    """On flat, peaked, heavy-tailed, tied, partly -inf and one-token rows: at the middle of
+    each kept token's interval of the kept mass (vocabulary order), the kernel draws exactly
+    that token, so its kept set and weights are the sort-based floor's. Rows where some token's
+    preceding mass is p within float rounding are only checked to draw kept tokens."""
+    generator = torch.Generator().manual_seed(top_k * 7 + int(top_p * 1000))
+    logits = _adversarial_rows(2048, generator)
+    scaled = logits / temperature
+    rows = len(logits)
+    k = torch.full((rows, 1), top_k) if top_k else None
+    p = torch.full((rows, 1), top_p if top_p < 1.0 else math.inf)
+    min_floor = scaled.max(-1, keepdim=True).values + math.log(min_p) if min_p else None
+    floor = sampler._top_k_top_p_floor_sorted(scaled.clone(), k, p, min_floor)
+    checked = 0
+    for row in range(rows):
+        kept = (scaled[row] >= floor[row]) & (scaled[row] > -math.inf)
+        weights = (scaled[row].double() - scaled[row].max()).exp() * kept
+        cdf = weights.cumsum(0) / weights.sum()
+        tokens = kept.nonzero().squeeze(-1)
+        before = torch.cat([torch.zeros(1, dtype=torch.float64), cdf[tokens][:-1]])
+        wide = (cdf[tokens] - before) > 1e-4
+        middles = ((before + cdf[tokens]) / 2)[wide]
+        if len(middles) == 0:
+            continue
+        drawn = cpu_kernel.sample_rows(
+            logits[row].expand(len(middles), -1).contiguous(), [temperature] * len(middles),
+            [top_k] * len(middles), [top_p] * len(middles), [min_p] * len(middles),
+            middles.float(),
+        )  # fmt: skip
+        assert drawn is not None
+        if top_p < 1.0:  # what top-p weighs: min-p's and top-k's set
+            left_set = scaled[row] > -math.inf
+            if min_floor is not None:
+                left_set &= scaled[row] >= min_floor[row]
+            if k is not None:
+                left_set &= scaled[row] >= scaled[row].topk(top_k).values[-1]
+            left = (scaled[row].double() - scaled[row].max()).exp() * left_set
+            ordered = (left / left.sum()).sort(descending=True).values
+            mass_before = ordered.cumsum(0) - ordered
+            if bool(((mass_before - top_p).abs() < 1e-5).any()):
+                assert bool(kept[drawn].all()), row
+                continue
+        assert drawn.tolist() == tokens[wide].tolist(), row
+        checked += 1
+    assert checked >= 1  # the exact comparison ran
+
+
+@needs_cpu_kernels
+def test_kernel_argmax_is_torchs_first_argmax():
+    """Greedy batches take the kernel's argmax on CPU: torch's answer, ties to the first index
+    (rows of one value, of a repeated maximum, of -inf but one, and lengths off the vector
+    width)."""
+    generator = torch.Generator().manual_seed(3)
+    for vocab in (1, 15, 16, 17, 1000):
+        logits = torch.randint(-3, 3, (9, vocab), generator=generator).float()
+        logits[0] = 0.0
+        logits[1] = -math.inf
+        logits[1, vocab // 2] = 1.0
+        assert cpu_kernel.argmax_rows(logits).tolist() == logits.argmax(-1).tolist()

@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_decode_attention.c", "layer_ops.c", "packed_matmul.c",
-                                     "packed_matmul_int8.c", "decode_forward.c")]  # fmt: skip
+                                     "packed_matmul_int8.c", "decode_forward.c",
+                                     "sample_rows.c")]  # fmt: skip
 # Hashed with the sources: a change rebuilds.
 HEADERS = [CSRC / name for name in ("element_types.h", "kernels.h", "vector_math.h")]
 # -ffast-math's parts that vectorize reductions and the exp polynomial; -ffast-math itself
@@ -188,7 +189,65 @@ def load_library() -> ctypes.CDLL | None:
     library.quantize_rows_int8.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr]
     library.quantize_rows_int8.restype = None
     library.packed_matmul_int8_vectorized.restype = ctypes.c_int
+    library.sample_rows.argtypes = [_ptr, _i64, _i64, *[_ptr] * 6, ctypes.c_int]
+    library.sample_rows.restype = ctypes.c_int  # -1: out of memory
+    library.argmax_rows.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int]
+    library.argmax_rows.restype = None
     return library
+
+
+def _takes_logits(library: ctypes.CDLL | None, logits: torch.Tensor) -> bool:
+    return (
+        library is not None
+        and logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.is_contiguous()
+        and logits.dim() == 2
+    )
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
+    """Each row's first argmax of fp32 `logits` [rows, vocab] (torch's answer, in a vector pass
+    per row); None where the kernel does not take it."""
+    library = load_library()
+    if not _takes_logits(library, logits):
+        return None
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64)
+    library.argmax_rows(
+        logits.data_ptr(), logits.shape[0], logits.shape[1], tokens.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return tokens
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    temperature: list[float],
+    top_k: list[int],
+    top_p: list[float],
+    min_p: list[float],
+    uniforms: torch.Tensor,
+) -> torch.Tensor | None:
+    """One token per row of fp32 `logits` [rows, vocab] (csrc/sample_rows.c): argmax where the
+    temperature is 0, else a draw after min-p, top-k (0: none) and top-p, at the row's uniform
+    in [0, 1); None where the kernel does not take it (then the caller samples in torch)."""
+    library = load_library()
+    if not _takes_logits(library, logits):
+        return None
+    rows, vocab = logits.shape
+    tokens = torch.empty(rows, dtype=torch.int64)
+    columns = [
+        torch.tensor(temperature, dtype=torch.float32),
+        torch.tensor(top_k, dtype=torch.int64),
+        torch.tensor(top_p, dtype=torch.float32),
+        torch.tensor(min_p, dtype=torch.float32),
+        uniforms.to(torch.float32).contiguous(),
+    ]
+    status = library.sample_rows(
+        logits.data_ptr(), rows, vocab, *(c.data_ptr() for c in columns), tokens.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return None if status else tokens
 
 
 def int8_matmul_vectorized() -> bool:

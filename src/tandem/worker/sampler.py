@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.attention import cpu_kernel
 from tandem.outputs import Logprob
 from tandem.sampling_params import GREEDY_TEMPERATURE, SamplingParams, num_top_logprobs
 from tandem.worker.logits_processors import (
@@ -93,8 +94,38 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
     all_argmax_only = inputs.all_argmax_only
     if all_argmax_only is None:
         all_argmax_only = all(map(argmax_only, inputs.params))
-    if all_argmax_only and not any(inputs.stop_token_ids_to_block):
-        return SamplerOutput(logits.argmax(dim=-1), None)  # a batch of plain greedy rows
+    if all_argmax_only and not any(inputs.stop_token_ids_to_block):  # plain greedy rows
+        tokens = cpu_kernel.argmax_rows(logits) if logits.device.type == "cpu" else None
+        return SamplerOutput(logits.argmax(dim=-1) if tokens is None else tokens, None)
+    num_rows = logits.shape[0]
+    rows = _kernel_rows(logits, inputs)
+    if len(rows) == num_rows:
+        tokens = _sample_in_kernel(logits, inputs)
+        if tokens is not None:
+            return SamplerOutput(tokens, None)
+    elif rows:
+        # Each row's path depends on its own parameters only, so a seeded row draws the same
+        # tokens whatever its batch mates ask for.
+        in_kernel = torch.tensor(rows)
+        tokens = _sample_in_kernel(logits[in_kernel], inputs.select(rows))
+        if tokens is not None:
+            chosen = set(rows)
+            rest = [row for row in range(num_rows) if row not in chosen]
+            others = _sample_in_torch(logits[torch.tensor(rest)], inputs.select(rest))
+            token_ids = torch.empty(num_rows, dtype=torch.long)
+            token_ids[in_kernel] = tokens
+            token_ids[torch.tensor(rest)] = others.token_ids
+            logprobs = None
+            if others.logprobs is not None:
+                logprobs = [None] * num_rows
+                for row, row_logprobs in zip(rest, others.logprobs, strict=True):
+                    logprobs[row] = row_logprobs
+            return SamplerOutput(token_ids, logprobs)
+    return _sample_in_torch(logits, inputs)
+
+
+def _sample_in_torch(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
+    """The sampler in torch ops, on any device; on CPU a few rows at a time."""
     num_rows = logits.shape[0]
     chunk_rows = max(1, SAMPLE_CHUNK_BYTES // (4 * logits.shape[1]))
     if logits.device.type != "cpu" or num_rows <= chunk_rows:
@@ -108,6 +139,46 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
     if any(part.logprobs is not None for part in parts):
         logprobs = [row for part in parts for row in part.logprobs or [None] * len(part.token_ids)]
     return SamplerOutput(torch.cat([part.token_ids for part in parts]), logprobs)
+
+
+def _kernel_rows(logits: torch.Tensor, inputs: SamplingInputs) -> list[int]:
+    """The rows the CPU kernel samples (attention/csrc/sample_rows.c): on CPU, with fp32
+    logits and the kernel built, those whose logits nothing processes and that ask no
+    logprobs."""
+    if (
+        logits.device.type != "cpu"
+        or logits.dtype != torch.float32
+        or cpu_kernel.load_library() is None
+    ):
+        return []
+    return [
+        row
+        for row, (params, blocked) in enumerate(
+            zip(inputs.params, inputs.stop_token_ids_to_block, strict=True)
+        )
+        if params.logprobs is None and not blocked and not changes_logits(params)
+    ]
+
+
+def _sample_in_kernel(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor | None:
+    """Rows sampled in one C call (the same cuts, and one uniform per row against the kept
+    mass in vocabulary order, in a few passes over each row where the torch path makes a
+    dozen over copies of the batch). None where the kernel cannot take them."""
+    params = inputs.params
+    vocab = logits.shape[1]
+    draws = [_draws(p) for p in params]
+    uniforms = torch.rand(len(params))
+    for row, generator in enumerate(inputs.generators):
+        if generator is not None and draws[row]:  # one number per step, as in torch's draw
+            uniforms[row] = torch.rand(1, generator=generator, device=logits.device)
+    return cpu_kernel.sample_rows(
+        logits.contiguous(),
+        [p.temperature if d else 0.0 for p, d in zip(params, draws, strict=True)],
+        [p.top_k if 0 < p.top_k < vocab else 0 for p in params],
+        [p.top_p for p in params],
+        [p.min_p for p in params],
+        uniforms,
+    )
 
 
 def _sample_rows(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:

@@ -1,0 +1,276 @@
+/* One token per row of fp32 logits: the sampler's draw (worker/sampler.py) in a few passes
+   over each row, where torch makes a dozen (division, topk, logsumexp, softmax, cumsum, each
+   over a fresh copy of the batch's logits).
+
+   A row with temperature 0 takes its argmax (the first, as torch's). The others: temperature,
+   then min-p, top-k and top-p in vLLM's order (top-p weighs what min-p and top-k leave), then
+   one draw: the first token, in vocabulary order, whose running kept mass exceeds u times the
+   whole kept mass (u in [0, 1) given per row, so seeded rows draw from their own generator).
+
+   Per row: its max; with top-p, the whole row's mass (vectorized); then the candidates, the
+   tokens within DELTA of the max (a branchy pass that finds few), sorted descending, among
+   which the cuts are found. The kept set must lie within the candidates: where it may not
+   (top-k's k-th token below them, or the mass top-p needs beyond them) the threshold goes
+   lower and the candidates are collected again, down to the whole row. So the kept set is the
+   sort's (the sampler's oracle) up to float rounding of the running mass right at p. A row
+   with no cut draws over the whole row, a block of exps at a time. */
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "vector_math.h"
+
+#define DELTA 10.0f  /* first candidates: within e^-10 of the most likely token */
+#define STEP 2.0f    /* then the threshold goes down by this much at a time (few more join) */
+#define LOWEST 80.0f /* below the max by more than this, the candidates are the whole row */
+#define DRAW_BLOCK 64 /* tokens whose exps are summed at once in a whole-row draw */
+#define BAND 1.0f     /* top-p sorts only the bands of this width (below the max) it needs */
+#define BANDS 32
+
+typedef struct {
+    float value; /* logit / T */
+    int32_t index;
+} candidate;
+
+static int by_value_descending(const void *a, const void *b) {
+    const candidate *x = a, *y = b;
+    if (x->value != y->value) return x->value > y->value ? -1 : 1;
+    return x->index < y->index ? -1 : (x->index > y->index);
+}
+
+static float row_max(const float *x, int64_t vocab) {
+    int64_t i = 0;
+    float max = -INFINITY;
+#if defined(__AVX512F__)
+    __m512 vector_max = _mm512_set1_ps(-INFINITY);
+    for (; i + 16 <= vocab; i += 16) vector_max = _mm512_max_ps(vector_max, _mm512_loadu_ps(x + i));
+    max = _mm512_reduce_max_ps(vector_max);
+#endif
+    for (; i < vocab; i++) max = x[i] > max ? x[i] : max;
+    return max;
+}
+
+/* Σ e^(x·inverse_t − top) over x[0 .. count). */
+static float mass(const float *x, int64_t count, float inverse_t, float top) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < count; i++) sum += exp_nonpositive(x[i] * inverse_t - top);
+    return sum;
+}
+
+/* The tokens whose scaled logit is at least `threshold`, in vocabulary order. */
+static int64_t collect(const float *x, int64_t vocab, float inverse_t, float threshold,
+                       candidate *out) {
+    int64_t count = 0, i = 0;
+#if defined(__AVX512F__)
+    const __m512 scale = _mm512_set1_ps(inverse_t), limit = _mm512_set1_ps(threshold);
+    const __m512 minus_infinity = _mm512_set1_ps(-INFINITY);
+    for (; i + 16 <= vocab; i += 16) { /* a compare per 16 tokens; few lanes pass */
+        const __m512 raw = _mm512_loadu_ps(x + i);
+        unsigned mask = _mm512_cmp_ps_mask(_mm512_mul_ps(raw, scale), limit, _CMP_GE_OQ) &
+                        _mm512_cmp_ps_mask(raw, minus_infinity, _CMP_GT_OQ);
+        for (; mask; mask &= mask - 1) {
+            const int64_t j = i + __builtin_ctz(mask);
+            out[count].value = x[j] * inverse_t;
+            out[count++].index = (int32_t)j;
+        }
+    }
+#endif
+    for (; i < vocab; i++) {
+        const float value = x[i] * inverse_t;
+        if (value >= threshold && x[i] > -INFINITY) {
+            out[count].value = value;
+            out[count++].index = (int32_t)i;
+        }
+    }
+    return count;
+}
+
+/* The k-th largest of values[0 .. count) (k <= count), reordering them: a selection, not a
+   sort (Hoare's partition around the middle value). */
+static float kth_largest(float *values, int64_t count, int64_t k) {
+    int64_t low = 0, high = count - 1;
+    const int64_t target = k - 1;
+    while (low < high) {
+        const float pivot = values[low + (high - low) / 2];
+        int64_t i = low, j = high;
+        while (i <= j) {
+            while (values[i] > pivot) i++;
+            while (values[j] < pivot) j--;
+            if (i <= j) {
+                const float swap = values[i];
+                values[i++] = values[j];
+                values[j--] = swap;
+            }
+        }
+        if (target <= j) high = j;
+        else if (target >= i) low = i;
+        else return values[target];
+    }
+    return values[target];
+}
+
+/* The draw over the whole row (no cut): block sums first, then the block it falls in. */
+static int64_t draw_whole_row(const float *x, int64_t vocab, float inverse_t, float top,
+                              float total, float u) {
+    const float target = u * total;
+    float running = 0.0f;
+    int64_t last = 0;
+    for (int64_t start = 0; start < vocab; start += DRAW_BLOCK) {
+        const int64_t size = vocab - start < DRAW_BLOCK ? vocab - start : DRAW_BLOCK;
+        const float block = mass(x + start, size, inverse_t, top);
+        if (running + block <= target) {
+            running += block;
+            continue;
+        }
+        for (int64_t i = start; i < start + size; i++) {
+            if (x[i] == -INFINITY) continue;
+            running += exp_nonpositive(x[i] * inverse_t - top);
+            last = i;
+            if (running > target) return i;
+        }
+    }
+    for (int64_t i = vocab - 1; i >= 0; i--) /* rounding left the target unreached */
+        if (x[i] > -INFINITY) return i;
+    return last;
+}
+
+static int64_t first_max(const float *x, int64_t vocab, float max) {
+    for (int64_t i = 0; i < vocab; i++)
+        if (x[i] == max) return i;
+    return 0;
+}
+
+static int64_t sample_row(const float *x, int64_t vocab, float temperature, int64_t top_k,
+                          float top_p, float min_p, float u, candidate *in_order,
+                          candidate *sorted) {
+    const float max = row_max(x, vocab);
+    if (max == -INFINITY) return 0; /* nothing can be drawn: as torch's argmax */
+    if (temperature == 0.0f) return first_max(x, vocab, max);
+    const float inverse_t = 1.0f / temperature, top = max * inverse_t;
+    const int k_on = top_k > 0 && top_k < vocab;
+    const float min_floor = min_p > 0.0f ? top + logf(min_p) : -INFINITY;
+    const int no_cut = !k_on && min_p <= 0.0f && top_p >= 1.0f;
+    const float row_mass = top_p < 1.0f || no_cut ? mass(x, vocab, inverse_t, top) : 0.0f;
+    if (no_cut) return draw_whole_row(x, vocab, inverse_t, top, row_mass, u);
+    float threshold = top - DELTA; /* min-p's whole set among the first candidates: */
+    if (min_floor > -INFINITY && min_floor - 1.0f < threshold) threshold = min_floor - 1.0f;
+    for (;;) {
+        const int whole_row = threshold == -INFINITY;
+        const int64_t count = collect(x, vocab, inverse_t, threshold, in_order);
+        float lower = threshold - STEP;
+        lower = lower < top - LOWEST ? -INFINITY : lower;
+        if (!whole_row && k_on && count < top_k) {
+            threshold = lower; /* the k-th largest is below the candidates */
+            continue;
+        }
+        if (!whole_row && top_p < 1.0f && !k_on && min_floor == -INFINITY) {
+            float candidate_mass = 0.0f; /* top-p alone: its kept mass must lie above */
+            for (int64_t c = 0; c < count; c++)
+                candidate_mass += exp_nonpositive(in_order[c].value - top);
+            if (candidate_mass < top_p * row_mass) {
+                threshold = lower;
+                continue;
+            }
+        }
+        /* What min-p and top-k leave: every token at or above floor_before (all candidates:
+           min-p's floor is above the threshold, and top-k's k-th token is a candidate). */
+        float floor_before = min_floor;
+        if (k_on && count >= top_k) { /* (fewer only in a row of fewer finite tokens) */
+            float *values = (float *)sorted; /* scratch */
+            for (int64_t c = 0; c < count; c++) values[c] = in_order[c].value;
+            const float kth = kth_largest(values, count, top_k);
+            floor_before = kth > floor_before ? kth : floor_before;
+        }
+        float floor = floor_before;
+        if (top_p < 1.0f) {
+            /* Mass per band of BAND below the top, of what min-p and top-k leave: only the
+               bands the cut can fall in are sorted. */
+            float band_mass[BANDS] = {0.0f}, normalizer = 0.0f;
+            for (int64_t c = 0; c < count; c++) {
+                const float value = in_order[c].value;
+                if (value < floor_before) continue;
+                const float e = exp_nonpositive(value - top);
+                const int64_t band = (int64_t)((top - value) * (1.0f / BAND));
+                band_mass[band < BANDS ? band : BANDS - 1] += e;
+                normalizer += e;
+            }
+            if (floor_before == -INFINITY) normalizer = row_mass;
+            const float needed = top_p * normalizer;
+            float band_running = 0.0f;
+            int64_t last_band = 0;
+            while (last_band < BANDS - 1 && band_running + band_mass[last_band] < needed)
+                band_running += band_mass[last_band++];
+            const float band_floor = last_band < BANDS - 1 ? top - BAND * (last_band + 1)
+                                                           : -INFINITY;
+            int64_t num_sorted = 0;
+            for (int64_t c = 0; c < count; c++)
+                if (in_order[c].value >= floor_before && in_order[c].value >= band_floor)
+                    sorted[num_sorted++] = in_order[c];
+            qsort(sorted, (size_t)num_sorted, sizeof(candidate), by_value_descending);
+            /* Token j stays while the mass before it is below p; the first always. */
+            float running = 0.0f;
+            int64_t kept = 0;
+            while (kept < num_sorted && (kept == 0 || running < needed))
+                running += exp_nonpositive(sorted[kept++].value - top);
+            if (running < needed && floor_before == -INFINITY && !whole_row &&
+                band_floor == -INFINITY) {
+                threshold = lower; /* float rounding: the set reaches past the candidates */
+                continue;
+            }
+            const float floor_p = sorted[kept - 1].value;
+            floor = floor_p > floor_before ? floor_p : floor_before;
+        }
+        /* The draw, over the kept candidates in vocabulary order. */
+        float kept_mass = 0.0f;
+        for (int64_t c = 0; c < count; c++)
+            if (in_order[c].value >= floor) kept_mass += exp_nonpositive(in_order[c].value - top);
+        const float target = u * kept_mass;
+        float running = 0.0f;
+        int64_t last = in_order[0].index;
+        for (int64_t c = 0; c < count; c++) {
+            if (in_order[c].value < floor) continue;
+            running += exp_nonpositive(in_order[c].value - top);
+            last = in_order[c].index;
+            if (running > target) return last;
+        }
+        return last; /* rounding left the target unreached: the last kept token */
+    }
+}
+
+/* tokens[r] for each row of logits [rows, vocab] (contiguous): temperature[r] 0 for argmax,
+   top_k[r] 0 (or >= vocab) for none, top_p[r] 1 for none, min_p[r] 0 for none, u[r] in
+   [0, 1). Returns -1 where scratch cannot be allocated, else 0. */
+int sample_rows(const float *logits, int64_t rows, int64_t vocab, const float *temperature,
+                const int64_t *top_k, const float *top_p, const float *min_p, const float *u,
+                int64_t *tokens, int num_threads) {
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads) if(rows > 1) reduction(|| : failed)
+    {
+        candidate *in_order = malloc(sizeof(candidate) * (size_t)vocab);
+        candidate *sorted = malloc(sizeof(candidate) * (size_t)vocab);
+        failed = in_order == NULL || sorted == NULL;
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < rows; r++) {
+            if (failed) continue;
+            tokens[r] = sample_row(logits + r * vocab, vocab, temperature[r], top_k[r], top_p[r],
+                                   min_p[r], u[r], in_order, sorted);
+        }
+        free(in_order);
+        free(sorted);
+    }
+    return failed ? -1 : 0;
+}
+
+/* tokens[r] = the first argmax of each row of logits [rows, vocab] (contiguous), as torch's. */
+void argmax_rows(const float *logits, int64_t rows, int64_t vocab, int64_t *tokens,
+                 int num_threads) {
+    #pragma omp parallel for num_threads(num_threads) if(rows > 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = logits + r * vocab;
+        tokens[r] = first_max(x, vocab, row_max(x, vocab));
+    }
+}
