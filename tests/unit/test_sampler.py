@@ -3,9 +3,12 @@ goodness of fit for every random filter, and reproducibility of seeded rows acro
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import math
+import platform
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -759,3 +762,35 @@ def test_kernel_argmax_is_torchs_first_argmax():
         logits[1] = -math.inf
         logits[1, vocab // 2] = 1.0
         assert cpu_kernel.argmax_rows(logits).tolist() == logits.argmax(-1).tolist()
+
+
+@needs_cpu_kernels
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 instruction-set levels")
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])  # AVX2; SSE2 only
+def test_the_sampling_kernel_built_for_older_x86_draws_the_same_tokens(tmp_path, march):
+    """Without AVX-512 the kernel's max and candidate passes run as plain loops: the same
+    tokens as the native build, for every mix, on ordinary rows."""
+    if march == "haswell" and " avx2 " not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU has no AVX2")
+    flags = [f"-march={march}" if flag == "-march=native" else flag for flag in cpu_kernel.FLAGS]
+    target = tmp_path / "kernels.so"
+    cpu_kernel._build(cpu_kernel._compiler(), target, flags)
+    library = ctypes.CDLL(str(target))
+    library.sample_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                    *[ctypes.c_void_p] * 6, ctypes.c_int]  # fmt: skip
+    library.sample_rows.restype = ctypes.c_int
+    rows, vocab = 64, 3001
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(8)) * 3
+    uniforms = torch.rand(rows, generator=torch.Generator().manual_seed(9))
+    for temperature, top_k, top_p, min_p in KERNEL_MIXES:
+        columns = [torch.full((rows,), temperature), torch.full((rows,), top_k),
+                   torch.full((rows,), top_p), torch.full((rows,), min_p)]  # fmt: skip
+        tokens = torch.empty(rows, dtype=torch.int64)
+        assert library.sample_rows(
+            logits.data_ptr(), rows, vocab, *(c.data_ptr() for c in columns),
+            uniforms.data_ptr(), tokens.data_ptr(), 1,
+        ) == 0  # fmt: skip
+        native = cpu_kernel.sample_rows(
+            logits, [temperature] * rows, [top_k] * rows, [top_p] * rows, [min_p] * rows, uniforms
+        )
+        assert tokens.tolist() == native.tolist(), (temperature, top_k, top_p, min_p)
