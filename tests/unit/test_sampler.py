@@ -777,8 +777,8 @@ def test_the_sampling_kernel_built_for_older_x86_draws_the_same_tokens(tmp_path,
     cpu_kernel._build(cpu_kernel._compiler(), target, flags)
     library = ctypes.CDLL(str(target))
     library.sample_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                    *[ctypes.c_void_p] * 6, ctypes.c_int]  # fmt: skip
-    library.sample_rows.restype = ctypes.c_int
+                                    *[ctypes.c_void_p] * 7, ctypes.c_int]  # fmt: skip
+    library.sample_rows.restype = None
     rows, vocab = 64, 3001
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(8)) * 3
     uniforms = torch.rand(rows, generator=torch.Generator().manual_seed(9))
@@ -786,11 +786,55 @@ def test_the_sampling_kernel_built_for_older_x86_draws_the_same_tokens(tmp_path,
         columns = [torch.full((rows,), temperature), torch.full((rows,), top_k),
                    torch.full((rows,), top_p), torch.full((rows,), min_p)]  # fmt: skip
         tokens = torch.empty(rows, dtype=torch.int64)
-        assert library.sample_rows(
+        scratch = torch.empty(2 * vocab * cpu_kernel.SAMPLING_CANDIDATE_BYTES, dtype=torch.uint8)
+        library.sample_rows(
             logits.data_ptr(), rows, vocab, *(c.data_ptr() for c in columns),
-            uniforms.data_ptr(), tokens.data_ptr(), 1,
-        ) == 0  # fmt: skip
+            uniforms.data_ptr(), tokens.data_ptr(), scratch.data_ptr(), 1,
+        )  # fmt: skip
         native = cpu_kernel.sample_rows(
             logits, [temperature] * rows, [top_k] * rows, [top_p] * rows, [min_p] * rows, uniforms
         )
         assert tokens.tolist() == native.tolist(), (temperature, top_k, top_p, min_p)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize(
+    "knobs",
+    [dict(top_p=0.9), dict(top_k=20, temperature=0.7), dict(min_p=0.05, top_p=0.95),
+     dict(temperature=1.3)],
+)  # fmt: skip
+def test_a_seeded_row_draws_the_same_tokens_with_logprobs_on_or_off(knobs):
+    """Asking for logprobs sends a row through the torch ops instead of the C kernel: both
+    draw in vocabulary order at the row's uniform, so the tokens are the same."""
+    vocab = 2000
+    logits = torch.randn(12, vocab, generator=torch.Generator().manual_seed(11)) * 3
+
+    def tokens(logprobs: int | None) -> list[int]:
+        params = SamplingParams(seed=5, logprobs=logprobs, **knobs)
+        generator = torch.Generator().manual_seed(5)
+        return [
+            int(sample(row[None], make_inputs([params], generators=[generator])).token_ids[0])
+            for row in logits
+        ]
+
+    assert sampler._kernel_rows(logits[:1], make_inputs([SamplingParams(**knobs)])) == [0]
+    assert tokens(None) == tokens(1)
+
+
+@needs_cpu_kernels
+def test_the_kernel_draws_from_extreme_logits_without_hanging():
+    """Huge scaled logits (a temperature of 1e-5), +inf, NaN and all -inf rows: a token comes
+    back from each (where the threshold cannot step lower, the candidates are the whole row)."""
+    vocab = 300
+    rows = torch.randn(5, vocab, generator=torch.Generator().manual_seed(2)) * 500
+    rows[1, 7] = math.inf
+    rows[2, 3] = math.nan
+    rows[3] = -math.inf
+    rows[4, :] = 1e30
+    for top_k, top_p in ((50, 1.0), (0, 0.9), (5, 0.5)):
+        drawn = cpu_kernel.sample_rows(
+            rows, [1e-5] * 5, [top_k] * 5, [top_p] * 5, [0.0] * 5, torch.full((5,), 0.5)
+        )
+        assert drawn is not None and bool(((drawn >= 0) & (drawn < vocab)).all())
+        assert int(drawn[0]) == int(rows[0].argmax())  # at T = 1e-5 the max takes it all
+        assert int(drawn[1]) == 7

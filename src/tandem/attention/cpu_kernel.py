@@ -63,6 +63,7 @@ _RMS_NORM_ARGTYPES = [_ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float, ctypes.c_int
 _ROTARY_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, ctypes.c_int]
 _PACKED_MATMUL_ARGTYPES = [_ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64,
                            ctypes.c_int]  # fmt: skip
+SAMPLING_CANDIDATE_BYTES = 8  # csrc/sample_rows.c's candidate: a float and an int32
 QUANT_TYPE_IDS = {"Q4_1": 0, "Q8_0": 1}  # csrc/packed_matmul.c's enum (Q4_0 goes as Q4_1)
 
 
@@ -189,8 +190,8 @@ def load_library() -> ctypes.CDLL | None:
     library.quantize_rows_int8.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr]
     library.quantize_rows_int8.restype = None
     library.packed_matmul_int8_vectorized.restype = ctypes.c_int
-    library.sample_rows.argtypes = [_ptr, _i64, _i64, *[_ptr] * 6, ctypes.c_int]
-    library.sample_rows.restype = ctypes.c_int  # -1: out of memory
+    library.sample_rows.argtypes = [_ptr, _i64, _i64, *[_ptr] * 7, ctypes.c_int]
+    library.sample_rows.restype = None
     library.argmax_rows.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int]
     library.argmax_rows.restype = None
     return library
@@ -236,6 +237,8 @@ def sample_rows(
         return None
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64)
+    num_threads = torch.get_num_threads()
+    scratch = torch.empty(num_threads * 2 * vocab * SAMPLING_CANDIDATE_BYTES, dtype=torch.uint8)
     columns = [
         torch.tensor(temperature, dtype=torch.float32),
         torch.tensor(top_k, dtype=torch.int64),
@@ -243,11 +246,11 @@ def sample_rows(
         torch.tensor(min_p, dtype=torch.float32),
         uniforms.to(torch.float32).contiguous(),
     ]
-    status = library.sample_rows(
+    library.sample_rows(
         logits.data_ptr(), rows, vocab, *(c.data_ptr() for c in columns), tokens.data_ptr(),
-        torch.get_num_threads(),
+        scratch.data_ptr(), num_threads,
     )  # fmt: skip
-    return None if status else tokens
+    return tokens
 
 
 def int8_matmul_vectorized() -> bool:

@@ -18,6 +18,7 @@ counting before a collection sees them (`step_loop_gc`).
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -35,13 +36,26 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+_lock = threading.Lock()
+_depth = 0  # step loops running now (generate calls nest, or run on several threads)
+_previous: tuple[int, ...] = ()
+
+
 @contextmanager
 def step_loop_gc() -> Iterator[None]:
-    """Inside, the first generation is collected every STEP_LOOP_GEN0_THRESHOLD allocations
-    (or the process's own threshold, if higher); the previous thresholds come back after."""
-    previous = gc.get_threshold()
-    gc.set_threshold(max(previous[0], STEP_LOOP_GEN0_THRESHOLD), *previous[1:])
+    """While any step loop runs, the first generation is collected every
+    STEP_LOOP_GEN0_THRESHOLD allocations (or the process's own threshold, if higher); the
+    thresholds from before the first come back after the last."""
+    global _depth, _previous
+    with _lock:
+        if _depth == 0:
+            _previous = gc.get_threshold()
+            gc.set_threshold(max(_previous[0], STEP_LOOP_GEN0_THRESHOLD), *_previous[1:])
+        _depth += 1
     try:
         yield
     finally:
-        gc.set_threshold(*previous)
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                gc.set_threshold(*_previous)

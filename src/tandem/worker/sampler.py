@@ -100,28 +100,23 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
     num_rows = logits.shape[0]
     rows = _kernel_rows(logits, inputs)
     if len(rows) == num_rows:
-        tokens = _sample_in_kernel(logits, inputs)
-        if tokens is not None:
-            return SamplerOutput(tokens, None)
-    elif rows:
-        # Each row's path depends on its own parameters only, so a seeded row draws the same
-        # tokens whatever its batch mates ask for.
-        in_kernel = torch.tensor(rows)
-        tokens = _sample_in_kernel(logits[in_kernel], inputs.select(rows))
-        if tokens is not None:
-            chosen = set(rows)
-            rest = [row for row in range(num_rows) if row not in chosen]
-            others = _sample_in_torch(logits[torch.tensor(rest)], inputs.select(rest))
-            token_ids = torch.empty(num_rows, dtype=torch.long)
-            token_ids[in_kernel] = tokens
-            token_ids[torch.tensor(rest)] = others.token_ids
-            logprobs = None
-            if others.logprobs is not None:
-                logprobs = [None] * num_rows
-                for row, row_logprobs in zip(rest, others.logprobs, strict=True):
-                    logprobs[row] = row_logprobs
-            return SamplerOutput(token_ids, logprobs)
-    return _sample_in_torch(logits, inputs)
+        return SamplerOutput(_sample_in_kernel(logits, inputs), None)
+    if not rows:
+        return _sample_in_torch(logits, inputs)
+    # Each row's path depends on its own parameters only (and the two draw alike).
+    chosen = set(rows)
+    rest = [row for row in range(num_rows) if row not in chosen]
+    in_kernel, in_torch = torch.tensor(rows), torch.tensor(rest)
+    others = _sample_in_torch(logits[in_torch], inputs.select(rest))
+    token_ids = torch.empty(num_rows, dtype=torch.long)
+    token_ids[in_kernel] = _sample_in_kernel(logits[in_kernel], inputs.select(rows))
+    token_ids[in_torch] = others.token_ids
+    logprobs = None
+    if others.logprobs is not None:
+        logprobs = [None] * num_rows
+        for row, row_logprobs in zip(rest, others.logprobs, strict=True):
+            logprobs[row] = row_logprobs
+    return SamplerOutput(token_ids, logprobs)
 
 
 def _sample_in_torch(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
@@ -160,10 +155,10 @@ def _kernel_rows(logits: torch.Tensor, inputs: SamplingInputs) -> list[int]:
     ]
 
 
-def _sample_in_kernel(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor | None:
+def _sample_in_kernel(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
     """Rows sampled in one C call (the same cuts, and one uniform per row against the kept
     mass in vocabulary order, in a few passes over each row where the torch path makes a
-    dozen over copies of the batch). None where the kernel cannot take them."""
+    dozen over copies of the batch); _kernel_rows chose them."""
     params = inputs.params
     vocab = logits.shape[1]
     draws = [_draws(p) for p in params]
@@ -171,7 +166,7 @@ def _sample_in_kernel(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Ten
     for row, generator in enumerate(inputs.generators):
         if generator is not None and draws[row]:  # one number per step, as in torch's draw
             uniforms[row] = torch.rand(1, generator=generator, device=logits.device)
-    return cpu_kernel.sample_rows(
+    tokens = cpu_kernel.sample_rows(
         logits.contiguous(),
         [p.temperature if d else 0.0 for p, d in zip(params, draws, strict=True)],
         [p.top_k if 0 < p.top_k < vocab else 0 for p in params],
@@ -179,6 +174,8 @@ def _sample_in_kernel(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Ten
         [p.min_p for p in params],
         uniforms,
     )
+    assert tokens is not None  # _kernel_rows saw the kernel take these logits
+    return tokens
 
 
 def _sample_rows(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
@@ -258,7 +255,8 @@ def _sample_random(
     weighs what min-p and top-k left), then one draw per row. Each cut raises a per-row logit
     floor, and a cut no row uses costs nothing. A row whose kept set lies within its top
     candidates draws among them (no pass over the vocabulary), the others over the whole row;
-    which one depends only on the row itself, so seeded rows stay reproducible.
+    either way the inverse CDF runs in vocabulary order, so a seeded row picks the same token
+    wherever it draws (and wherever the C kernel draws it, csrc/sample_rows.c).
     `keep_filtered`: leave `logits` filtered (processed logprobs need them), and draw every row
     over the whole row."""
     cut = _cut_floor(logits, params, tempered)
@@ -271,10 +269,12 @@ def _sample_random(
         return _draw_above(logits, floor, generators)
     tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
     rows = within.nonzero().squeeze(-1)
+    indices, order = candidates.indices[rows].sort(dim=-1)  # vocabulary order
     picks = _draw_above(
-        candidates.values[rows], floor[rows], [generators[i] for i in rows.tolist()]
-    )
-    tokens[rows] = candidates.indices[rows].gather(-1, picks.unsqueeze(-1)).squeeze(-1)
+        candidates.values[rows].gather(-1, order), floor[rows],
+        [generators[i] for i in rows.tolist()],
+    )  # fmt: skip
+    tokens[rows] = indices.gather(-1, picks.unsqueeze(-1)).squeeze(-1)
     rest = (~within).nonzero().squeeze(-1)
     if len(rest):
         tokens[rest] = _draw_above(

@@ -19,6 +19,7 @@
 #include <immintrin.h>
 #endif
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -148,9 +149,9 @@ static int64_t sample_row(const float *x, int64_t vocab, float temperature, int6
                           float top_p, float min_p, float u, candidate *in_order,
                           candidate *sorted) {
     const float max = row_max(x, vocab);
-    if (max == -INFINITY) return 0; /* nothing can be drawn: as torch's argmax */
-    if (temperature == 0.0f) return first_max(x, vocab, max);
+    if (temperature == 0.0f || !isfinite(max)) return first_max(x, vocab, max);
     const float inverse_t = 1.0f / temperature, top = max * inverse_t;
+    if (!isfinite(top)) return first_max(x, vocab, max); /* no finite distribution to draw */
     const int k_on = top_k > 0 && top_k < vocab;
     const float min_floor = min_p > 0.0f ? top + logf(min_p) : -INFINITY;
     const int no_cut = !k_on && min_p <= 0.0f && top_p >= 1.0f;
@@ -161,8 +162,9 @@ static int64_t sample_row(const float *x, int64_t vocab, float temperature, int6
     for (;;) {
         const int whole_row = threshold == -INFINITY;
         const int64_t count = collect(x, vocab, inverse_t, threshold, in_order);
-        float lower = threshold - STEP;
-        lower = lower < top - LOWEST ? -INFINITY : lower;
+        if (count == 0) return first_max(x, vocab, max); /* (the max itself always passes) */
+        float lower = threshold - STEP; /* (where STEP is lost to rounding: the whole row) */
+        lower = lower < top - LOWEST || !(lower < threshold) ? -INFINITY : lower;
         if (!whole_row && k_on && count < top_k) {
             threshold = lower; /* the k-th largest is below the candidates */
             continue;
@@ -243,26 +245,20 @@ static int64_t sample_row(const float *x, int64_t vocab, float temperature, int6
 
 /* tokens[r] for each row of logits [rows, vocab] (contiguous): temperature[r] 0 for argmax,
    top_k[r] 0 (or >= vocab) for none, top_p[r] 1 for none, min_p[r] 0 for none, u[r] in
-   [0, 1). Returns -1 where scratch cannot be allocated, else 0. */
-int sample_rows(const float *logits, int64_t rows, int64_t vocab, const float *temperature,
-                const int64_t *top_k, const float *top_p, const float *min_p, const float *u,
-                int64_t *tokens, int num_threads) {
-    int failed = 0;
-    #pragma omp parallel num_threads(num_threads) if(rows > 1) reduction(|| : failed)
+   [0, 1). `scratch`: 2 * vocab candidates per thread (the caller's memory: nothing here can
+   fail). */
+void sample_rows(const float *logits, int64_t rows, int64_t vocab, const float *temperature,
+                 const int64_t *top_k, const float *top_p, const float *min_p, const float *u,
+                 int64_t *tokens, void *scratch, int num_threads) {
+    #pragma omp parallel num_threads(num_threads) if(rows > 1)
     {
-        candidate *in_order = malloc(sizeof(candidate) * (size_t)vocab);
-        candidate *sorted = malloc(sizeof(candidate) * (size_t)vocab);
-        failed = in_order == NULL || sorted == NULL;
+        candidate *in_order = (candidate *)scratch + 2 * vocab * omp_get_thread_num();
+        candidate *sorted = in_order + vocab;
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t r = 0; r < rows; r++) {
-            if (failed) continue;
+        for (int64_t r = 0; r < rows; r++)
             tokens[r] = sample_row(logits + r * vocab, vocab, temperature[r], top_k[r], top_p[r],
                                    min_p[r], u[r], in_order, sorted);
-        }
-        free(in_order);
-        free(sorted);
     }
-    return failed ? -1 : 0;
 }
 
 /* tokens[r] = the first argmax of each row of logits [rows, vocab] (contiguous), as torch's. */
