@@ -667,6 +667,11 @@ class EngineCore:
 
     def _sampling_inputs(self, requests: list[Request]) -> SamplingInputs:
         params = [r.sampling_params for r in requests]
+        num_rows = len(requests)
+        if not self._min_tokens_ids and all(r.argmax_only for r in requests):
+            # Plain greedy rows: the sampler takes the argmax and reads nothing else.
+            nothing = [()] * num_rows
+            return SamplingInputs(params, nothing, nothing, [None] * num_rows, nothing, True)
         blocked: list[list[int]] = [[]] * len(requests)  # shared, never written
         below_min = self._min_tokens_ids
         for row, request in enumerate(requests if below_min else ()):
