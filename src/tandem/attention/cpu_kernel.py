@@ -237,7 +237,7 @@ def sample_rows(
         return None
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64)
-    num_threads = torch.get_num_threads()
+    num_threads = min(torch.get_num_threads(), max(rows, 1))  # scratch for each
     scratch = torch.empty(num_threads * 2 * vocab * SAMPLING_CANDIDATE_BYTES, dtype=torch.uint8)
     columns = [
         torch.tensor(temperature, dtype=torch.float32),

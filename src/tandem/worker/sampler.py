@@ -256,7 +256,8 @@ def _sample_random(
     floor, and a cut no row uses costs nothing. A row whose kept set lies within its top
     candidates draws among them (no pass over the vocabulary), the others over the whole row;
     either way the inverse CDF runs in vocabulary order, so a seeded row picks the same token
-    wherever it draws (and wherever the C kernel draws it, csrc/sample_rows.c).
+    wherever it draws (and wherever the C kernel draws it, csrc/sample_rows.c), up to float
+    rounding where its uniform falls at an interval's edge.
     `keep_filtered`: leave `logits` filtered (processed logprobs need them), and draw every row
     over the whole row."""
     cut = _cut_floor(logits, params, tempered)

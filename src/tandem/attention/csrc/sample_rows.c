@@ -196,8 +196,8 @@ static int64_t sample_row(const float *x, int64_t vocab, float temperature, int6
                 const float value = in_order[c].value;
                 if (value < floor_before) continue;
                 const float e = exp_nonpositive(value - top);
-                const int64_t band = (int64_t)((top - value) * (1.0f / BAND));
-                band_mass[band < BANDS ? band : BANDS - 1] += e;
+                const float below = (top - value) * (1.0f / BAND); /* huge for -1e30 masks */
+                band_mass[below < (float)(BANDS - 1) ? (int64_t)below : BANDS - 1] += e;
                 normalizer += e;
             }
             if (floor_before == -INFINITY) normalizer = row_mass;
