@@ -197,24 +197,25 @@ def load_library() -> ctypes.CDLL | None:
     return library
 
 
-def _takes_logits(library: ctypes.CDLL | None, logits: torch.Tensor) -> bool:
+def takes_logits(logits: torch.Tensor) -> bool:
+    """Whether the sampling kernels take these logits: fp32 [rows, vocab] on CPU, with the
+    library built (the tensor is looked at first: on other devices nothing is compiled)."""
     return (
-        library is not None
-        and logits.device.type == "cpu"
+        logits.device.type == "cpu"
         and logits.dtype == torch.float32
-        and logits.is_contiguous()
         and logits.dim() == 2
+        and load_library() is not None
     )
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
     """Each row's first argmax of fp32 `logits` [rows, vocab] (torch's answer, in a vector pass
     per row); None where the kernel does not take it."""
-    library = load_library()
-    if not _takes_logits(library, logits):
+    if not takes_logits(logits):
         return None
+    logits = logits.contiguous()
     tokens = torch.empty(logits.shape[0], dtype=torch.int64)
-    library.argmax_rows(
+    load_library().argmax_rows(
         logits.data_ptr(), logits.shape[0], logits.shape[1], tokens.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
@@ -232,9 +233,9 @@ def sample_rows(
     """One token per row of fp32 `logits` [rows, vocab] (csrc/sample_rows.c): argmax where the
     temperature is 0, else a draw after min-p, top-k (0: none) and top-p, at the row's uniform
     in [0, 1); None where the kernel does not take it (then the caller samples in torch)."""
-    library = load_library()
-    if not _takes_logits(library, logits):
+    if not takes_logits(logits):
         return None
+    logits = logits.contiguous()
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64)
     num_threads = min(torch.get_num_threads(), max(rows, 1))  # scratch for each
@@ -246,7 +247,7 @@ def sample_rows(
         torch.tensor(min_p, dtype=torch.float32),
         uniforms.to(torch.float32).contiguous(),
     ]
-    library.sample_rows(
+    load_library().sample_rows(
         logits.data_ptr(), rows, vocab, *(c.data_ptr() for c in columns), tokens.data_ptr(),
         scratch.data_ptr(), num_threads,
     )  # fmt: skip

@@ -668,11 +668,12 @@ class EngineCore:
     def _sampling_inputs(self, requests: list[Request]) -> SamplingInputs:
         params = [r.sampling_params for r in requests]
         num_rows = len(requests)
-        if not self._min_tokens_ids and all(r.argmax_only for r in requests):
+        all_argmax_only = all(r.argmax_only for r in requests)
+        if all_argmax_only and not self._min_tokens_ids:
             # Plain greedy rows: the sampler takes the argmax and reads nothing else.
             nothing = [()] * num_rows
             return SamplingInputs(params, nothing, nothing, [None] * num_rows, nothing, True)
-        blocked: list[list[int]] = [[]] * len(requests)  # shared, never written
+        blocked: list[list[int]] = [[]] * num_rows  # shared, never written
         below_min = self._min_tokens_ids
         for row, request in enumerate(requests if below_min else ()):
             request_id = request.request_id
@@ -691,9 +692,9 @@ class EngineCore:
             output_token_ids=[r.output_token_ids for r in requests],
             generators=[generators.get(r.request_id) for r in requests]
             if generators
-            else [None] * len(requests),
+            else [None] * num_rows,
             stop_token_ids_to_block=blocked,
-            all_argmax_only=all(r.argmax_only for r in requests),
+            all_argmax_only=all_argmax_only,
         )
 
     def _outputs(

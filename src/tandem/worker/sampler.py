@@ -95,7 +95,7 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
     if all_argmax_only is None:
         all_argmax_only = all(map(argmax_only, inputs.params))
     if all_argmax_only and not any(inputs.stop_token_ids_to_block):  # plain greedy rows
-        tokens = cpu_kernel.argmax_rows(logits) if logits.device.type == "cpu" else None
+        tokens = cpu_kernel.argmax_rows(logits)
         return SamplerOutput(logits.argmax(dim=-1) if tokens is None else tokens, None)
     num_rows = logits.shape[0]
     rows = _kernel_rows(logits, inputs)
@@ -140,11 +140,7 @@ def _kernel_rows(logits: torch.Tensor, inputs: SamplingInputs) -> list[int]:
     """The rows the CPU kernel samples (attention/csrc/sample_rows.c): on CPU, with fp32
     logits and the kernel built, those whose logits nothing processes and that ask no
     logprobs."""
-    if (
-        logits.device.type != "cpu"
-        or logits.dtype != torch.float32
-        or cpu_kernel.load_library() is None
-    ):
+    if not cpu_kernel.takes_logits(logits):
         return []
     return [
         row
@@ -162,12 +158,11 @@ def _sample_in_kernel(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Ten
     params = inputs.params
     vocab = logits.shape[1]
     draws = [_draws(p) for p in params]
-    uniforms = torch.rand(len(params))
-    for row, generator in enumerate(inputs.generators):
-        if generator is not None and draws[row]:  # one number per step, as in torch's draw
-            uniforms[row] = torch.rand(1, generator=generator, device=logits.device)
+    # Rows that take the argmax draw nothing, as in the torch path.
+    generators = [g if d else None for g, d in zip(inputs.generators, draws, strict=True)]
+    uniforms = row_uniforms(generators, logits.device)
     tokens = cpu_kernel.sample_rows(
-        logits.contiguous(),
+        logits,
         [p.temperature if d else 0.0 for p, d in zip(params, draws, strict=True)],
         [p.top_k if 0 < p.top_k < vocab else 0 for p in params],
         [p.top_p for p in params],
@@ -439,14 +434,22 @@ def _inverse_cdf_draw(
     vocabulary entry (an exponential race costs a draw, a log and a divide per entry). Each
     seeded row draws its u from its own generator, so it advances the same way whatever its
     position or batch mates."""
-    rows = probs.shape[0]
-    u = torch.rand(rows, 1, device=probs.device)
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            u[row] = torch.rand(1, generator=generator, device=probs.device)
+    u = row_uniforms(generators, probs.device).unsqueeze(-1)
     cdf = probs.cumsum_(dim=-1)
     target = u.mul_(cdf[:, -1:])
     return torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[1] - 1).squeeze(-1)
+
+
+def row_uniforms(
+    generators: Sequence[torch.Generator | None], device: torch.device
+) -> torch.Tensor:
+    """One uniform in [0, 1) per row, a seeded row's from its own generator (one number per
+    draw, so it advances the same way whatever its position or batch mates)."""
+    u = torch.rand(len(generators), device=device)
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            u[row] = torch.rand(1, generator=generator, device=device)
+    return u
 
 
 @dataclass

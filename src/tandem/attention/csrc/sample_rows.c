@@ -8,12 +8,13 @@
    whole kept mass (u in [0, 1) given per row, so seeded rows draw from their own generator).
 
    Per row: its max; with top-p, the whole row's mass (vectorized); then the candidates, the
-   tokens within DELTA of the max (a branchy pass that finds few), sorted descending, among
-   which the cuts are found. The kept set must lie within the candidates: where it may not
-   (top-k's k-th token below them, or the mass top-p needs beyond them) the threshold goes
-   lower and the candidates are collected again, down to the whole row. So the kept set is the
-   sort's (the sampler's oracle) up to float rounding of the running mass right at p. A row
-   with no cut draws over the whole row, a block of exps at a time. */
+   tokens within DELTA of the max (a compare per 16 tokens with AVX-512), among which the cuts
+   are found: top-k's floor by a selection, top-p's by sorting only the bands of the candidates
+   its cut can fall in. The kept set must lie within the candidates: where it may not (top-k's
+   k-th token below them, or the mass top-p needs beyond them) the threshold goes lower and the
+   candidates are collected again, down to the whole row. So the kept set is the sort's (the
+   sampler's oracle) up to float rounding of the running mass right at p. A row with no cut
+   draws over the whole row, a block of exps at a time. */
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -139,6 +140,45 @@ static int64_t draw_whole_row(const float *x, int64_t vocab, float inverse_t, fl
     return last;
 }
 
+/* Top-p's floor among `count` candidates (in vocabulary order) over what min-p and top-k
+   leave (the candidates at or above floor_before): the value of the last token kept, which
+   is the first plus every token while the mass before it is below p of `normalizer` (the
+   whole row's mass `row_mass` where nothing came before). NAN where top-p alone needs more
+   mass than the candidates hold: the caller collects more. */
+static float top_p_floor(const candidate *in_order, int64_t count, float top, float top_p,
+                         float floor_before, float row_mass, candidate *sorted) {
+    /* Mass per band of BAND below the top: only the bands the cut can fall in are sorted. */
+    float band_mass[BANDS] = {0.0f}, candidate_mass = 0.0f;
+    for (int64_t c = 0; c < count; c++) {
+        const float value = in_order[c].value;
+        if (value < floor_before) continue;
+        const float e = exp_nonpositive(value - top);
+        const float below = (top - value) * (1.0f / BAND); /* huge for -1e30 masks */
+        band_mass[below < (float)(BANDS - 1) ? (int64_t)below : BANDS - 1] += e;
+        candidate_mass += e;
+    }
+    const int alone = floor_before == -INFINITY;
+    const float needed = top_p * (alone ? row_mass : candidate_mass);
+    if (alone && candidate_mass < needed) return NAN;
+    float band_running = 0.0f;
+    int64_t last_band = 0;
+    while (last_band < BANDS - 1 && band_running + band_mass[last_band] < needed)
+        band_running += band_mass[last_band++];
+    const float band_floor = last_band < BANDS - 1 ? top - BAND * (last_band + 1) : -INFINITY;
+    int64_t num_sorted = 0;
+    for (int64_t c = 0; c < count; c++)
+        if (in_order[c].value >= floor_before && in_order[c].value >= band_floor)
+            sorted[num_sorted++] = in_order[c];
+    qsort(sorted, (size_t)num_sorted, sizeof(candidate), by_value_descending);
+    float running = 0.0f;
+    int64_t kept = 0;
+    while (kept < num_sorted && (kept == 0 || running < needed))
+        running += exp_nonpositive(sorted[kept++].value - top);
+    if (running < needed && alone && band_floor == -INFINITY)
+        return NAN; /* float rounding: the set reaches past the candidates */
+    return sorted[kept - 1].value;
+}
+
 static int64_t first_max(const float *x, int64_t vocab, float max) {
     for (int64_t i = 0; i < vocab; i++)
         if (x[i] == max) return i;
@@ -169,15 +209,6 @@ static int64_t sample_row(const float *x, int64_t vocab, float temperature, int6
             threshold = lower; /* the k-th largest is below the candidates */
             continue;
         }
-        if (!whole_row && top_p < 1.0f && !k_on && min_floor == -INFINITY) {
-            float candidate_mass = 0.0f; /* top-p alone: its kept mass must lie above */
-            for (int64_t c = 0; c < count; c++)
-                candidate_mass += exp_nonpositive(in_order[c].value - top);
-            if (candidate_mass < top_p * row_mass) {
-                threshold = lower;
-                continue;
-            }
-        }
         /* What min-p and top-k leave: every token at or above floor_before (all candidates:
            min-p's floor is above the threshold, and top-k's k-th token is a candidate). */
         float floor_before = min_floor;
@@ -189,42 +220,13 @@ static int64_t sample_row(const float *x, int64_t vocab, float temperature, int6
         }
         float floor = floor_before;
         if (top_p < 1.0f) {
-            /* Mass per band of BAND below the top, of what min-p and top-k leave: only the
-               bands the cut can fall in are sorted. */
-            float band_mass[BANDS] = {0.0f}, normalizer = 0.0f;
-            for (int64_t c = 0; c < count; c++) {
-                const float value = in_order[c].value;
-                if (value < floor_before) continue;
-                const float e = exp_nonpositive(value - top);
-                const float below = (top - value) * (1.0f / BAND); /* huge for -1e30 masks */
-                band_mass[below < (float)(BANDS - 1) ? (int64_t)below : BANDS - 1] += e;
-                normalizer += e;
-            }
-            if (floor_before == -INFINITY) normalizer = row_mass;
-            const float needed = top_p * normalizer;
-            float band_running = 0.0f;
-            int64_t last_band = 0;
-            while (last_band < BANDS - 1 && band_running + band_mass[last_band] < needed)
-                band_running += band_mass[last_band++];
-            const float band_floor = last_band < BANDS - 1 ? top - BAND * (last_band + 1)
-                                                           : -INFINITY;
-            int64_t num_sorted = 0;
-            for (int64_t c = 0; c < count; c++)
-                if (in_order[c].value >= floor_before && in_order[c].value >= band_floor)
-                    sorted[num_sorted++] = in_order[c];
-            qsort(sorted, (size_t)num_sorted, sizeof(candidate), by_value_descending);
-            /* Token j stays while the mass before it is below p; the first always. */
-            float running = 0.0f;
-            int64_t kept = 0;
-            while (kept < num_sorted && (kept == 0 || running < needed))
-                running += exp_nonpositive(sorted[kept++].value - top);
-            if (running < needed && floor_before == -INFINITY && !whole_row &&
-                band_floor == -INFINITY) {
-                threshold = lower; /* float rounding: the set reaches past the candidates */
+            const float floor_p =
+                top_p_floor(in_order, count, top, top_p, floor_before, row_mass, sorted);
+            if (isnan(floor_p) && !whole_row) {
+                threshold = lower; /* the kept set reaches past the candidates */
                 continue;
             }
-            const float floor_p = sorted[kept - 1].value;
-            floor = floor_p > floor_before ? floor_p : floor_before;
+            if (floor_p > floor) floor = floor_p;
         }
         /* The draw, over the kept candidates in vocabulary order. */
         float kept_mass = 0.0f;
