@@ -10,7 +10,8 @@ outputs.
    sampler's arithmetic runs on the stand-in device (as part 2's does, and as a GPU's does),
    and the steps inside gc_policy.step_loop_gc, as the engine-core process runs them; two more
    columns time the step with the sampler on the host, and at CPython's default collector
-   thresholds. --steps at most 50: each request's KV blocks (4) must last the run.
+   thresholds, and one with every request's context at LONG_CONTEXT tokens (a step's work
+   must not grow with what the requests hold).
 2. Device time --device-ms, sampling included (as on a GPU, where it is kernels behind the
    forward), the device asynchronous as a CUDA stream is (StandInDevice): steps per second
    with async scheduling off and on, as a share of 1 / device time. Target: within 5% with it
@@ -18,7 +19,7 @@ outputs.
 3. With --embedded-model ROUNDS: the embedded model on this CPU (a real forward, using every
    core), output tok/s at batch 1 and 32 with async scheduling off and on.
 
-    .venv/bin/python benchmarks/step_overhead.py [--steps 50] [--device-ms 10] [--step-loop-only]
+    .venv/bin/python benchmarks/step_overhead.py [--steps 100] [--device-ms 10] [--step-loop-only]
         [--embedded-model ROUNDS]
 """
 
@@ -43,6 +44,9 @@ from tandem.engine.gc_policy import step_loop_gc
 from tandem.worker.sampler import SamplerOutput, SamplingInputs
 
 RUNNING = (16, 64, 256, 1024)
+LONG_CONTEXT = 1000  # tokens of each prompt, for the last column of part 1
+BATCHED_TOKENS = 16384  # the engine's max_num_batched_tokens: a long-context setup is short
+WARM_UP_STEPS = 3
 
 
 def tiny_model(folder: Path) -> Path:
@@ -80,19 +84,30 @@ class StandInEvent:
         time.sleep(max(0.0, self.done_at - time.perf_counter()))
 
 
-def stand_in_engine(folder: Path, running: int, device_seconds: float, **kwargs) -> LLM:
-    """An engine with `running` requests, all decoding, on a device that takes
-    `device_seconds` per forward. With async scheduling the device runs asynchronously
-    (StandInDevice); without, the forward blocks for it, as reading the sampled ids right
-    after the launch does on a GPU."""
+def stand_in_engine(
+    folder: Path,
+    running: int,
+    device_seconds: float,
+    steps: int,
+    prompt_len: int = 8,
+    **kwargs,
+) -> LLM:
+    """An engine with `running` requests of `prompt_len`-token prompts, all decoding, with
+    KV blocks for `steps` more steps, on a device that takes `device_seconds` per forward.
+    With async scheduling the device runs asynchronously (StandInDevice); without, the forward
+    blocks for it, as reading the sampled ids right after the launch does on a GPU."""
+    # Each request's tokens by the end: its prompt, what it decodes while the later prompts
+    # are admitted (a step admits BATCHED_TOKENS of them), the warm-up and the timed steps.
+    num_admission_steps = -(-running * prompt_len // BATCHED_TOKENS) + 1
+    num_tokens = prompt_len + num_admission_steps + WARM_UP_STEPS + steps + 1
     llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, max_num_seqs=running,
-              max_num_batched_tokens=max(2048, running), num_kv_blocks=running * 4 + 64,
+              max_num_batched_tokens=BATCHED_TOKENS, num_kv_blocks=running * -(-num_tokens // 16),
               **kwargs)  # fmt: skip
     engine, core = llm.llm_engine, llm.engine.core
     model = core.runner.model
     # The device's output buffers: what it computes costs the host nothing.
-    hidden = torch.zeros(max(2048, running), model.config.hidden_size)
-    logits = torch.zeros(max(2048, running), model.config.vocab_size)
+    hidden = torch.zeros(BATCHED_TOKENS, model.config.hidden_size)
+    logits = torch.zeros(BATCHED_TOKENS, model.config.vocab_size)
     device = StandInDevice(device_seconds)
 
     def device_forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -107,11 +122,14 @@ def stand_in_engine(folder: Path, running: int, device_seconds: float, **kwargs)
     if core.async_scheduling:
         core.runner.completion_event = device.completion_event
     params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    vocab_size = model.config.vocab_size
     for index in range(running):
-        engine.add_request(str(index), list(range(1, 9)), params)
+        # Prompts differ from their first token: no request shares another's blocks.
+        prompt = [index % (vocab_size - 1) + 1, *range(1, prompt_len)]
+        engine.add_request(str(index), prompt, params)
     while core.scheduler.num_running < running or core.scheduler.num_waiting:
         engine.step()
-    for _ in range(3):
+    for _ in range(WARM_UP_STEPS):
         engine.step()  # every request is decoding now (the one in flight too)
     return llm
 
@@ -126,7 +144,12 @@ class LoopCost:
 
 
 def step_loop_cost(
-    folder: Path, running: int, steps: int, sample_on_device: bool, tuned_gc: bool
+    folder: Path,
+    running: int,
+    steps: int,
+    sample_on_device: bool,
+    tuned_gc: bool,
+    prompt_len: int = 8,
 ) -> LoopCost:
     """The engine core's cost (and the front end's) per running request per step, as the
     fastest round of 10 steps (this machine is shared, and what is wanted is the cost, not the
@@ -136,7 +159,7 @@ def step_loop_cost(
     the sampling inputs and records the tokens. `tuned_gc`: the steps run inside
     gc_policy.step_loop_gc, as the engine-core process's and LLM.generate's do; otherwise at
     CPython's default thresholds."""
-    engine = stand_in_engine(folder, running, 0.0).llm_engine
+    engine = stand_in_engine(folder, running, 0.0, steps, prompt_len).llm_engine
     host_sample = engine_core.sample
     if sample_on_device:
         engine_core.sample = device_sample
@@ -183,7 +206,7 @@ def device_sample(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput
 def steps_per_second(
     folder: Path, running: int, steps: int, device_seconds: float, async_scheduling: bool
 ) -> float:
-    llm = stand_in_engine(folder, running, device_seconds, async_scheduling=async_scheduling)
+    llm = stand_in_engine(folder, running, device_seconds, steps, async_scheduling=async_scheduling)
     engine = llm.llm_engine
     host_sample, engine_core.sample = engine_core.sample, device_sample
     try:
@@ -216,7 +239,8 @@ def embedded_model_rates(rounds: int) -> dict[tuple[bool, int], list[float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--steps", type=int, default=100,
+                        help="timed steps per engine (rounds of 10)")  # fmt: skip
     parser.add_argument("--device-ms", type=float, default=10.0,
                         help="the stand-in device's time per step, part 2")  # fmt: skip
     parser.add_argument("--embedded-model", type=int, default=0, metavar="ROUNDS",
@@ -231,20 +255,23 @@ def main() -> None:
     print("Columns 2-5: sampling's arithmetic on the stand-in device, the step loop inside "
           "gc_policy.step_loop_gc (as in the engine-core process and LLM.generate). Column 6: "
           "the sampler's argmax over the tiny model's 1,024-token vocabulary on the host. "
-          "Column 7: CPython's default collector thresholds.")  # fmt: skip
+          "Column 7: CPython's default collector thresholds. Column 8: every request's "
+          f"context at {LONG_CONTEXT} tokens (the others: 8 + the steps run).")  # fmt: skip
     print("| running requests | core step ms | core µs per request | core µs per request, mean "
           "of all steps | front end µs per request | core µs, sampling on the host | core µs, "
-          "mean, default GC |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+          f"mean, default GC | core µs, {LONG_CONTEXT}-token contexts |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as folder:
         model = tiny_model(Path(folder))
         for running in RUNNING:
             cost = step_loop_cost(model, running, args.steps, True, True)
             host = step_loop_cost(model, running, args.steps, False, True)
             default_gc = step_loop_cost(model, running, args.steps, True, False)
+            long = step_loop_cost(model, running, args.steps, True, True, LONG_CONTEXT)
             print(f"| {running} | {cost.core_fastest * running / 1000:.2f} | "
                   f"{cost.core_fastest:.1f} | {cost.core_mean:.1f} | {cost.front_end:.1f} | "
-                  f"{host.core_fastest:.1f} | {default_gc.core_mean:.1f} |")  # fmt: skip
+                  f"{host.core_fastest:.1f} | {default_gc.core_mean:.1f} | "
+                  f"{long.core_fastest:.1f} |")  # fmt: skip
         if args.step_loop_only:
             return
         ideal = 1000 / args.device_ms

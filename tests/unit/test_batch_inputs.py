@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tandem.attention.block_tables import BlockTables
 from tandem.attention.metadata import _decode_arrays, _mixed_arrays, build_batch
 
 from helpers import Slice
@@ -38,8 +39,8 @@ def decode_batches(draw) -> tuple[list[Slice], list[bool] | None]:
 @given(decode_batches())
 def test_decode_path_equals_the_general_one(batch) -> None:
     requests, mask = batch
-    fast = _decode_arrays(requests, BLOCK_SIZE, mask)
-    general = _mixed_arrays(requests, BLOCK_SIZE, mask, None, None)
+    fast = _decode_arrays(requests, BLOCK_SIZE, mask, BlockTables())
+    general = _mixed_arrays(requests, BLOCK_SIZE, mask, None, None, BlockTables())
     for field in dataclasses.fields(fast):
         expected, got = getattr(general, field.name), getattr(fast, field.name)
         if expected is None:
@@ -54,17 +55,17 @@ def test_decode_path_refuses_what_the_general_one_refuses() -> None:
     short_table = [Slice(list(range(6)), 4, 1, [0])]  # position 4 needs a second block
     for requests, message in [(missing_token, "fewer known token ids"), (short_table, "too short")]:
         with pytest.raises(ValueError, match=message):
-            _decode_arrays(requests, BLOCK_SIZE, None)
+            _decode_arrays(requests, BLOCK_SIZE, None, BlockTables())
         with pytest.raises(ValueError, match=message):
-            _mixed_arrays(requests, BLOCK_SIZE, None, None, None)
+            _mixed_arrays(requests, BLOCK_SIZE, None, None, None, BlockTables())
 
 
 def test_a_sample_mask_of_the_wrong_length_is_refused_on_both_paths() -> None:
     requests = [Slice([1, 2], 1, 1, [0]), Slice([3, 4], 1, 1, [1])]
     with pytest.raises(ValueError, match="one entry per request"):
-        _decode_arrays(requests, BLOCK_SIZE, [True])
+        _decode_arrays(requests, BLOCK_SIZE, [True], BlockTables())
     with pytest.raises(ValueError, match="one entry per request"):
-        _mixed_arrays(requests, BLOCK_SIZE, [True, False, True], None, None)
+        _mixed_arrays(requests, BLOCK_SIZE, [True, False, True], None, None, BlockTables())
 
 
 def test_build_batch_takes_the_decode_path_only_for_one_token_each(monkeypatch) -> None:

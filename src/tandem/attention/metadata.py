@@ -15,6 +15,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from tandem.attention.block_tables import BlockTables
+
 
 class RequestSlice(Protocol):
     """What the batch builder needs of one scheduled request (the scheduler's output has it)."""
@@ -22,7 +24,9 @@ class RequestSlice(Protocol):
     token_ids: Sequence[int]  # every known token of the request: prompt + generated
     num_computed_tokens: int  # tokens whose K/V are already in the cache
     num_new_tokens: int  # tokens to compute this step
-    block_ids: Sequence[int]  # the request's block table
+    # The request's block table. A runner keeps tables between steps (BlockTables): a list
+    # given again must only have grown since, or be a new list object.
+    block_ids: Sequence[int]
 
 
 @dataclass
@@ -99,28 +103,35 @@ def build_batch(
     sample_mask: Sequence[bool] | None = None,
     prompt_logits_ranges: Sequence[tuple[int, int]] | None = None,
     draft_token_ids: Sequence[Sequence[int]] | None = None,
+    block_tables: BlockTables | None = None,
 ) -> BatchInputs:
     """Flatten the scheduled requests into one batch. `sample_mask` picks the requests whose
     last new token gets logits (default: all). `prompt_logits_ranges`: per request, the
     positions [start, end) among its new tokens that also get logits, for prompt logprobs
     ((0, 0): none); each must have a known next token. `draft_token_ids`: per request, guessed
     tokens after its known ones, the last of its new tokens; a sampled request gets logits at
-    its last known token and at each draft, in order."""
+    its last known token and at each draft, in order. `block_tables`: the caller's tables
+    kept from its previous steps (a runner's), so only new block ids are copied; default: built
+    from scratch."""
+    tables = BlockTables() if block_tables is None else block_tables
     if (
         draft_token_ids is None
         and prompt_logits_ranges is None
         and all(r.num_new_tokens == 1 for r in requests)
     ):
-        host = _decode_arrays(requests, block_size, sample_mask)
+        host = _decode_arrays(requests, block_size, sample_mask, tables)
     else:
         host = _mixed_arrays(
-            requests, block_size, sample_mask, prompt_logits_ranges, draft_token_ids
+            requests, block_size, sample_mask, prompt_logits_ranges, draft_token_ids, tables
         )
     return _to_device(host, block_size, device)
 
 
 def _decode_arrays(
-    requests: Sequence[RequestSlice], block_size: int, sample_mask: Sequence[bool] | None
+    requests: Sequence[RequestSlice],
+    block_size: int,
+    sample_mask: Sequence[bool] | None,
+    block_tables: BlockTables,
 ) -> _HostBatch:
     """`_mixed_arrays` for a step of one new token per request (no drafts, no prompt
     logprobs): the decode steps that are most steps, in a third of the numpy calls, which at
@@ -136,7 +147,7 @@ def _decode_arrays(
     except IndexError:
         raise ValueError("a request has fewer known token ids than it asks to compute") from None
     seq_lens = num_computed + 1
-    block_table = _block_table(requests, seq_lens, block_size)
+    block_table = _block_table(requests, seq_lens, block_size, block_tables)
     # One array in several roles below (positions too is num_computed): batch inputs are
     # read-only once built.
     every_request = np.arange(num_reqs)
@@ -168,6 +179,7 @@ def _mixed_arrays(
     sample_mask: Sequence[bool] | None,
     prompt_logits_ranges: Sequence[tuple[int, int]] | None,
     draft_token_ids: Sequence[Sequence[int]] | None,
+    block_tables: BlockTables,
 ) -> _HostBatch:
     num_reqs = len(requests)
     num_new = np.fromiter((r.num_new_tokens for r in requests), np.int64, num_reqs)
@@ -198,7 +210,7 @@ def _mixed_arrays(
         raise ValueError("a request has fewer known token ids than it asks to compute")
     input_ids = np.fromiter(chain.from_iterable(parts), np.int64, num_ids)
 
-    block_table = _block_table(requests, seq_lens, block_size)
+    block_table = _block_table(requests, seq_lens, block_size, block_tables)
     slot_mapping = (
         block_table[req_of_token, positions // block_size] * block_size + positions % block_size
     )
@@ -245,19 +257,13 @@ def _request_mask(sample_mask: Sequence[bool], num_reqs: int) -> np.ndarray:
 
 
 def _block_table(
-    requests: Sequence[RequestSlice], seq_lens: np.ndarray, block_size: int
+    requests: Sequence[RequestSlice],
+    seq_lens: np.ndarray,
+    block_size: int,
+    block_tables: BlockTables,
 ) -> np.ndarray:
     """[requests, most blocks held] block ids, padded with 0; checks each holds its context."""
-    num_reqs = len(requests)
-    block_lists = [r.block_ids for r in requests]
-    held_blocks = np.fromiter(map(len, block_lists), np.int64, num_reqs)
-    num_held = int(held_blocks.sum())
-    block_table = np.zeros((num_reqs, max(int(held_blocks.max(initial=0)), 1)), dtype=np.int64)
-    first_of_row = np.cumsum(held_blocks) - held_blocks
-    rows_of_blocks = np.repeat(np.arange(num_reqs), held_blocks)
-    block_table[rows_of_blocks, np.arange(num_held) - first_of_row[rows_of_blocks]] = np.fromiter(
-        chain.from_iterable(block_lists), np.int64, num_held
-    )
+    block_table, held_blocks = block_tables.gather([r.block_ids for r in requests])
     if np.any(-(-seq_lens // block_size) > held_blocks):
         raise ValueError("a request's block table is too short for its context")
     return block_table

@@ -200,7 +200,8 @@ class KVCacheManager:
     @property
     def held_block_ids(self) -> Mapping[str, list[int]]:
         """Request id -> its block table (the live lists), for reading only: the scheduler
-        reads every running request's each step, without a call per request."""
+        reads every running request's each step, without a call per request. A list only
+        grows; a request that gives blocks back gets a new one."""
         return self._req_to_block_ids
 
     def cache_blocks(self, request: Request, num_computed_tokens: int | None = None) -> None:
@@ -250,7 +251,10 @@ class KVCacheManager:
             return
         tail = blocks[num_kept:]
         del blocks[num_kept:]
-        del self._req_to_block_ids[request_id][num_kept:]
+        # A new list, not one shortened in place: a runner's block tables (BlockTables) take a
+        # list they have seen before to have only grown.
+        block_ids = self._req_to_block_ids
+        block_ids[request_id] = block_ids[request_id][:num_kept]
         self.block_pool.free_blocks(reversed(tail))
 
     def reset_prefix_cache(self) -> bool:

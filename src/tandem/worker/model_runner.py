@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tandem.attention.backends import BACKENDS, attention_function
+from tandem.attention.block_tables import BlockTables
 from tandem.attention.metadata import BatchInputs, RequestSlice, build_batch, forward_context
 from tandem.cache import cache_root
 from tandem.config import ModelConfig
@@ -136,6 +137,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
         self.block_size = config.block_size
+        self.block_tables = BlockTables()  # every request's, kept between steps
         if self.device.type == "cpu":
             keep_freed_memory_in_heap()
         # Set after the cache: the profiling step's forward runs before they exist.
@@ -276,7 +278,7 @@ class ModelRunner:
         """The host half of a step: the flattened batch, its inputs copied to the device."""
         return build_batch(
             requests, self.block_size, self.device, sample_mask, prompt_logits_ranges,
-            draft_token_ids,
+            draft_token_ids, self.block_tables,
         )  # fmt: skip
 
     @torch.inference_mode()
