@@ -73,6 +73,10 @@ class BatchInputs:
     placeholder_requests_cpu: np.ndarray | None = None
 
 
+# An empty index array, shared (read-only): a decode step's prefill requests and placeholders.
+_NONE = np.zeros(0, dtype=np.int64)
+_NONE.flags.writeable = False
+
 # A request with at most this many query tokens (after the first step) is attended to token by
 # token in the batched decode calls: draft verification, not worth a call of its own.
 MAX_DECODE_QUERY = 16
@@ -92,6 +96,8 @@ class _HostBatch:
     num_computed: np.ndarray
     req_of_token: np.ndarray
     decode_tokens: np.ndarray
+    decode_token_requests: np.ndarray  # the request of each decode token
+    decode_token_seq_lens: np.ndarray  # its context length: position + 1
     prefill_indices: np.ndarray
     prompt_logits: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
@@ -147,13 +153,13 @@ def _decode_arrays(
     except IndexError:
         raise ValueError("a request has fewer known token ids than it asks to compute") from None
     seq_lens = num_computed + 1
-    block_table = _block_table(requests, seq_lens, block_size, block_tables)
+    block_of_token = num_computed // block_size
+    block_table = _block_table(requests, block_of_token, block_tables)
     # One array in several roles below (positions too is num_computed): batch inputs are
     # read-only once built.
     every_request = np.arange(num_reqs)
     slot_mapping = (
-        block_table[every_request, num_computed // block_size] * block_size
-        + num_computed % block_size
+        block_table[every_request, block_of_token] * block_size + num_computed % block_size
     )
     logits_indices = every_request
     if sample_mask is not None:
@@ -169,7 +175,9 @@ def _decode_arrays(
         num_computed=num_computed,
         req_of_token=every_request,
         decode_tokens=every_request,
-        prefill_indices=np.zeros(0, dtype=np.int64),
+        decode_token_requests=every_request,
+        decode_token_seq_lens=seq_lens,
+        prefill_indices=_NONE,
     )
 
 
@@ -210,7 +218,7 @@ def _mixed_arrays(
         raise ValueError("a request has fewer known token ids than it asks to compute")
     input_ids = np.fromiter(chain.from_iterable(parts), np.int64, num_ids)
 
-    block_table = _block_table(requests, seq_lens, block_size, block_tables)
+    block_table = _block_table(requests, (seq_lens - 1) // block_size, block_tables)
     slot_mapping = (
         block_table[req_of_token, positions // block_size] * block_size + positions % block_size
     )
@@ -228,6 +236,7 @@ def _mixed_arrays(
             first + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
         )
     is_decode = (num_new == 1) | ((num_computed > 0) & (num_new <= MAX_DECODE_QUERY))
+    decode_tokens = np.flatnonzero(is_decode[req_of_token])
     prompt_logits = None
     if prompt_logits_ranges is not None:
         prompt_logits = _prompt_logits_rows(
@@ -243,7 +252,9 @@ def _mixed_arrays(
         block_table=block_table,
         num_computed=num_computed,
         req_of_token=req_of_token,
-        decode_tokens=np.flatnonzero(is_decode[req_of_token]),
+        decode_tokens=decode_tokens,
+        decode_token_requests=req_of_token[decode_tokens],
+        decode_token_seq_lens=positions[decode_tokens] + 1,
         prefill_indices=np.flatnonzero(~is_decode),
         prompt_logits=prompt_logits,
     )
@@ -257,20 +268,21 @@ def _request_mask(sample_mask: Sequence[bool], num_reqs: int) -> np.ndarray:
 
 
 def _block_table(
-    requests: Sequence[RequestSlice],
-    seq_lens: np.ndarray,
-    block_size: int,
-    block_tables: BlockTables,
+    requests: Sequence[RequestSlice], last_block: np.ndarray, block_tables: BlockTables
 ) -> np.ndarray:
-    """[requests, most blocks held] block ids, padded with 0; checks each holds its context."""
+    """[requests, most blocks held] block ids, padded with 0; checks each holds its context,
+    whose last token is in its block `last_block` (-1: no tokens)."""
     block_table, held_blocks = block_tables.gather([r.block_ids for r in requests])
-    if np.any(-(-seq_lens // block_size) > held_blocks):
+    if (last_block >= held_blocks).any():
         raise ValueError("a request's block table is too short for its context")
     return block_table
 
 
 def _to_device(host: _HostBatch, block_size: int, device: torch.device) -> BatchInputs:
-    placeholders = np.flatnonzero(host.input_ids < 0)
+    input_ids = host.input_ids
+    placeholders = _NONE
+    if len(input_ids) and input_ids.min() < 0:
+        placeholders = np.flatnonzero(input_ids < 0)
     arrays = {
         "input_ids": host.input_ids, "positions": host.positions,
         "logits_indices": host.logits_indices, "slot_mapping": host.slot_mapping,
@@ -292,8 +304,8 @@ def _to_device(host: _HostBatch, block_size: int, device: torch.device) -> Batch
         seq_lens_cpu=host.seq_lens,
         num_computed_tokens_cpu=host.num_computed,
         decode_token_indices_cpu=decode_tokens,
-        decode_token_requests_cpu=host.req_of_token[decode_tokens],
-        decode_token_seq_lens_cpu=host.positions[decode_tokens] + 1,
+        decode_token_requests_cpu=host.decode_token_requests,
+        decode_token_seq_lens_cpu=host.decode_token_seq_lens,
         prefill_indices_cpu=host.prefill_indices,
         block_size=block_size,
     )

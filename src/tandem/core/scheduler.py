@@ -64,6 +64,7 @@ class ScheduledRequest:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]  # decodes first, then prompt chunks
+    requests: list[Request]  # the request of each entry of `scheduled`, in the same order
     total_num_scheduled_tokens: int
     # Telemetry. Decode: a request already running with its prompt computed; everything else
     # (prompt chunks, recompute after preemption) counts as prefill.
@@ -298,6 +299,14 @@ class Scheduler:
                 f"prompt of {num_prompt_tokens} tokens does not fit in the KV cache "
                 f"({kv.num_blocks} blocks of {kv.block_size} tokens = {kv.max_num_tokens})"
             )
+        params = request.sampling_params
+        stop_ids = set(params.stop_token_ids)
+        if request.eos_token_id is not None and not params.ignore_eos:
+            stop_ids.add(request.eos_token_id)
+        request.stop_check_ids = frozenset(stop_ids)
+        request.length_limit = self.max_model_len
+        if params.max_tokens is not None:
+            request.length_limit = min(self.max_model_len, num_prompt_tokens + params.max_tokens)
         self.requests[request.request_id] = request
         self._arrival_order[request.request_id] = next(self._next_arrival)
         self.waiting.add(request)
@@ -321,14 +330,14 @@ class Scheduler:
         any_finished = False
         kv = self.kv_cache_manager
         caching, block_size = kv.enable_caching, kv.block_size
-        requests = self.requests
         running = RequestStatus.RUNNING
         stop_status = self._stop_status
-        for scheduled in scheduler_output.scheduled:
-            request_id = scheduled.request_id
-            request = requests.get(request_id)
-            if request is None or request.status is not running:
+        for scheduled, request in zip(
+            scheduler_output.scheduled, scheduler_output.requests, strict=True
+        ):
+            if request.status is not running:
                 continue  # aborted after it was scheduled
+            request_id = scheduled.request_id
             if not scheduled.sample:
                 request.num_computed_tokens += scheduled.num_new_tokens
                 kv.cache_blocks(request)
@@ -353,7 +362,12 @@ class Scheduler:
                 outputs.append(token_id)
                 all_token_ids.append(token_id)
                 request.token_times.append(now)
-                finished_status = stop_status(request, token_id, len(outputs), len(all_token_ids))
+                num_tokens = len(all_token_ids)
+                # _stop_status ends a request only at one of these tokens or at this length.
+                if token_id in request.stop_check_ids or num_tokens >= request.length_limit:
+                    finished_status = stop_status(request, token_id, len(outputs), num_tokens)
+                else:
+                    finished_status = None
             # Every appended token but the last was computed this step (an accepted draft);
             # rejected drafts' KV is dropped by moving back, and blocks holding only them go.
             num_computed_before = request.num_computed_tokens
@@ -905,6 +919,8 @@ class Scheduler:
         now = self.clock()
         decodes: list[ScheduledRequest] = []
         prefills: list[ScheduledRequest] = []
+        decode_requests: list[Request] = []
+        prefill_requests: list[Request] = []
         num_decode_tokens = 0
         held_block_ids = self.kv_cache_manager.held_block_ids
         drafts, admitted = plan.drafts, plan.admitted
@@ -930,13 +946,16 @@ class Scheduler:
             prefill_done = num_computed >= len(request.prompt_token_ids)
             if prefill_done and (not admitted or request_id not in admitted):
                 decodes.append(scheduled)
+                decode_requests.append(request)
                 num_decode_tokens += num_new_tokens
             else:
                 prefills.append(scheduled)
+                prefill_requests.append(request)
         total = self.config.max_num_batched_tokens - plan.token_budget
         finished_ids, self._finished_request_ids = self._finished_request_ids, []
         return SchedulerOutput(
             scheduled=decodes + prefills,
+            requests=decode_requests + prefill_requests,
             total_num_scheduled_tokens=total,
             num_prefill_tokens=total - num_decode_tokens,
             num_decode_tokens=num_decode_tokens,

@@ -71,13 +71,15 @@ class StepCostModel:
     def predict(self, sums: BatchSums) -> float:
         if self.coefficients is None:
             return self.roofline_seconds(sums) + (self.overhead or 0.0)
-        line = self._line(sums)
-        # A residual learned at other contexts must not drive a forecast to nothing.
-        return max(line + self.residuals.get(sums.num_new_tokens, 0.0), 0.5 * line)
+        line = self._line(features(sums, self.packed_max_tokens))
+        return self._with_residual(line, sums.num_new_tokens)
 
-    def _line(self, sums: BatchSums) -> float:
+    def _with_residual(self, line: float, num_new_tokens: int) -> float:
+        # A residual learned at other contexts must not drive a forecast to nothing.
+        return max(line + self.residuals.get(num_new_tokens, 0.0), 0.5 * line)
+
+    def _line(self, row: tuple[float, ...]) -> float:
         assert self.coefficients is not None
-        row = features(sums, self.packed_max_tokens)
         return sum(c * f for c, f in zip(self.coefficients, row, strict=True))
 
     def roofline_seconds(self, sums: BatchSums) -> float:
@@ -85,18 +87,27 @@ class StepCostModel:
         peaks = self.peaks
         return max(work.flops / peaks.flops_per_second, work.bytes / peaks.bytes_per_second)
 
-    def observe(self, sums: BatchSums, seconds: float) -> None:
+    def observe(self, sums: BatchSums, seconds: float) -> float:
+        """Learn from a step of these sums that took `seconds`. Returns what `predict` said
+        of it before (the step loop's one call for both)."""
         num_new = sums.num_new_tokens
-        if self.coefficients is not None and num_new <= RESIDUAL_MAX_TOKENS:
-            missed = seconds - self._line(sums)
-            previous = self.residuals.get(num_new)
-            self.residuals[num_new] = (
-                missed if previous is None else previous + RESIDUAL_WEIGHT * (missed - previous)
-            )
-        unexplained = max(0.0, seconds - self.roofline_seconds(sums))
+        row = features(sums, self.packed_max_tokens)
+        roofline = self.roofline_seconds(sums)
+        if self.coefficients is None:
+            predicted = roofline + (self.overhead or 0.0)
+        else:
+            line = self._line(row)
+            predicted = self._with_residual(line, num_new)
+            if num_new <= RESIDUAL_MAX_TOKENS:
+                missed = seconds - line
+                previous = self.residuals.get(num_new)
+                self.residuals[num_new] = (
+                    missed if previous is None else previous + RESIDUAL_WEIGHT * (missed - previous)
+                )
+        unexplained = max(0.0, seconds - roofline)
         self.overhead = unexplained if self.overhead is None else min(self.overhead, unexplained)
         slot = self._num_observed % len(self._times)
-        self._rows[slot] = features(sums, self.packed_max_tokens)
+        self._rows[slot] = row
         self._times[slot] = seconds
         self._num_observed += 1
         self._since_fit += 1
@@ -105,6 +116,7 @@ class StepCostModel:
         every = self.refit_every if num_rows >= 4 * self.refit_every else self.min_steps // 2
         if num_rows >= self.min_steps and self._since_fit >= max(1, every):
             self._fit()
+        return predicted
 
     def _fit(self) -> None:
         """Least squares; a feature whose coefficient comes out negative (collinear, or not

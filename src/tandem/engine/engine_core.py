@@ -392,7 +392,7 @@ class EngineCore:
         previous step is still sampling are placeholders in the batch: the executor fills
         them in from that step's sampled ids (on the device) before the forward."""
         entries = scheduled.scheduled
-        requests = [self.scheduler.requests[s.request_id] for s in entries if s.sample]
+        requests = [r for r, s in zip(scheduled.requests, entries, strict=True) if s.sample]
         batch = self.runner.prepare(entries, [s.sample for s in entries])
         inputs = self._sampling_inputs(requests)
         fill_rows = None
@@ -472,8 +472,7 @@ class EngineCore:
         if not scheduled.scheduled:
             return []
         entries = scheduled.scheduled
-        requests_by_id = self.scheduler.requests
-        sampled_requests = [requests_by_id[s.request_id] for s in entries if s.sample]
+        sampled_requests = [r for r, s in zip(scheduled.requests, entries, strict=True) if s.sample]
         prompt_ranges, num_prompt_top = self._prompt_logits_ranges(entries)
         drafts = None
         if scheduled.num_draft_tokens:
@@ -819,8 +818,7 @@ class EngineCore:
         self.num_preemptions += len(scheduled.preempted_request_ids)
         sums = scheduled.sums
         roofline = place_step(sums_work(self.model_shape, sums), step_time, self.peaks)
-        predicted = self.cost_model.predict(sums)
-        self.cost_model.observe(sums, step_time - propose_time)
+        predicted = self.cost_model.observe(sums, step_time - propose_time)
         if scheduled.num_prefill_tokens == 0 and self.proposer is not None:
             # The time this step's tokens cost: its own work, and the guessing for its drafts
             # (done in the previous step); not the guessing for the next step.
