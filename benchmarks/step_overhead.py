@@ -26,7 +26,6 @@ outputs.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import platform
 import statistics
@@ -143,58 +142,79 @@ class LoopCost:
     front_end: float  # the output processor's, in the fastest round
 
 
-def step_loop_cost(
-    folder: Path,
-    running: int,
-    steps: int,
-    sample_on_device: bool,
-    tuned_gc: bool,
-    prompt_len: int = 8,
-) -> LoopCost:
+def step_loop_costs(
+    folder: Path, running: int, steps: int, variants: dict[str, tuple[bool, int]]
+) -> dict[str, LoopCost]:
     """The engine core's cost (and the front end's) per running request per step, as the
     fastest round of 10 steps (this machine is shared, and what is wanted is the cost, not the
     neighbours' load) and as the mean over all steps (what a long run pays, the collector's
-    runs included). `sample_on_device`: the sampler's arithmetic (an argmax over the
+    runs included), for each variant: name -> (sample_on_device, prompt_len). Each variant is
+    an engine of its own, their rounds taken in turn, so that a slow spell of the machine
+    falls on all of them. `sample_on_device`: the sampler's arithmetic (an argmax over the
     vocabulary of every row) is the stand-in device's, as it is a GPU's; the host still builds
-    the sampling inputs and records the tokens. `tuned_gc`: the steps run inside
-    gc_policy.step_loop_gc, as the engine-core process's and LLM.generate's do; otherwise at
-    CPython's default thresholds."""
-    engine = stand_in_engine(folder, running, 0.0, steps, prompt_len).llm_engine
+    the sampling inputs and records the tokens. The steps run inside gc_policy.step_loop_gc,
+    as the engine-core process's and LLM.generate's do."""
+    timers = {
+        name: RoundTimer(stand_in_engine(folder, running, 0.0, steps, prompt_len).llm_engine)
+        for name, (_, prompt_len) in variants.items()
+    }
     host_sample = engine_core.sample
-    if sample_on_device:
-        engine_core.sample = device_sample
     try:
-        with step_loop_gc() if tuned_gc else contextlib.nullcontext():
-            return _timed_steps(engine, running, steps)
+        with step_loop_gc():
+            for _ in range(max(1, steps // 10)):
+                for name, (sample_on_device, _) in variants.items():
+                    engine_core.sample = device_sample if sample_on_device else host_sample
+                    timers[name].run_round()
     finally:
         engine_core.sample = host_sample
+    return {name: timer.cost(running) for name, timer in timers.items()}
 
 
-def _timed_steps(engine, running: int, steps: int) -> LoopCost:
-    processor = engine.processor
-    process_outputs = processor.process_outputs
-    in_front_end = 0.0
+def default_gc_cost(folder: Path, running: int, steps: int) -> LoopCost:
+    """step_loop_costs' first variant at CPython's default collector thresholds, alone in the
+    process (the collector's full passes traverse every live engine)."""
+    timer = RoundTimer(stand_in_engine(folder, running, 0.0, steps).llm_engine)
+    host_sample, engine_core.sample = engine_core.sample, device_sample
+    try:
+        for _ in range(max(1, steps // 10)):
+            timer.run_round()
+    finally:
+        engine_core.sample = host_sample
+    return timer.cost(running)
 
-    def timed_process_outputs(outputs):
-        nonlocal in_front_end
-        start = time.perf_counter()
-        try:
-            return process_outputs(outputs)
-        finally:
-            in_front_end += time.perf_counter() - start
 
-    processor.process_outputs = timed_process_outputs
-    rounds = []
-    for _ in range(max(1, steps // 10)):
-        in_front_end = 0.0
+class RoundTimer:
+    """Times an engine's steps in rounds of 10: the core's time, and the front end's (its
+    output processing) apart."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.rounds: list[tuple[float, float]] = []  # (core seconds, front end seconds)
+        self._in_front_end = 0.0
+        process_outputs = engine.processor.process_outputs
+
+        def timed_process_outputs(outputs):
+            start = time.perf_counter()
+            try:
+                return process_outputs(outputs)
+            finally:
+                self._in_front_end += time.perf_counter() - start
+
+        engine.processor.process_outputs = timed_process_outputs
+
+    def run_round(self) -> None:
+        self._in_front_end = 0.0
         start = time.perf_counter()
         for _ in range(10):
-            engine.step()
-        rounds.append((time.perf_counter() - start - in_front_end, in_front_end))
-    per_request = 1e6 / (10 * running)
-    core, front_end = min(rounds)
-    mean = statistics.mean(core for core, _ in rounds)
-    return LoopCost(core * per_request, mean * per_request, front_end * per_request)
+            self.engine.step()
+        elapsed = time.perf_counter() - start
+        self.rounds.append((elapsed - self._in_front_end, self._in_front_end))
+
+    def cost(self, running: int) -> LoopCost:
+        per_request = 1e6 / (10 * running)
+        core, front_end = min(self.rounds)
+        mean = statistics.mean(core for core, _ in self.rounds)
+        return LoopCost(core * per_request, mean * per_request, front_end * per_request)
 
 
 def device_sample(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
@@ -264,10 +284,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         model = tiny_model(Path(folder))
         for running in RUNNING:
-            cost = step_loop_cost(model, running, args.steps, True, True)
-            host = step_loop_cost(model, running, args.steps, False, True)
-            default_gc = step_loop_cost(model, running, args.steps, True, False)
-            long = step_loop_cost(model, running, args.steps, True, True, LONG_CONTEXT)
+            default_gc = default_gc_cost(model, running, args.steps)
+            costs = step_loop_costs(
+                model, running, args.steps,
+                {"device": (True, 8), "host": (False, 8), "long": (True, LONG_CONTEXT)},
+            )  # fmt: skip
+            cost, host, long = costs["device"], costs["host"], costs["long"]
             print(f"| {running} | {cost.core_fastest * running / 1000:.2f} | "
                   f"{cost.core_fastest:.1f} | {cost.core_mean:.1f} | {cost.front_end:.1f} | "
                   f"{host.core_fastest:.1f} | {default_gc.core_mean:.1f} | "
