@@ -123,8 +123,9 @@ def stand_in_engine(
     params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
     vocab_size = model.config.vocab_size
     for index in range(running):
-        # Prompts differ from their first token: no request shares another's blocks.
-        prompt = [index % (vocab_size - 1) + 1, *range(1, prompt_len)]
+        # Prompts differ in their first two tokens: no request shares another's blocks.
+        first, second = divmod(index, vocab_size - 1)
+        prompt = [second + 1, first + 1, *range(2, prompt_len)]
         engine.add_request(str(index), prompt, params)
     while core.scheduler.num_running < running or core.scheduler.num_waiting:
         engine.step()

@@ -524,3 +524,17 @@ def test_cached_tokens_count_first_admission_only() -> None:
     assert resumed.num_computed_tokens > 0  # its own blocks were hits on resume...
     assert b.num_cached_tokens == 0  # ...but recompute is not counted as a cache hit
     assert a.num_cached_tokens == 8
+
+
+def test_a_token_landing_after_its_request_was_aborted_goes_nowhere() -> None:
+    """Async scheduling: a request aborted while its step runs, and a new request under the
+    same id, must not get the old step's token."""
+    scheduler = make_scheduler()
+    add(scheduler, "a", 4, max_tokens=8)
+    in_flight = scheduler.schedule()
+    scheduler.mark_in_flight(in_flight)
+    scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    reused = add(scheduler, "a", 6, first_token=50, max_tokens=8)
+    assert scheduler.settle_in_flight(in_flight, {"a": 999}) == []
+    assert reused.all_token_ids == list(range(50, 56)) and reused.output_token_ids == []
+    assert reused.token_times == [] and reused.status is RequestStatus.WAITING

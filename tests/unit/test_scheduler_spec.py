@@ -64,11 +64,14 @@ def test_rejected_drafts_roll_back_progress_and_free_their_blocks():
     assert (request.num_draft_tokens, request.num_accepted_tokens) == (4, 1)
     request.spec_token_ids = [1, 2, 3, 4]
     output = scheduler.schedule()  # positions 9..13: four blocks
-    assert len(kv.get_block_ids("a")) == 4
+    table = kv.get_block_ids("a")
+    assert len(table) == 4
     scheduler.update_from_output(output, {"a": [5]})  # all rejected
     assert request.num_computed_tokens == 10
     assert len(kv.get_block_ids("a")) == 3  # the fourth held only rejected drafts
     assert kv.num_free_blocks == free_before
+    # A new list: the runner's block tables take a list they have seen to have only grown.
+    assert kv.get_block_ids("a") is not table and len(table) == 4
 
 
 def test_all_drafts_accepted_and_the_bonus_token():

@@ -253,8 +253,8 @@ class KVCacheManager:
         del blocks[num_kept:]
         # A new list, not one shortened in place: a runner's block tables (BlockTables) take a
         # list they have seen before to have only grown.
-        block_ids = self._req_to_block_ids
-        block_ids[request_id] = block_ids[request_id][:num_kept]
+        block_id_lists = self._req_to_block_ids
+        block_id_lists[request_id] = block_id_lists[request_id][:num_kept]
         self.block_pool.free_blocks(reversed(tail))
 
     def reset_prefix_cache(self) -> bool:

@@ -393,8 +393,9 @@ class Scheduler:
         if scheduler_output.num_draft_tokens:
             raise ValueError("a step verifying drafts cannot run in flight: its tokens decide")
         max_model_len = self.max_model_len
-        for scheduled in scheduler_output.scheduled:
-            request = self.requests[scheduled.request_id]
+        for scheduled, request in zip(
+            scheduler_output.scheduled, scheduler_output.requests, strict=True
+        ):
             request.num_computed_tokens += scheduled.num_new_tokens
             if not scheduled.sample:
                 continue
@@ -417,10 +418,11 @@ class Scheduler:
         updated: list[Request] = []
         any_finished = False
         kv = self.kv_cache_manager
-        for scheduled in scheduler_output.scheduled:
-            request = self.requests.get(scheduled.request_id)
-            if request is None:
-                continue  # aborted after it was scheduled
+        for scheduled, request in zip(
+            scheduler_output.scheduled, scheduler_output.requests, strict=True
+        ):
+            if request.is_finished:
+                continue  # aborted after it was scheduled (its id may be a new request's now)
             running = request.status is RequestStatus.RUNNING
             num_computed = scheduled.num_computed_tokens + scheduled.num_new_tokens
             if not scheduled.sample:
