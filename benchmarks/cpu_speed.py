@@ -8,7 +8,7 @@ auto mode's quality beside fp32: teacher-forced over a fixed text (the Python li
 thousand tokens), in prefill-sized and in decode-sized steps, top-1 agreement and perplexity.
 Nothing else may compute meanwhile (two OpenMP processes on 2 cores slow each other 10-30x).
 
-    .venv/bin/python benchmarks/cpu_speed.py [--rounds 3] [--offline]
+    .venv/bin/python benchmarks/cpu_speed.py [--rounds 3] [--offline] [--breakdown-only]
 """
 
 from __future__ import annotations
@@ -175,10 +175,16 @@ def startup_seconds(dtype: str, compilation_level: int = 0) -> tuple[float, floa
     return times[0], times[1]
 
 
-def step_breakdown(engine: Tandem) -> dict[str, float]:
+def step_breakdown(engine: Tandem, rounds: int) -> dict[str, float]:
     """Milliseconds per step of a batch-1 decode: input preparation, the forward (with the
     logits), sampling, the engine core's other work, and the front end's (output processing,
-    detokenizing). Timed by wrapping the functions the step calls."""
+    detokenizing), each the least of `rounds` generations. Timed by wrapping the functions
+    the step calls."""
+    runs = [_one_breakdown(engine) for _ in range(rounds)]
+    return {part: min(run[part] for run in runs) for part in runs[0]}
+
+
+def _one_breakdown(engine: Tandem) -> dict[str, float]:
     totals: dict[str, float] = defaultdict(float)
 
     def timed(name: str, function: Callable) -> Callable:
@@ -216,6 +222,19 @@ def step_breakdown(engine: Tandem) -> dict[str, float]:
         "front end": wall - totals["step"],
     }
     return {name: seconds / num_steps * 1e3 for name, seconds in per_step.items()}
+
+
+def print_breakdown(engines: list[Tandem], rounds: int) -> dict[str, dict[str, float]]:
+    breakdown = {engine.name: step_breakdown(engine, rounds) for engine in engines}
+    print(f"\n## Batch-1 decode step, ms (share of the step), each part the least of {rounds}")
+    parts = list(next(iter(breakdown.values())))
+    print("| engine | " + " | ".join(parts) + " | non-forward share |")
+    print("|---|" + "---:|" * (len(parts) + 1))
+    for name, row in breakdown.items():
+        total = sum(row.values())
+        cells = " | ".join(f"{row[p]:.2f} ({row[p] / total:.0%})" for p in parts)
+        print(f"| {name} | {cells} | {1 - row['forward'] / total:.1%} |")
+    return breakdown
 
 
 def reference_text_tokens(count: int) -> list[int]:
@@ -297,6 +316,8 @@ def main() -> None:
                         "(the gather + SDPA reference) beside the default")  # fmt: skip
     parser.add_argument("--speed-only", action="store_true",
                         help="only the speed rows (no breakdown, start-up or quality)")  # fmt: skip
+    parser.add_argument("--breakdown-only", action="store_true",
+                        help="only the batch-1 step's breakdown, tandem's engines")  # fmt: skip
     args = parser.parse_args()
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
@@ -312,6 +333,9 @@ def main() -> None:
         f"{auto.packed_int8_min_tokens or 'none'}"
     )
 
+    if args.breakdown_only:
+        print_breakdown([Tandem(dtype) for dtype in TANDEM_DTYPES], args.rounds)
+        return
     engines = [HF(), *(Tandem(dtype) for dtype in TANDEM_DTYPES)]
     if args.compile:
         engines.append(Tandem("auto", compilation_level=3))
@@ -342,15 +366,7 @@ def main() -> None:
     if args.speed_only:
         return
 
-    breakdown = {engine.name: step_breakdown(engine) for engine in engines[1:]}
-    print("\n## Batch-1 decode step, ms (share of the step)")
-    parts = list(next(iter(breakdown.values())))
-    print("| engine | " + " | ".join(parts) + " | non-forward share |")
-    print("|---|" + "---:|" * (len(parts) + 1))
-    for name, row in breakdown.items():
-        total = sum(row.values())
-        cells = " | ".join(f"{row[p]:.2f} ({row[p] / total:.0%})" for p in parts)
-        print(f"| {name} | {cells} | {1 - row['forward'] / total:.1%} |")
+    breakdown = print_breakdown(engines[1:], args.rounds)
     del engines
 
     startup = {dtype: startup_seconds(dtype) for dtype in TANDEM_DTYPES}
