@@ -10,8 +10,9 @@ outputs.
    sampler's arithmetic runs on the stand-in device (as part 2's does, and as a GPU's does),
    and the steps inside gc_policy.step_loop_gc, as the engine-core process runs them; two more
    columns time the step with the sampler on the host, and at CPython's default collector
-   thresholds, and one with every request's context at LONG_CONTEXT tokens (a step's work
-   must not grow with what the requests hold).
+   thresholds, and one with prompts of LONG_CONTEXT tokens and more (a step's work must
+   not grow with what the requests hold). Prompt lengths are staggered over a block, as a
+   server's are, so that each step a sixteenth of the requests fills a block.
 2. Device time --device-ms, sampling included (as on a GPU, where it is kernels behind the
    forward), the device asynchronous as a CUDA stream is (StandInDevice): steps per second
    with async scheduling off and on, as a share of 1 / device time. Target: within 5% with it
@@ -43,9 +44,10 @@ from tandem.engine.gc_policy import step_loop_gc
 from tandem.worker.sampler import SamplerOutput, SamplingInputs
 
 RUNNING = (16, 64, 256, 1024)
-LONG_CONTEXT = 1000  # tokens of each prompt, for the last column of part 1
+LONG_CONTEXT = 1000  # tokens of the shortest prompt, for the last column of part 1
 BATCHED_TOKENS = 16384  # the engine's max_num_batched_tokens: a long-context setup is short
 WARM_UP_STEPS = 3
+BLOCK_SIZE = 16  # the engine's default
 
 
 def tiny_model(folder: Path) -> Path:
@@ -91,17 +93,21 @@ def stand_in_engine(
     prompt_len: int = 8,
     **kwargs,
 ) -> LLM:
-    """An engine with `running` requests of `prompt_len`-token prompts, all decoding, with
-    KV blocks for `steps` more steps, on a device that takes `device_seconds` per forward.
-    With async scheduling the device runs asynchronously (StandInDevice); without, the forward
-    blocks for it, as reading the sampled ids right after the launch does on a GPU."""
+    """An engine with `running` requests of prompts of `prompt_len` to `prompt_len` + 15
+    tokens, all decoding, with KV blocks for `steps` more steps, on a device that takes
+    `device_seconds` per forward. The lengths are staggered as a server's are: each step a
+    sixteenth of the requests fills a block (a new one, the full one hashed into the prefix
+    cache), not all of them one step in sixteen. With async scheduling the device runs
+    asynchronously (StandInDevice); without, the forward blocks for it, as reading the
+    sampled ids right after the launch does on a GPU."""
     # Each request's tokens by the end: its prompt, what it decodes while the later prompts
     # are admitted (a step admits BATCHED_TOKENS of them), the warm-up and the timed steps.
-    num_admission_steps = -(-running * prompt_len // BATCHED_TOKENS) + 1
-    num_tokens = prompt_len + num_admission_steps + WARM_UP_STEPS + steps + 1
+    longest_prompt = prompt_len + BLOCK_SIZE - 1
+    num_admission_steps = -(-running * longest_prompt // BATCHED_TOKENS) + 1
+    num_tokens = longest_prompt + num_admission_steps + WARM_UP_STEPS + steps + 1
     llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, max_num_seqs=running,
-              max_num_batched_tokens=BATCHED_TOKENS, num_kv_blocks=running * -(-num_tokens // 16),
-              **kwargs)  # fmt: skip
+              max_num_batched_tokens=BATCHED_TOKENS, block_size=BLOCK_SIZE,
+              num_kv_blocks=running * -(-num_tokens // BLOCK_SIZE), **kwargs)  # fmt: skip
     engine, core = llm.llm_engine, llm.engine.core
     model = core.runner.model
     # The device's output buffers: what it computes costs the host nothing.
@@ -125,7 +131,7 @@ def stand_in_engine(
     for index in range(running):
         # Prompts differ in their first two tokens: no request shares another's blocks.
         first, second = divmod(index, vocab_size - 1)
-        prompt = [second + 1, first + 1, *range(2, prompt_len)]
+        prompt = [second + 1, first + 1, *range(2, prompt_len + index % BLOCK_SIZE)]
         engine.add_request(str(index), prompt, params)
     while core.scheduler.num_running < running or core.scheduler.num_waiting:
         engine.step()
@@ -277,10 +283,11 @@ def main() -> None:
           "gc_policy.step_loop_gc (as in the engine-core process and LLM.generate). Column 6: "
           "the sampler's argmax over the tiny model's 1,024-token vocabulary on the host. "
           "Column 7: CPython's default collector thresholds. Column 8: every request's "
-          f"context at {LONG_CONTEXT} tokens (the others: 8 + the steps run).")  # fmt: skip
+          f"prompts of {LONG_CONTEXT}-{LONG_CONTEXT + BLOCK_SIZE - 1} tokens (the others: "
+          f"8-{7 + BLOCK_SIZE}), plus the steps run.")  # fmt: skip
     print("| running requests | core step ms | core µs per request | core µs per request, mean "
           "of all steps | front end µs per request | core µs, sampling on the host | core µs, "
-          f"mean, default GC | core µs, {LONG_CONTEXT}-token contexts |")  # fmt: skip
+          f"mean, default GC | core µs, {LONG_CONTEXT}+-token contexts |")  # fmt: skip
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as folder:
         model = tiny_model(Path(folder))

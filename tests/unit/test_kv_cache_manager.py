@@ -167,3 +167,41 @@ def test_decode_blocks_are_cached_as_they_fill() -> None:
     assert kv.block_pool.num_cached_blocks == 1
     follower = Request("b", [0, 1, 2, 100, 7])
     assert kv.get_computed_blocks(follower)[1] == 4
+
+
+def test_append_block_takes_what_allocate_slots_would_and_nothing_when_none_is_free() -> None:
+    fast, general = (KVCacheManager(num_blocks=3, block_size=4) for _ in range(2))
+    for kv in (fast, general):
+        compute(kv, make_request("a", 8), 8)  # two full blocks; the next token needs a third
+    table = fast.get_block_ids("a")
+    assert fast.append_block(make_request("a", 9)) is True
+    general_request = make_request("a", 9)
+    general_request.num_computed_tokens = 8
+    assert general.allocate_slots(general_request, 1) == [2]
+    assert fast.get_block_ids("a") == general.get_block_ids("a") == [0, 1, 2]
+    assert fast.get_block_ids("a") is table  # grown in place: the same list
+    assert fast.num_free_blocks == general.num_free_blocks == 0
+    assert fast.append_block(make_request("a", 13)) is False
+    assert fast.get_block_ids("a") == [0, 1, 2]
+
+
+def test_append_block_reuses_a_cached_free_block_as_allocate_slots_does() -> None:
+    """With prefix caching, the pool's next free block may still be indexed; both paths must
+    take the same block and drop its hash."""
+    managers = [KVCacheManager(num_blocks=3, block_size=4, enable_caching=True) for _ in range(2)]
+    for kv in managers:
+        gone = make_request("gone", 8, first_token=100)
+        compute(kv, gone, 8)  # two full, cached blocks
+        kv.free(gone)  # free, still cached: the pool hands them out again
+        compute(kv, make_request("a", 4), 4)  # one full block
+    fast, general = managers
+    num_cached = fast.block_pool.num_cached_blocks
+    assert fast.append_block(make_request("a", 5)) is True
+    request = make_request("a", 5)
+    request.num_computed_tokens = 4
+    assert general.allocate_slots(request, 1) is not None
+    assert fast.get_block_ids("a") == general.get_block_ids("a")
+    assert [block.block_id for block in fast.held_blocks["a"]] == fast.get_block_ids("a")
+    assert len(fast.get_block_ids("a")) == 2
+    assert fast.block_pool.num_cached_blocks == general.block_pool.num_cached_blocks
+    assert fast.block_pool.num_cached_blocks == num_cached - 1

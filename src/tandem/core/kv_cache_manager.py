@@ -47,6 +47,9 @@ def xxhash_block_hash(parent_hash: int, token_ids: Sequence[int], extra_keys: by
     return xxhash.xxh3_128_intdigest(payload)
 
 
+# cache_blocks: a request none of whose blocks has been offered to the cache yet.
+_NO_PARENT_YET = object()
+
 # Each chains the parent's hash, so equal hashes mean (up to collisions) equal prefixes. Token
 # bytes have a fixed length per block size, so the extra keys at the end cannot blur with them.
 BLOCK_HASH_FUNCTIONS: dict[str, BlockHashFunction] = {
@@ -191,6 +194,20 @@ class KVCacheManager:
         block_ids.extend(new_block_ids)
         return new_block_ids
 
+    def append_block(self, request: Request) -> bool:
+        """What allocate_slots does for a request holding blocks whose next token starts a new
+        one: one block from the pool, or False, having taken nothing, when none is free. How
+        decodes grow (each step, the requests whose last block just filled), in a call of
+        its own: the scheduler plans the rest of the decodes without a call per request."""
+        request_id = request.request_id
+        blocks, block_ids = self._req_to_blocks[request_id], self._req_to_block_ids[request_id]
+        if not self.block_pool.free_block_queue:
+            return False
+        (block,) = self.block_pool.get_new_blocks(1)
+        blocks.append(block)
+        block_ids.append(block.block_id)
+        return True
+
     @property
     def held_blocks(self) -> Mapping[str, list[KVCacheBlock]]:
         """Request id -> the blocks it holds, for reading only (the scheduler's decode path
@@ -219,7 +236,9 @@ class KVCacheManager:
         if num_full_blocks <= num_cached:
             return
         self._req_num_cached_blocks[request_id] = num_full_blocks
-        parent_key = self._req_next_parent.get(request_id, root_key(request.cache_salt))
+        parent_key = self._req_next_parent.get(request_id, _NO_PARENT_YET)
+        if parent_key is _NO_PARENT_YET:
+            parent_key = root_key(request.cache_salt)
         if parent_key is None or is_stale(parent_key):
             # A collision broke the chain, or the cached copy of the last block (another
             # request's, not held by this one) was evicted: later blocks would be unreachable.

@@ -562,7 +562,8 @@ class Scheduler:
         """Schedule the running requests that are decoding (`decoding` True), still in their
         prompt (False) or either (None), oldest first, while the budget lasts; `prompt_chunks`:
         they are prompts, sized against the ITL target if there is one. Decodes whose blocks
-        already hold their token, the common case, are gathered and planned in one go.
+        hold their token, or will with one more (KVCacheManager.append_block), the common
+        case, are gathered and planned in one go.
         Returns how many running requests it passed over for being in the other phase (with
         none, a pass over the other phase has nothing to do)."""
         ending = self._ending_in_flight
@@ -588,7 +589,11 @@ class Scheduler:
             num_uncomputed = len(request.all_token_ids) - num_computed
             if num_uncomputed == 1 and not prompt_chunks:
                 blocks = held_blocks.get(request.request_id)
-                if blocks is not None and num_computed < len(blocks) * block_size:
+                # Its blocks hold its token, or one more block will (a block filled up).
+                if blocks is not None and (
+                    num_computed < len(blocks) * block_size
+                    or (num_computed < (len(blocks) + 1) * block_size and kv.append_block(request))
+                ):
                     decodes.append(request)
                     num_context += num_computed + 1
                     budget -= 1
