@@ -27,6 +27,7 @@ outputs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import platform
 import statistics
@@ -150,7 +151,11 @@ class LoopCost:
 
 
 def step_loop_costs(
-    folder: Path, running: int, steps: int, variants: dict[str, tuple[bool, int]]
+    folder: Path,
+    running: int,
+    steps: int,
+    variants: dict[str, tuple[bool, int]],
+    tuned_gc: bool = True,
 ) -> dict[str, LoopCost]:
     """The engine core's cost (and the front end's) per running request per step, as the
     fastest round of 10 steps (this machine is shared, and what is wanted is the cost, not the
@@ -159,15 +164,17 @@ def step_loop_costs(
     an engine of its own, their rounds taken in turn, so that a slow spell of the machine
     falls on all of them. `sample_on_device`: the sampler's arithmetic (an argmax over the
     vocabulary of every row) is the stand-in device's, as it is a GPU's; the host still builds
-    the sampling inputs and records the tokens. The steps run inside gc_policy.step_loop_gc,
-    as the engine-core process's and LLM.generate's do."""
+    the sampling inputs and records the tokens. `tuned_gc`: the steps run inside
+    gc_policy.step_loop_gc, as the engine-core process's and LLM.generate's do; otherwise at
+    CPython's default thresholds (then run one variant alone: the collector's full passes
+    traverse every live engine)."""
     timers = {
         name: RoundTimer(stand_in_engine(folder, running, 0.0, steps, prompt_len).llm_engine)
         for name, (_, prompt_len) in variants.items()
     }
     host_sample = engine_core.sample
     try:
-        with step_loop_gc():
+        with step_loop_gc() if tuned_gc else contextlib.nullcontext():
             for _ in range(max(1, steps // 10)):
                 for name, (sample_on_device, _) in variants.items():
                     engine_core.sample = device_sample if sample_on_device else host_sample
@@ -175,19 +182,6 @@ def step_loop_costs(
     finally:
         engine_core.sample = host_sample
     return {name: timer.cost(running) for name, timer in timers.items()}
-
-
-def default_gc_cost(folder: Path, running: int, steps: int) -> LoopCost:
-    """step_loop_costs' first variant at CPython's default collector thresholds, alone in the
-    process (the collector's full passes traverse every live engine)."""
-    timer = RoundTimer(stand_in_engine(folder, running, 0.0, steps).llm_engine)
-    host_sample, engine_core.sample = engine_core.sample, device_sample
-    try:
-        for _ in range(max(1, steps // 10)):
-            timer.run_round()
-    finally:
-        engine_core.sample = host_sample
-    return timer.cost(running)
 
 
 class RoundTimer:
@@ -292,7 +286,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         model = tiny_model(Path(folder))
         for running in RUNNING:
-            default_gc = default_gc_cost(model, running, args.steps)
+            default_gc = step_loop_costs(
+                model, running, args.steps, {"default GC": (True, 8)}, tuned_gc=False
+            )["default GC"]
             costs = step_loop_costs(
                 model, running, args.steps,
                 {"device": (True, 8), "host": (False, 8), "long": (True, LONG_CONTEXT)},

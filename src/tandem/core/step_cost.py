@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tandem.core.roofline import BatchSums, MachinePeaks, ModelShape, sums_work
+from tandem.core.roofline import BatchSums, MachinePeaks, ModelShape, StepWork, sums_work
 
 RESIDUAL_MAX_TOKENS = 64
 RESIDUAL_WEIGHT = 0.25  # of the newest step in a token count's moving average
@@ -83,16 +83,19 @@ class StepCostModel:
         return sum(c * f for c, f in zip(self.coefficients, row, strict=True))
 
     def roofline_seconds(self, sums: BatchSums) -> float:
-        work = sums_work(self.shape, sums)
+        return self._roofline_seconds(sums_work(self.shape, sums))
+
+    def _roofline_seconds(self, work: StepWork) -> float:
         peaks = self.peaks
         return max(work.flops / peaks.flops_per_second, work.bytes / peaks.bytes_per_second)
 
-    def observe(self, sums: BatchSums, seconds: float) -> float:
-        """Learn from a step of these sums that took `seconds`. Returns what `predict` said
-        of it before (the step loop's one call for both)."""
+    def observe(self, sums: BatchSums, seconds: float, work: StepWork | None = None) -> float:
+        """Learn from a step of these sums that took `seconds`; `work`: their sums_work, where
+        the caller has it. Returns what `predict` said of it before (the step loop's one call
+        for both)."""
         num_new = sums.num_new_tokens
         row = features(sums, self.packed_max_tokens)
-        roofline = self.roofline_seconds(sums)
+        roofline = self._roofline_seconds(sums_work(self.shape, sums) if work is None else work)
         if self.coefficients is None:
             predicted = roofline + (self.overhead or 0.0)
         else:

@@ -817,8 +817,9 @@ class EngineCore:
         self.num_steps += 1
         self.num_preemptions += len(scheduled.preempted_request_ids)
         sums = scheduled.sums
-        roofline = place_step(sums_work(self.model_shape, sums), step_time, self.peaks)
-        predicted = self.cost_model.observe(sums, step_time - propose_time)
+        work = sums_work(self.model_shape, sums)
+        roofline = place_step(work, step_time, self.peaks)
+        predicted = self.cost_model.observe(sums, step_time - propose_time, work)
         if scheduled.num_prefill_tokens == 0 and self.proposer is not None:
             # The time this step's tokens cost: its own work, and the guessing for its drafts
             # (done in the previous step); not the guessing for the next step.
