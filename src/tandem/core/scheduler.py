@@ -32,6 +32,7 @@ from tandem.core.scheduler_config import BATCHING_POLICIES, BatchingPolicy, Sche
 from tandem.core.spec_guard import SpeculationGuard
 from tandem.core.spec_stats import SpecDecodeStats
 from tandem.kv_transfer.params import KVLoad
+from tandem.records import record
 from tandem.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus
 
 __all__ = [
@@ -46,7 +47,7 @@ __all__ = [
 ]
 
 
-@dataclass(slots=True)
+@record()
 class ScheduledRequest:
     """What the model runner needs for one request this step."""
 
@@ -58,7 +59,7 @@ class ScheduledRequest:
     sample: bool  # this step reaches the last known token, so a new token is sampled
     # Guessed tokens after the last known one, computed (and counted in num_new_tokens) to be
     # verified: the step samples at the last known token and at every draft.
-    draft_token_ids: list[int] = field(default_factory=list)
+    draft_token_ids: list[int]
 
 
 @dataclass

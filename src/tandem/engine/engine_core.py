@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -30,6 +30,7 @@ from tandem.engine.machine_peaks import machine_peaks
 from tandem.engine.stats import SchedulerStats, StepStats
 from tandem.kv_transfer.params import KVLoad, check_kv_transfer, first_logprobs_row
 from tandem.outputs import Logprob
+from tandem.records import record
 from tandem.request import Request, RequestStatus
 from tandem.sampling_params import num_top_logprobs
 from tandem.spec_decode.draft_model import DraftModelProposer
@@ -60,7 +61,7 @@ RETRY_DECLINED_EVERY = 8
 ASYNC_SWITCH_INTERVAL = 0.0001
 
 
-@dataclass(slots=True)
+@record(array_like=True)
 class EngineCoreOutput:
     """What one request got from a step. Requests that sampled or finished appear, and prompt
     chunks that scored prompt logprobs (with no new tokens)."""
@@ -74,7 +75,7 @@ class EngineCoreOutput:
     num_preemptions: int
     first_scheduled_time: float | None
     first_token_time: float | None
-    token_times: list[float] = field(default_factory=list)  # of the new tokens
+    token_times: list[float]  # of the new tokens
     finished_time: float | None = None
     # Prompt logprobs this step computed, one per prompt position in order from the second
     # prompt token (the first has none); each position is sent once, even after a preemption.

@@ -75,6 +75,7 @@ class DraftModelProposer:
             len(token_ids) - num_computed,
             self.kv_cache_manager.get_block_ids(request.request_id),
             sample=True,
+            draft_token_ids=[],
         )
 
     def _greedy(self, slices: list[ScheduledRequest]) -> list[int]:
