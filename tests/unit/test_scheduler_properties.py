@@ -4,6 +4,7 @@ and vLLM's queue order (fcfs / priority) for admission and preemption."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 
@@ -345,7 +346,9 @@ class InFlightModelRunner(FakeModelRunner):
             for position, token_id in enumerate(token_ids):
                 if token_id == PLACEHOLDER_TOKEN_ID:
                     token_ids[position] = previous[scheduled.request_id][0]
-            resolved.append(dataclasses.replace(scheduled, token_ids=token_ids))
+            entry = copy.copy(scheduled)  # a record: a msgspec Struct or a dataclass
+            entry.token_ids = token_ids
+            resolved.append(entry)
         return self.execute(dataclasses.replace(output, scheduled=resolved))
 
 
