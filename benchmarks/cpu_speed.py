@@ -249,7 +249,9 @@ def teacher_forced(runner: ModelRunner, tokens: list[int], chunk: int) -> tuple:
     with torch.inference_mode():
         for start in range(0, len(tokens) - 1, chunk):
             end = min(start + chunk, len(tokens) - 1)
-            request = ScheduledRequest("text", tokens[:end], start, end - start, block_ids, True)
+            request = ScheduledRequest(
+                "text", tokens[:end], start, end - start, block_ids, True, []
+            )
             batch = build_batch([request], runner.block_size, runner.device)
             hidden = runner.hidden_states(batch)
             rows = torch.log_softmax(runner.model.compute_logits(hidden), dim=-1)

@@ -179,7 +179,7 @@ def step_times(context: int = 300, max_tokens: int = 10) -> None:
         best: dict[int, float] = {}
         for _ in range(3):
             for num_new in range(1, max_tokens + 1):
-                request = ScheduledRequest("r", token_ids, context, num_new, block_ids, True)
+                request = ScheduledRequest("r", token_ids, context, num_new, block_ids, True, [])
                 drafts = [token_ids[context + 1 : context + num_new]]
                 runner.run([request], [True], None, 0, drafts)
                 start = time.perf_counter()

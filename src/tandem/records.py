@@ -7,7 +7,8 @@ tracked by the cyclic garbage collector (a record holds lists and numbers, never
 encoded between processes as an array, five times faster than a dataclass's map of field
 names. The engine core also runs where msgspec is missing (the lent GPU machine's Python has
 only torch and the model libraries): there a record is a slotted dataclass with the same
-fields, defaults and behaviour.
+fields and defaults (only the `dataclasses` helpers, such as `replace`, tell the two apart).
+A record is its fields alone, with immutable defaults: what both kinds build alike.
 """
 
 from __future__ import annotations
@@ -37,8 +38,24 @@ def record(array_like: bool = False) -> Callable[[RecordType], RecordType]:
     return make
 
 
+def _check_fields_only(cls: type) -> None:
+    """Refuse what one kind would keep and the other lose or reject: a base class, methods or
+    other attributes, mutable defaults."""
+    if cls.__bases__ != (object,):
+        raise TypeError(f"record {cls.__name__} must not have a base class")
+    for name, value in vars(cls).items():
+        if name.startswith("__") and name.endswith("__"):
+            continue
+        if name not in cls.__annotations__:
+            raise TypeError(f"record {cls.__name__} has an attribute that is not a field: {name}")
+        if isinstance(value, (list, dict, set, dataclasses.Field)):
+            raise TypeError(f"record {cls.__name__}.{name}: a default must be immutable")
+
+
 def as_struct(cls: RecordType, array_like: bool) -> RecordType:
+    """The record as a msgspec Struct, untracked by the collector."""
     assert msgspec is not None
+    _check_fields_only(cls)
     fields = [
         (name, annotation) if name not in cls.__dict__ else (name, annotation, cls.__dict__[name])
         for name, annotation in cls.__annotations__.items()
@@ -53,4 +70,5 @@ def as_struct(cls: RecordType, array_like: bool) -> RecordType:
 
 def as_dataclass(cls: RecordType) -> RecordType:
     """The record as a slotted dataclass (without msgspec, and to test that path)."""
+    _check_fields_only(cls)
     return dataclasses.dataclass(slots=True)(cls)

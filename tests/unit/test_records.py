@@ -6,13 +6,14 @@ from __future__ import annotations
 import gc
 import pickle
 
-import msgspec
 import pytest
 
 from tandem.core.scheduler import ScheduledRequest
 from tandem.engine.engine_core import EngineCoreOutput
 from tandem.outputs import Logprob
 from tandem.records import as_dataclass, as_struct
+
+msgspec = pytest.importorskip("msgspec")
 
 
 def _point_class() -> type:
@@ -69,3 +70,22 @@ def test_scheduled_request_needs_every_field() -> None:
     assert entry.draft_token_ids == [] and entry.sample
     with pytest.raises(TypeError):
         ScheduledRequest("r", [1, 2], 1, 1, [0], True)
+
+
+@pytest.mark.parametrize("make", [as_dataclass, lambda cls: as_struct(cls, array_like=False)])
+def test_both_kinds_refuse_what_the_other_would_not_build_alike(make) -> None:
+    class WithMethod:
+        name: str
+
+        def describe(self) -> str:
+            return self.name
+
+    class WithListDefault:
+        values: list[int] = []  # noqa: RUF012 - the mistake under test
+
+    class WithBase(WithMethod):
+        weight: float
+
+    for cls in (WithMethod, WithListDefault, WithBase):
+        with pytest.raises(TypeError):
+            make(cls)
