@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import pickle
+from collections.abc import Callable
 
 import pytest
 
@@ -73,7 +74,9 @@ def test_scheduled_request_needs_every_field() -> None:
 
 
 @pytest.mark.parametrize("make", [as_dataclass, lambda cls: as_struct(cls, array_like=False)])
-def test_both_kinds_refuse_what_the_other_would_not_build_alike(make) -> None:
+def test_both_kinds_refuse_what_the_other_would_not_build_alike(
+    make: Callable[[type], type],
+) -> None:
     class WithMethod:
         name: str
 
