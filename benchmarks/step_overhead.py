@@ -11,9 +11,8 @@ outputs.
    and the steps inside gc_policy.step_loop_gc, as the engine-core process runs them; two more
    columns time the step with the sampler on the host, and at CPython's default collector
    thresholds, and one with prompts of LONG_CONTEXT tokens and more (a step's work must
-   not grow with what the requests hold). Then the core's step as a line in the running
-   requests: a fixed cost per step and a cost per request. Prompt lengths are staggered over
-   a block, as a server's are, so that each step a sixteenth of the requests fills a block.
+   not grow with what the requests hold). Prompt lengths are staggered over a block, as a
+   server's are, so that each step a sixteenth of the requests fills a block.
 2. Device time --device-ms, sampling included (as on a GPU, where it is kernels behind the
    forward), the device asynchronous as a CUDA stream is (StandInDevice): steps per second
    with async scheduling off and on, as a share of 1 / device time. Target: within 5% with it
@@ -38,7 +37,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from tandem import LLM, SamplingParams
@@ -287,7 +285,6 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as folder:
         model = tiny_model(Path(folder))
-        step_ms = []  # the core's fastest step at each count of running requests
         for running in RUNNING:
             default_gc = step_loop_costs(
                 model, running, args.steps, {"default GC": (True, 8)}, tuned_gc=False
@@ -301,11 +298,6 @@ def main() -> None:
                   f"{cost.core_fastest:.1f} | {cost.core_mean:.1f} | {cost.front_end:.1f} | "
                   f"{host.core_fastest:.1f} | {default_gc.core_mean:.1f} | "
                   f"{long.core_fastest:.1f} |")  # fmt: skip
-            step_ms.append(cost.core_fastest * running / 1000)
-        marginal, fixed = np.polyfit(RUNNING, step_ms, 1)
-        print(f"\nThe core's fastest step as a line in the running requests (least squares over "
-              f"{len(RUNNING)} counts): {fixed:.3f} ms a step + {marginal * 1000:.2f} µs per "
-              "running request")  # fmt: skip
         if args.step_loop_only:
             return
         ideal = 1000 / args.device_ms
