@@ -7,8 +7,9 @@ tracked by the cyclic garbage collector (a record holds lists and numbers, never
 encoded between processes as an array, five times faster than a dataclass's map of field
 names. The engine core also runs where msgspec is missing (the lent GPU machine's Python has
 only torch and the model libraries): there a record is a slotted dataclass with the same
-fields and defaults (only the `dataclasses` helpers, such as `replace`, tell the two apart).
-A record is its fields alone, with immutable defaults: what both kinds build alike.
+fields and defaults (the `dataclasses` helpers, such as `replace`, and the collector's
+tracking tell the two apart). A record is its fields alone, with immutable defaults: what
+both kinds build alike.
 """
 
 from __future__ import annotations
@@ -23,6 +24,13 @@ except ImportError:  # pragma: no cover - exercised on bare GPU machines
     msgspec = None
 
 RecordType = TypeVar("RecordType", bound=type)
+
+# What Python itself puts in a class's namespace; anything else in a record's body must be
+# a field.
+_CLASS_NAMESPACE = frozenset({
+    "__module__", "__qualname__", "__doc__", "__annotations__", "__dict__", "__weakref__",
+    "__firstlineno__", "__static_attributes__", "__annotate_func__", "__annotations_cache__",
+})  # fmt: skip
 
 
 def record(array_like: bool = False) -> Callable[[RecordType], RecordType]:
@@ -39,17 +47,20 @@ def record(array_like: bool = False) -> Callable[[RecordType], RecordType]:
 
 
 def _check_fields_only(cls: type) -> None:
-    """Refuse what one kind would keep and the other lose or reject: a base class, methods or
-    other attributes, mutable defaults."""
+    """Refuse what one kind would keep and the other lose or reject: a base class, methods
+    (special ones included) or other attributes, mutable defaults (the dataclass rule: an
+    unhashable value), field specifiers."""
     if cls.__bases__ != (object,):
         raise TypeError(f"record {cls.__name__} must not have a base class")
     for name, value in vars(cls).items():
-        if name.startswith("__") and name.endswith("__"):
+        if name in _CLASS_NAMESPACE:
             continue
         if name not in cls.__annotations__:
             raise TypeError(f"record {cls.__name__} has an attribute that is not a field: {name}")
-        if isinstance(value, (list, dict, set, dataclasses.Field)):
+        if type(value).__hash__ is None or isinstance(value, dataclasses.Field):
             raise TypeError(f"record {cls.__name__}.{name}: a default must be immutable")
+        if type(value).__module__.startswith("msgspec"):
+            raise TypeError(f"record {cls.__name__}.{name}: a default must be a plain value")
 
 
 def as_struct(cls: RecordType, array_like: bool) -> RecordType:

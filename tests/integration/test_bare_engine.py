@@ -1,7 +1,7 @@
-"""The engine core runs where only torch and the model libraries are installed, as on the lent
-GPU machine, whose image has no msgspec, pyzmq, gguf or server extras: offline generation in a
-process where importing those fails gives the tokens it gives here, and the step loop's records
-are the dataclass fallback there (tandem/records.py)."""
+"""The engine core runs without msgspec, pyzmq, gguf and the server extras, as on the lent GPU
+machine, whose image has none of them: offline generation in a process where importing those
+fails gives the tokens it gives here, and the step loop's records are the dataclass fallback
+there (tandem/records.py)."""
 
 from __future__ import annotations
 
