@@ -169,39 +169,37 @@ def test_decode_blocks_are_cached_as_they_fill() -> None:
     assert kv.get_computed_blocks(follower)[1] == 4
 
 
-def test_append_block_takes_what_allocate_slots_would_and_nothing_when_none_is_free() -> None:
-    fast, general = (KVCacheManager(num_blocks=3, block_size=4) for _ in range(2))
-    for kv in (fast, general):
-        compute(kv, make_request("a", 8), 8)  # two full blocks; the next token needs a third
-    table = fast.get_block_ids("a")
-    assert fast.append_block(make_request("a", 9)) is True
-    general_request = make_request("a", 9)
-    general_request.num_computed_tokens = 8
-    assert general.allocate_slots(general_request, 1) == [2]
-    assert fast.get_block_ids("a") == general.get_block_ids("a") == [0, 1, 2]
-    assert fast.get_block_ids("a") is table  # grown in place: the same list
-    assert fast.num_free_blocks == general.num_free_blocks == 0
-    assert fast.append_block(make_request("a", 13)) is False
-    assert fast.get_block_ids("a") == [0, 1, 2]
+def test_a_decode_grows_its_table_in_place_and_takes_nothing_when_no_block_is_free() -> None:
+    """What the scheduler's decode pass relies on when a block fills: one more block, appended
+    to the same list (the runner's block tables take a list they have seen to have only grown);
+    with none free, nothing taken."""
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    compute(kv, make_request("a", 8), 8)  # two full blocks; the next token needs a third
+    table = kv.get_block_ids("a")
+    request = make_request("a", 9)
+    request.num_computed_tokens = 8
+    assert kv.allocate_slots(request, 1) == [2]
+    assert kv.get_block_ids("a") == [0, 1, 2]
+    assert kv.get_block_ids("a") is table  # grown in place: the same list
+    assert kv.num_free_blocks == 0
+    request = make_request("a", 13)
+    request.num_computed_tokens = 12
+    assert kv.allocate_slots(request, 1) is None
+    assert kv.get_block_ids("a") == [0, 1, 2]
 
 
-def test_append_block_reuses_a_cached_free_block_as_allocate_slots_does() -> None:
-    """With prefix caching, the pool's next free block may still be indexed; both paths must
-    take the same block and drop its hash."""
-    managers = [KVCacheManager(num_blocks=3, block_size=4, enable_caching=True) for _ in range(2)]
-    for kv in managers:
-        gone = make_request("gone", 8, first_token=100)
-        compute(kv, gone, 8)  # two full, cached blocks
-        kv.free(gone)  # free, still cached: the pool hands them out again
-        compute(kv, make_request("a", 4), 4)  # one full block
-    fast, general = managers
-    num_cached = fast.block_pool.num_cached_blocks
-    assert fast.append_block(make_request("a", 5)) is True
+def test_a_decode_reuses_a_cached_free_block_and_drops_its_hash() -> None:
+    """With prefix caching, the pool's next free block may still be indexed: a decode taking
+    it must drop its hash, and the block ids must mirror the blocks."""
+    kv = KVCacheManager(num_blocks=3, block_size=4, enable_caching=True)
+    gone = make_request("gone", 8, first_token=100)
+    compute(kv, gone, 8)  # two full, cached blocks
+    kv.free(gone)  # free, still cached: the pool hands them out again
+    compute(kv, make_request("a", 4), 4)  # one full block
+    num_cached = kv.block_pool.num_cached_blocks
     request = make_request("a", 5)
     request.num_computed_tokens = 4
-    assert general.allocate_slots(request, 1) is not None
-    assert fast.get_block_ids("a") == general.get_block_ids("a")
-    assert [block.block_id for block in fast.held_blocks["a"]] == fast.get_block_ids("a")
-    assert len(fast.get_block_ids("a")) == 2
-    assert fast.block_pool.num_cached_blocks == general.block_pool.num_cached_blocks
-    assert fast.block_pool.num_cached_blocks == num_cached - 1
+    assert kv.allocate_slots(request, 1) is not None
+    assert [block.block_id for block in kv.held_blocks["a"]] == kv.get_block_ids("a")
+    assert len(kv.get_block_ids("a")) == 2
+    assert kv.block_pool.num_cached_blocks == num_cached - 1

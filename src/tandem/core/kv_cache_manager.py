@@ -194,20 +194,6 @@ class KVCacheManager:
         block_ids.extend(new_block_ids)
         return new_block_ids
 
-    def append_block(self, request: Request) -> bool:
-        """What allocate_slots does for a request holding blocks whose next token starts a new
-        one: one block from the pool, or False, having taken nothing, when none is free. How
-        decodes grow (each step, the requests whose last block just filled), in a call of
-        its own: the scheduler plans the rest of the decodes without a call per request."""
-        request_id = request.request_id
-        blocks, block_ids = self._req_to_blocks[request_id], self._req_to_block_ids[request_id]
-        if not self.block_pool.free_block_queue:
-            return False
-        (block,) = self.block_pool.get_new_blocks(1)
-        blocks.append(block)
-        block_ids.append(block.block_id)
-        return True
-
     @property
     def held_blocks(self) -> Mapping[str, list[KVCacheBlock]]:
         """Request id -> the blocks it holds, for reading only (the scheduler's decode path

@@ -563,8 +563,8 @@ class Scheduler:
         """Schedule the running requests that are decoding (`decoding` True), still in their
         prompt (False) or either (None), oldest first, while the budget lasts; `prompt_chunks`:
         they are prompts, sized against the ITL target if there is one. Decodes whose blocks
-        hold their token, or will with one more (KVCacheManager.append_block), the common
-        case, are gathered and planned in one go.
+        hold their token, or will with one more block from the pool, the common case, are
+        gathered and planned in one go.
         Returns how many running requests it passed over for being in the other phase (with
         none, a pass over the other phase has nothing to do)."""
         ending = self._ending_in_flight
@@ -590,10 +590,14 @@ class Scheduler:
             num_uncomputed = len(request.all_token_ids) - num_computed
             if num_uncomputed == 1 and not prompt_chunks:
                 blocks = held_blocks.get(request.request_id)
-                # Its blocks hold its token, or one more block will (a block filled up).
+                # Its blocks hold its token, or one more block will (a block filled up): it takes
+                # that block here; with none free it goes the general way (preemption).
                 if blocks is not None and (
                     num_computed < len(blocks) * block_size
-                    or (num_computed < (len(blocks) + 1) * block_size and kv.append_block(request))
+                    or (
+                        num_computed < (len(blocks) + 1) * block_size
+                        and kv.allocate_slots(request, 1) is not None
+                    )
                 ):
                     decodes.append(request)
                     num_context += num_computed + 1
