@@ -231,6 +231,7 @@ def cmd_router(args: argparse.Namespace) -> None:
         poll_interval=args.poll_interval,
         request_timeout=args.request_timeout,
         discover=args.dns_discovery,
+        kv_streaming=args.kv_streaming,
     )
 
 
@@ -394,6 +395,11 @@ def main(argv: list[str] | None = None) -> None:
     router.add_argument("--dns-discovery", action="store_true",
                         help="each URL's host name stands for every address it resolves to, "
                         "looked up at each poll (a Kubernetes headless Service)")  # fmt: skip
+    router.add_argument("--kv-streaming", action=argparse.BooleanOptionalAction, default=True,
+                        help="send a request's prefill and decode legs at once, so its KV "
+                        "streams to the decode instance while the prompt is computed; "
+                        "--no-kv-streaming: the decode leg after the prefill leg's answer, "
+                        "the KV pulled whole")  # fmt: skip
     router.set_defaults(func=cmd_router)
 
     from tandem.bench.cli import add_bench_parser

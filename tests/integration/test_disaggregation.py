@@ -346,9 +346,11 @@ def test_decode_instance_runs_zero_prefill_tokens(
 ) -> None:
     """Split requests cost the decode instance decode tokens only: one per output token after
     the first (which the prefill instance sampled), and the KV it pulled covers every prompt
-    block; the prefill instance sent exactly those blocks."""
+    block; the prefill instance sent exactly those blocks. The router sent both legs at once
+    (the prefill instance publishes its KV endpoint), so the KV streamed."""
     num_steps_before = len(step_records(step_log))
     decode_before, prefill_before = decode.metrics(), prefill.metrics()
+    streamed_before = router.metrics().get("tandem_router:streamed_requests_total", 0)
     api = client(router)
     responses = [
         api.completions.create(
@@ -372,6 +374,7 @@ def test_decode_instance_runs_zero_prefill_tokens(
     assert prefill_after[SENT] - prefill_before[SENT] == 3
     assert prefill_after[SENT_BLOCKS] - prefill_before[SENT_BLOCKS] == expected_blocks
     assert idle_and_unheld(wait_metrics(prefill, idle_and_unheld))
+    assert router.metrics()["tandem_router:streamed_requests_total"] == streamed_before + 3
 
 
 def test_repeated_prompt_is_not_transferred_again(
@@ -646,12 +649,14 @@ def test_killed_prefill_instance_loses_no_request(
     colocated: ServerProcess,
 ) -> None:
     """A decode leg whose prefill instance died after answering computes the prompt itself
-    (one failed pull) and answers what the co-located instance answers; a router with two
-    prefill instances, one of them dead, sends every prefill leg to the live one."""
-    victim = server_factory.start(*prefill_args(), name="prefill-victim")
+    (one failed pull) and answers what the co-located instance answers, as does a streamed
+    decode leg naming the dead instance, at once; a router with two prefill instances, one
+    of them dead, sends every prefill leg to the live one."""
+    victim_args = prefill_args()
+    victim = server_factory.start(*victim_args, name="prefill-victim")
     second_router = server_factory.start(
         "--prefill", victim.url, prefill.url, "--decode", decode.url, "--poll-interval", "60",
-        name="router-two-prefills", command="router",
+        "--no-kv-streaming", name="router-two-prefills", command="router",
     )  # fmt: skip
 
     # A split request by hand forms the decode instance's pair group with the victim.
@@ -687,6 +692,21 @@ def test_killed_prefill_instance_loses_no_request(
     failed = wait_metrics(decode, lambda s: s[FAILED] > after[FAILED])
     assert failed[FAILED] == after[FAILED] + 1
     assert failed[LOADED] == after[LOADED]
+
+    # A streamed decode leg (the router sends it with its prefill leg) naming the dead
+    # instance: its refused connection sends the prompt to a local prefill without waiting.
+    stream_params = {
+        "do_remote_prefill": True, "remote_host": "127.0.0.1",
+        "remote_port": int(victim_args[victim_args.index("--kv-port") + 1]),
+        "transfer_id": "to-the-dead",
+    }  # fmt: skip
+    started = time.monotonic()
+    answer = post(decode, "/v1/completions", {**body, "kv_transfer_params": stream_params})
+    assert answer.status_code == 200, answer.text
+    assert time.monotonic() - started < 15  # the transfer timeout is 30 s
+    assert_same_body(answer.json(), want)
+    failed = wait_metrics(decode, lambda s: s[FAILED] > after[FAILED] + 1)
+    assert failed[FAILED] == after[FAILED] + 2
 
     # The router still believes the victim healthy (it polls once a minute): its legs fail
     # over to the live prefill instance.

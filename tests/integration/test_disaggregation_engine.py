@@ -1,7 +1,9 @@
 """Disaggregation at the engine-core level, in one process over loopback, on a tiny model:
 a prefill core and a decode core exchange KV through the real sender and receiver (ZeroMQ and
 a gloo pair group) and give the tokens of one core doing both; the prefill side's holds end
-when the decode side aborts a queued request or when they expire."""
+when the decode side aborts a queued request or when they expire. Streamed transfers (both
+legs at once) deliver blocks while the prompt is still being computed, and end cleanly when
+either leg is aborted."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import dataclasses
 import time
 
 import pytest
+import torch
 
 from tandem.bench.launch import free_port
 from tandem.engine.config import EngineConfig
@@ -33,13 +36,15 @@ def kv_port() -> int:
     raise RuntimeError("no two free ports in a row")
 
 
-def make_core(model, role: str | None = None, **kwargs) -> EngineCore:
+def make_core(model, role: str | None = None, engine_args=None, **kwargs) -> EngineCore:
     transfer = None
     if role == "prefill":
         transfer = KVTransferConfig("prefill", port=kv_port(), timeout=10, **kwargs)
     elif role == "decode":
         transfer = KVTransferConfig("decode", timeout=10)
-    engine_args = {"num_kv_blocks": 64, "max_model_len": 256, "dtype": "float32"}
+    engine_args = {"num_kv_blocks": 64, "max_model_len": 256, "dtype": "float32"} | (
+        engine_args or {}
+    )
     if role == "decode" and "max_num_seqs" in kwargs:
         engine_args["max_num_seqs"] = kwargs.pop("max_num_seqs")
     return EngineCore(EngineConfig.create(model, kv_transfer_config=transfer, **engine_args))
@@ -155,3 +160,171 @@ def test_a_hold_nobody_pulls_expires(tiny_llama):
     prefill.poll_kv_transfers()
     assert prefill.kv_cache_manager.num_free_blocks == 64
     assert prefill.scheduler_stats().kv_num_expired == 1
+
+
+# -- streamed transfers -----------------------------------------------------------------------
+
+CHUNKED = {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 16, "max_num_seqs": 16}
+
+
+def stream_params(prefill: EngineCore, transfer_id: str) -> dict:
+    """What the router gives a decode leg sent alongside its prefill leg."""
+    port = prefill.config.kv_transfer.port
+    return {
+        "do_remote_prefill": True,
+        "remote_host": "127.0.0.1",
+        "remote_port": port,
+        "transfer_id": transfer_id,
+    }
+
+
+def step_both(prefill: EngineCore, decode: EngineCore, finished: set[str], timeout=60.0) -> dict:
+    """Step both cores, as their processes would, until the decode core's requests in
+    `finished` have ended; the decode core's outputs by id."""
+    outputs: dict[str, list] = {}
+    deadline = time.monotonic() + timeout
+    pending = set(finished)
+    while pending and time.monotonic() < deadline:
+        for core in (prefill, decode):
+            if core.has_work():
+                for output in core.step():
+                    if core is decode:
+                        outputs.setdefault(output.request_id, []).append(output)
+                        if output.finish_reason is not None:
+                            pending.discard(output.request_id)
+            else:
+                core.poll_kv_transfers()
+        time.sleep(0.001)
+    assert not pending, f"not finished in {timeout} s: {pending}"
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def stream_cores(tiny_llama):
+    """A prefill core that computes a prompt 16 tokens a step, so a long one takes several."""
+    model = tiny_llama[0]
+    return make_core(model, "prefill", CHUNKED), make_core(model, "decode"), make_core(model)
+
+
+@pytest.mark.parametrize("params", SAMPLING, ids=["greedy", "seeded"])
+@pytest.mark.parametrize("decode_first", [False, True], ids=["prefill-leg-first", "pull-first"])
+def test_streamed_split_equals_one_core(stream_cores, params, decode_first):
+    prefill, decode, colocated = stream_cores
+    steps_before = len(decode.step_stats)
+    one = dataclasses.replace(params, max_tokens=1)
+    for index, prompt in enumerate(PROMPTS):
+        key = f"{params.seed}-{index}-{decode_first}"
+        colocated.add_request(Request(f"c{key}", prompt, params))
+        reference = token_ids(drain(colocated, {f"c{key}"})[f"c{key}"])
+        legs = [
+            (prefill, Request(f"p{key}", prompt, one), {"do_remote_decode": True,
+                                                        "transfer_id": key}),
+            (decode, Request(f"d{key}", prompt, params), stream_params(prefill, key)),
+        ]  # fmt: skip
+        for core, request, kv_params in legs[::-1] if decode_first else legs:
+            core.add_request(request, kv_params)
+        outputs = step_both(prefill, decode, {f"d{key}"})[f"d{key}"]
+        assert token_ids(outputs) == reference
+        if params.logprobs is not None:
+            assert all(o.new_logprobs for o in outputs if o.new_token_ids)
+    steps = list(decode.step_stats)[steps_before:]
+    assert sum(s.num_prefill_tokens for s in steps) == 0
+    assert sum(s.num_decode_tokens for s in steps) == len(PROMPTS) * (12 - 1)
+    sender = prefill.kv_connector.sender
+    deadline = time.monotonic() + 5
+    while sender.num_held_blocks and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sender.num_held_blocks == 0 and not sender._streams
+    assert prefill.kv_cache_manager.num_free_blocks == 64  # nothing held: copied out
+    assert decode.kv_cache_manager.num_free_blocks == 64
+    assert decode.scheduler_stats().kv_num_load_failed == 0
+
+
+def test_blocks_arrive_while_the_prompt_is_still_computing(stream_cores):
+    """After two of the prompt's five 16-token steps, its first two blocks are in the decode
+    core's cache, equal to the prefill core's, while the decode request still waits."""
+    prefill, decode, _ = stream_cores
+    prompt = list(range(200, 270))  # 70 tokens (five blocks) no core has seen: no cache hits
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    one = dataclasses.replace(params, max_tokens=1)
+    decode.add_request(Request("d-early", prompt, params), stream_params(prefill, "early"))
+    decode.step()  # admits it and starts the pull
+    prefill.add_request(Request("p-early", prompt, one), {"do_remote_decode": True,
+                                                          "transfer_id": "early"})  # fmt: skip
+    for _ in range(2):
+        prefill.step()
+    assert prefill.scheduler.requests["p-early"].num_computed_tokens == 32
+    source = prefill.kv_cache_manager.get_block_ids("p-early")[:2]
+    target = decode.kv_cache_manager.get_block_ids("d-early")[:2]
+    src_ids, dst_ids = torch.tensor(source), torch.tensor(target)
+
+    def arrived() -> bool:
+        return all(
+            torch.equal(p[:, src_ids], d[:, dst_ids])
+            for p, d in zip(prefill.runner.kv_caches, decode.runner.kv_caches, strict=True)
+        )
+
+    deadline = time.monotonic() + 10
+    while not arrived() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert arrived()
+    assert decode.scheduler.requests["d-early"].status is RequestStatus.WAITING_FOR_REMOTE_KV
+    step_both(prefill, decode, {"d-early"})
+    assert decode.kv_cache_manager.num_free_blocks == 64
+
+
+def test_aborted_prefill_leg_makes_the_decode_core_prefill(stream_cores):
+    prefill, decode, colocated = stream_cores
+    prompt = PROMPTS[3]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    colocated.add_request(Request("c-cut", prompt, params))
+    reference = token_ids(drain(colocated, {"c-cut"})["c-cut"])
+    prefill.add_request(
+        Request("p-cut", prompt, dataclasses.replace(params, max_tokens=1)),
+        {"do_remote_decode": True, "transfer_id": "cut"},
+    )
+    decode.add_request(Request("d-cut", prompt, params), stream_params(prefill, "cut"))
+    prefill.step()
+    prefill.finish_requests(["p-cut"], RequestStatus.FINISHED_ABORTED)
+    failed_before = decode.scheduler_stats().kv_num_load_failed
+    outputs = step_both(prefill, decode, {"d-cut"})["d-cut"]
+    assert token_ids(outputs) == reference
+    assert decode.scheduler_stats().kv_num_load_failed == failed_before + 1
+    assert prefill.kv_cache_manager.num_free_blocks == 64
+    assert decode.kv_cache_manager.num_free_blocks == 64
+
+
+def test_aborted_decode_leg_ends_the_stream(stream_cores):
+    """The decode request goes while its prompt computes: the prefill side drops what it copied
+    out and copies no more, and both caches end empty."""
+    prefill, decode, _ = stream_cores
+    prompt = PROMPTS[3]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    decode.add_request(Request("d-gone", prompt, params), stream_params(prefill, "gone"))
+    decode.step()
+    prefill.add_request(
+        Request("p-gone", prompt, dataclasses.replace(params, max_tokens=1)),
+        {"do_remote_decode": True, "transfer_id": "gone"},
+    )
+    prefill.step()
+    decode.finish_requests(["d-gone"], RequestStatus.FINISHED_ABORTED)
+    drain(prefill, {"p-gone"})
+    sender = prefill.kv_connector.sender
+    deadline = time.monotonic() + 10
+    while (sender._streams or decode.scheduler.detached) and time.monotonic() < deadline:
+        decode.poll_kv_transfers()
+        time.sleep(0.01)
+    assert not sender._streams and sender.num_held_blocks == 0
+    assert prefill.kv_cache_manager.num_free_blocks == 64
+    assert decode.kv_cache_manager.num_free_blocks == 64
+
+
+def test_a_transfer_id_is_used_once(stream_cores):
+    prefill, _, _ = stream_cores
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    kv_params = {"do_remote_decode": True, "transfer_id": "twice"}
+    prefill.add_request(Request("p-once", PROMPTS[0], one), kv_params)
+    with pytest.raises(ValueError, match="transfer_id 'twice' is already in use"):
+        prefill.add_request(Request("p-twice", PROMPTS[0], one), kv_params)
+    drain(prefill, {"p-once"})
+    prefill.kv_connector.sender._release([], ["twice"])

@@ -12,7 +12,13 @@ import pytest
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tandem.kv_transfer.config import KVTransferConfig
-from tandem.kv_transfer.params import KVLoad, RemotePrefill, prompt_digest
+from tandem.kv_transfer.params import (
+    KVLoad,
+    RemotePrefill,
+    RemoteStream,
+    check_kv_transfer,
+    prompt_digest,
+)
 from tandem.request import Request, RequestStatus
 from tandem.sampling_params import SamplingParams
 
@@ -164,7 +170,13 @@ def test_remote_request_pulls_exactly_the_blocks_its_prefix_cache_lacks(
     assert table[:num_hit_blocks] == hit_ids
     num_prompt_blocks = kv.blocks_needed(prompt_len)
     assert output.kv_loads == [
-        KVLoad("r", request.remote_prefill, num_hit_blocks, table[num_hit_blocks:num_prompt_blocks])
+        KVLoad(
+            "r",
+            request.remote_prefill,
+            num_hit_blocks,
+            table[num_hit_blocks:num_prompt_blocks],
+            request.prompt_token_ids,
+        )
     ]
     assert kv.num_free_blocks == NUM_BLOCKS - len(table)
     assert scheduler.num_waiting == 0 and scheduler.num_running == 0
@@ -475,6 +487,40 @@ def test_optional_remote_prefill_fields_have_defaults() -> None:
     remote = RemotePrefill.from_dict(params)
     assert remote.first_logprobs is None and remote.generator_state is None
     assert remote.num_cached_tokens == 0 and remote.do_remote_prefill is True
+
+
+STREAM = {"do_remote_prefill": True, "remote_host": "10.0.0.7", "remote_port": 14579,
+          "transfer_id": "t1"}  # fmt: skip
+
+
+def check(params: dict, role: str, max_tokens: int = 8) -> object:
+    return check_kv_transfer(params, role, prompt_of(9), max_tokens, False, BLOCK_SIZE, 4096)
+
+
+def test_a_decode_leg_without_a_first_token_is_a_stream() -> None:
+    assert check(STREAM, "decode") == RemoteStream("10.0.0.7", 14579, "t1")
+    assert RemoteStream.from_dict(RemoteStream("h", 1, "t").to_dict()) == RemoteStream("h", 1, "t")
+    # The answer of a prefill leg that streamed: pulled by its transfer id.
+    streamed = {**remote_prefill(prompt_of(9)).to_dict(), "transfer_id": "t1"}
+    assert check(streamed, "decode").transfer_id == "t1"
+    assert check({"do_remote_decode": True, "transfer_id": "t1"}, "prefill", 1) is None
+
+
+@pytest.mark.parametrize(
+    ("params", "role", "message"),
+    [
+        ({**STREAM, "remote_block_ids": [1]}, "decode", "unknown keys: remote_block_ids"),
+        ({**STREAM, "transfer_id": ""}, "decode", "transfer_id must be a string of 1 to 256"),
+        ({**STREAM, "transfer_id": 5}, "decode", "transfer_id must be a string"),
+        ({**STREAM, "remote_port": 0}, "decode", "remote_port must be a port number"),
+        ({**STREAM, "remote_host": None}, "decode", "remote_host must be the prefill"),
+        (STREAM, "prefill", "asks for a decode instance"),
+        ({"do_remote_decode": True, "transfer_id": ["x"]}, "prefill", "transfer_id must be"),
+    ],
+)
+def test_stream_params_name_what_is_wrong(params: dict, role: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check(params, role, 1 if role == "prefill" else 8)
 
 
 @pytest.mark.parametrize(

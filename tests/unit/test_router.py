@@ -51,6 +51,8 @@ def test_prefill_body_asks_for_the_first_token_only_and_leaves_the_request_alone
         assert dropped not in prefill
     for kept in ("seed", "temperature", "logprobs", "stop", "prompt"):
         assert prefill[kept] == body[kept]
+    streamed = prefill_body(body, "t1")["kv_transfer_params"]
+    assert streamed == {"do_remote_decode": True, "transfer_id": "t1"}
 
 
 def test_choose_takes_the_least_loaded_healthy_instance() -> None:

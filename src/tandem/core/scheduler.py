@@ -858,9 +858,11 @@ class Scheduler:
         num_prompt_blocks = kv.blocks_needed(request.num_prompt_tokens)
         block_ids = kv.get_block_ids(request.request_id)[first_block:num_prompt_blocks]
         assert request.remote_prefill is not None
-        plan.kv_loads.append(
-            KVLoad(request.request_id, request.remote_prefill, first_block, list(block_ids))
-        )
+        load = KVLoad(
+            request.request_id, request.remote_prefill, first_block, list(block_ids),
+            request.prompt_token_ids,
+        )  # fmt: skip
+        plan.kv_loads.append(load)
         return True
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:

@@ -28,7 +28,14 @@ from tandem.core.spec_stats import SpecDecodeStats
 from tandem.core.step_cost import StepCostModel
 from tandem.engine.machine_peaks import machine_peaks
 from tandem.engine.stats import SchedulerStats, StepStats
-from tandem.kv_transfer.params import KVLoad, check_kv_transfer, first_logprobs_row
+from tandem.kv_transfer.params import (
+    KVLoad,
+    RemotePrefill,
+    RemoteStream,
+    check_first_token,
+    check_kv_transfer,
+    first_logprobs_row,
+)
 from tandem.outputs import Logprob
 from tandem.records import record
 from tandem.request import Request, RequestStatus
@@ -51,6 +58,7 @@ if TYPE_CHECKING:
     from tandem.attention.metadata import BatchInputs
     from tandem.core.scheduler import ScheduledRequest
     from tandem.engine.config import EngineConfig
+    from tandem.kv_transfer.receiver import LoadResult
 
 logger = logging.getLogger(__name__)
 
@@ -257,35 +265,32 @@ class EngineCore:
                     kv_transfer_params, "both", request.prompt_token_ids, params.max_tokens,
                     params.logprobs is not None, self.config.runner.block_size, vocab_size,
                 )  # fmt: skip
-        if remote is not None:
-            request.append_output_token_ids([remote.first_token_id])
-            now = self.scheduler.clock()
-            request.token_times.append(now)
-            request.first_scheduled_time = request.first_token_time = now
-            request.num_cached_tokens = remote.num_cached_tokens
-            first_row = first_logprobs_row(remote.first_logprobs)
-            logprobs_by_id = {} if first_row is None else {request.request_id: [first_row]}
+        first_known = isinstance(remote, RemotePrefill)
+        if first_known:
+            logprobs_by_id = self._take_first_token(request, remote)
             status = self.scheduler.stop_status(request)
             if status is not None:  # it ends at its first token: nothing to pull
-                request.status, request.finished_time = status, now
+                request.status, request.finished_time = status, request.first_token_time
                 self.kv_connector.release(remote)
                 self._pending_outputs.append(self._output(request, 0, logprobs_by_id))
                 return
-            request.remote_prefill = remote
+        request.remote_prefill = remote
         try:
             self.scheduler.add_request(request)
         except ValueError:
             if remote is not None:  # its KV will never be pulled
                 self.kv_connector.release(remote)
+            if self.kv_connector is not None:
+                self.kv_connector.drop_stream(request.request_id)
             raise
         seed = request.sampling_params.seed
         if seed is not None:
             generator = torch.Generator(device=self.runner.device)
             generator.manual_seed(seed)
-            if remote is not None and remote.generator_state is not None:
+            if first_known and remote.generator_state is not None:
                 restore_generator(generator, remote.generator_state)
             self.generators[request.request_id] = generator
-        if remote is not None:
+        if first_known:
             self._pending_outputs.append(self._output(request, 0, logprobs_by_id))
         if request.sampling_params.prompt_logprobs is not None and request.num_prompt_tokens > 1:
             self.prompt_logprobs_sent[request.request_id] = 0
@@ -302,12 +307,14 @@ class EngineCore:
             request = self.scheduler.requests.get(request_id)
             if request is not None and stop_reason is not None:
                 request.stop_reason = stop_reason
-            if (
-                request is not None
-                and request.remote_prefill is not None
-                and request_id not in self.scheduler.receiving
-            ):  # still queued: its KV will never be pulled (a pull under way frees it)
-                self.kv_connector.release(request.remote_prefill)
+            remote = None if request is None else request.remote_prefill
+            if remote is not None and (
+                request_id not in self.scheduler.receiving or remote.transfer_id is not None
+            ):  # still queued: its KV will never be pulled (a pull under way frees it; a
+                # stream under way is ended, as it may wait long for the prompt's chunks)
+                self.kv_connector.release(remote)
+            if self.kv_connector is not None:
+                self.kv_connector.drop_stream(request_id)
             self.generators.pop(request_id, None)
             self.prompt_logprobs_sent.pop(request_id, None)
             self._sync_request_ids.discard(request_id)
@@ -379,7 +386,53 @@ class EngineCore:
         for request_id in connector.take_released():
             self.scheduler.release_detached(request_id)
         for result in connector.take_results():
-            self.scheduler.finish_kv_load(result.request_id, result.ok)
+            request = self.scheduler.receiving.get(result.request_id)
+            if request is not None and isinstance(request.remote_prefill, RemoteStream):
+                self._land_stream(request, result)
+            else:
+                self.scheduler.finish_kv_load(result.request_id, result.ok)
+
+    def _take_first_token(self, request: Request, remote: RemotePrefill) -> dict:
+        """Record the first token the prefill instance sampled; its logprobs by request id."""
+        request.append_output_token_ids([remote.first_token_id])
+        now = self.scheduler.clock()
+        request.token_times.append(now)
+        request.first_scheduled_time = request.first_token_time = now
+        request.num_cached_tokens = remote.num_cached_tokens
+        first_row = first_logprobs_row(remote.first_logprobs)
+        return {} if first_row is None else {request.request_id: [first_row]}
+
+    def _land_stream(self, request: Request, result: LoadResult) -> None:
+        """A stream's end: the prompt's KV is here and, with it, the first token (decoding
+        goes on from the next step), or the stream failed and the prompt is computed here."""
+        remote = None
+        if result.ok:
+            params = request.sampling_params
+            try:
+                remote = RemotePrefill.from_dict(result.final)
+                check_first_token(
+                    remote, request.prompt_token_ids, params.logprobs is not None,
+                    self.config.runner.block_size, self.runner.model_config.vocab_size,
+                )  # fmt: skip
+            except (ValueError, TypeError) as error:
+                logger.warning("stream of request %s ended unusable (%s): prefilling it here",
+                               request.request_id, error)  # fmt: skip
+                self.kv_connector.count_failed_landing(result)
+                remote = None
+        request_id = request.request_id
+        if remote is None:
+            self.scheduler.finish_kv_load(request_id, False)
+            return
+        request.remote_prefill = remote
+        logprobs_by_id = self._take_first_token(request, remote)
+        self.scheduler.finish_kv_load(request_id, True)
+        generator = self.generators.get(request_id)
+        if generator is not None and remote.generator_state is not None:
+            restore_generator(generator, remote.generator_state)
+        status = self.scheduler.stop_status(request)
+        if status is not None:
+            self.scheduler.finish_requests([request_id], status)
+        self._pending_outputs.append(self._output(request, 0, logprobs_by_id))
 
     def _start_kv_loads(self, loads: list[KVLoad]) -> None:
         assert self.kv_connector is not None
@@ -461,6 +514,8 @@ class EngineCore:
             }
         updated = self.scheduler.settle_in_flight(in_flight.scheduled, sampled)
         outputs = self._outputs(updated, None, logprobs_by_id)
+        if self.kv_connector is not None and self.kv_connector.streaming:
+            self._stage_streams(in_flight.scheduled.scheduled)
         now = time.perf_counter()
         step_time = now - max(in_flight.start, self._last_completion)
         self._last_completion = now
@@ -495,6 +550,8 @@ class EngineCore:
             starts = [num_outputs_before[r.request_id] for r in updated]
             outputs = self._outputs(updated, starts, logprobs_by_id)
             num_accepted = sum(map(len, sampled.values())) - len(sampled)
+        if self.kv_connector is not None and self.kv_connector.streaming:
+            self._stage_streams(entries)
         if self.proposer is not None:
             for request_id in scheduled.preempted_request_ids:
                 self.proposer.forget(request_id)  # its KV is gone, the draft's too
@@ -769,11 +826,33 @@ class EngineCore:
         generator: torch.Generator | None,
     ) -> dict[str, Any]:
         """Prefill side: hand a finished request's prompt blocks to the sender to keep."""
-        assert self.kv_connector is not None
-        blocks = self.scheduler.detached[request.request_id]
+        connector = self.kv_connector
+        assert connector is not None
+        request_id = request.request_id
+        blocks = self.scheduler.detached[request_id]
         num_prompt_blocks = self.kv_cache_manager.blocks_needed(request.num_prompt_tokens)
         block_ids = [block.block_id for block in blocks[:num_prompt_blocks]]
-        return self.kv_connector.hold(request, block_ids, rows[0] if rows else None, generator)
+        streamed = request_id in connector.streaming
+        params = connector.hold(request, block_ids, rows[0] if rows else None, generator)
+        if streamed:  # copied out: the blocks go back now
+            self.scheduler.release_detached(request_id)
+        return params
+
+    def _stage_streams(self, entries: list[ScheduledRequest]) -> None:
+        """Prefill side: copy out the blocks this step completed of prompts that stream
+        (the finished ones are copied out whole when they finish; a preempted one's blocks
+        are gone, and copied again once recomputed)."""
+        connector = self.kv_connector
+        running = RequestStatus.RUNNING
+        for entry in entries:
+            request_id = entry.request_id
+            if request_id not in connector.streaming:
+                continue
+            request = self.scheduler.requests.get(request_id)
+            if request is not None and request.status is running:
+                block_ids = self.kv_cache_manager.get_block_ids(request_id)
+                computed = entry.num_computed_tokens + entry.num_new_tokens
+                connector.stage(request, block_ids, computed)
 
     def scheduler_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager

@@ -4,7 +4,9 @@ global process group so that any number of instances can pair up while they run)
 
 Data on a pair group, per pulled request: a header [status, number of blocks], then chunks of
 blocks, each one tensor [layers, 2, blocks, block_size, kv heads, head dim] (keys and values of
-every layer of those blocks), sent in order on the group's one tag."""
+every layer of those blocks), sent in order on tag 0. A streamed pull has a tag of its own
+(streams to one peer interleave): headers [status, first block, number of blocks, bytes], each
+followed by its chunk, or, last, by the msgpack of the RemotePrefill dict (status DONE)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,9 @@ from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 STATUS_OK = 0
 STATUS_UNKNOWN = 1  # not held (never, expired, or already sent): the decode side prefills
+STATUS_WAIT = 2  # a stream's keep-alive while its prompt waits or computes
+STATUS_DONE = 3  # a stream's end: the RemotePrefill dict follows
+STATUS_MISMATCH = 4  # a stream whose prompt is not the decode request's
 TAG = 0
 
 
@@ -46,14 +51,27 @@ class Pull(msgspec.Struct, tag="pull"):
     num_blocks: int
 
 
+class StreamPull(msgspec.Struct, tag="stream-pull"):
+    """Decode -> prefill: send transfer `transfer_id`'s blocks from `first_block` on as they are
+    computed, then its RemotePrefill dict, on our pair group with tag `tag`."""
+
+    peer_id: str
+    transfer_id: str
+    tag: int
+    first_block: int
+    num_prompt_tokens: int
+    prompt_digest: str
+
+
 class Release(msgspec.Struct, tag="release"):
-    """Decode -> prefill: these requests' blocks will not be pulled (they ended at their first
-    token, or were aborted): free them now."""
+    """Decode -> prefill: these requests' blocks (or transfers' streams) will not be pulled, or
+    no longer (they ended at their first token, or were aborted): free them now."""
 
     request_ids: list[str]
+    transfer_ids: list[str] = []
 
 
-ControlMessage = Hello | Welcome | Pull | Release
+ControlMessage = Hello | Welcome | Pull | StreamPull | Release
 
 
 def cache_layout(kv_caches: Sequence[torch.Tensor]) -> list[str | int]:

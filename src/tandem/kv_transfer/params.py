@@ -4,7 +4,14 @@ A request to a prefill instance carries `{"do_remote_decode": true}`: the instan
 prompt and the first token, keeps the prompt's KV blocks, and answers with a `RemotePrefill`
 dict. The router hands that dict, unchanged, to a decode instance with the same request: the
 decode instance pulls the blocks it lacks and goes on from the first token, never recomputing
-the prompt. Torch-free: the scheduler reads it."""
+the prompt.
+
+The router instead sends both legs at once, so that KV streams while the prompt is computed:
+the prefill leg carries `{"do_remote_decode": true, "transfer_id": T}` and the decode leg a
+`RemoteStream` naming the prefill instance and T. The prefill instance copies each block out as
+soon as its step has computed it; the decode instance pulls them as they come, and the
+`RemotePrefill` dict (the first token) last. A `RemotePrefill` with a transfer id (the answer
+to a prefill leg that had one) is pulled the same way. Torch-free: the scheduler reads it."""
 
 from __future__ import annotations
 
@@ -51,6 +58,8 @@ class RemotePrefill:
     # request samples the same tokens as on one instance.
     generator_state: str | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefill instance found in its prefix cache
+    # Set when the prefill leg streamed its KV: pulled by this id, not by block ids.
+    transfer_id: str | None = None
     do_remote_prefill: bool = True
 
     def to_dict(self) -> dict[str, Any]:
@@ -80,12 +89,62 @@ class RemotePrefill:
             value = params.get(name, 0)
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise ValueError(f"kv_transfer_params.{name} must be a {kind.__name__}")
+        transfer_id = params.get("transfer_id")
+        if transfer_id is not None:
+            _check_transfer_id(transfer_id)
         block_ids = params["remote_block_ids"]
         if not isinstance(block_ids, list) or not all(
             isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in block_ids
         ):
             raise ValueError("kv_transfer_params.remote_block_ids must be a list of block ids")
         return cls(**params)
+
+
+@dataclass(frozen=True)
+class RemoteStream:
+    """A decode leg sent while its prefill leg runs: where to pull the KV from as it is
+    computed. The first token and the rest of a RemotePrefill come at the end of the stream."""
+
+    remote_host: str
+    remote_port: int
+    transfer_id: str
+    do_remote_prefill: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any]) -> RemoteStream:
+        unknown = sorted(set(params) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(
+                f"kv_transfer_params has unknown keys: {', '.join(unknown)} (a streamed decode "
+                "leg has remote_host, remote_port and transfer_id; a prefill instance's answer "
+                "has first_token_id too)"
+            )
+        host, port = params.get("remote_host"), params.get("remote_port")
+        if not isinstance(host, str) or not host:
+            raise ValueError("kv_transfer_params.remote_host must be the prefill instance's host")
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise ValueError("kv_transfer_params.remote_port must be a port number")
+        _check_transfer_id(params.get("transfer_id"))
+        return cls(**params)
+
+
+Remote = RemotePrefill | RemoteStream
+
+
+def _check_transfer_id(transfer_id: Any) -> None:
+    if not isinstance(transfer_id, str) or not 0 < len(transfer_id) <= 256:
+        raise ValueError("kv_transfer_params.transfer_id must be a string of 1 to 256 characters")
+
+
+def transfer_id_of(params: dict[str, Any]) -> str | None:
+    """A prefill leg's transfer id: its KV streams to the decode leg that names it."""
+    transfer_id = params.get("transfer_id")
+    if transfer_id is not None:
+        _check_transfer_id(transfer_id)
+    return transfer_id
 
 
 def wants_remote_decode(params: dict[str, Any] | None) -> bool:
@@ -103,9 +162,11 @@ class KVLoad:
     `block_ids`. Empty `block_ids`: the whole prompt was a local hit, nothing to pull."""
 
     request_id: str
-    remote: RemotePrefill
+    remote: Remote
     first_block: int
     block_ids: list[int]
+    # A streamed pull sends the prompt's digest: the prefill side checks it is the same prompt.
+    prompt_token_ids: list[int]
 
 
 def first_logprobs_row(rows: list[list[float]] | None) -> dict[int, Logprob] | None:
@@ -122,11 +183,11 @@ def check_kv_transfer(
     wants_logprobs: bool,
     block_size: int,
     vocab_size: int,
-) -> RemotePrefill | None:
+) -> Remote | None:
     """What a request's kv_transfer_params ask of an instance of `role` (prefill, decode or
-    both): the RemotePrefill to pull on a decode instance, None otherwise. ValueError saying
-    what to change for params this instance cannot act on. The API process checks before
-    queuing (a 400), the engine core again (its own callers)."""
+    both): the RemotePrefill or RemoteStream to pull on a decode instance, None otherwise.
+    ValueError saying what to change for params this instance cannot act on. The API process
+    checks before queuing (a 400), the engine core again (its own callers)."""
     if wants_remote_decode(params):
         if role != "prefill":
             raise ValueError(_wrong_role("do_remote_decode", "prefill", role))
@@ -135,12 +196,27 @@ def check_kv_transfer(
                 "a request with kv_transfer_params.do_remote_decode computes the prompt and "
                 "the first token only: send max_tokens 1 (the decode instance does the rest)"
             )
+        transfer_id_of(params)
         return None
     if not wants_remote_prefill(params):
         return None
     if role != "decode":
         raise ValueError(_wrong_role("do_remote_prefill", "decode", role))
+    if "first_token_id" not in params:
+        return RemoteStream.from_dict(params)
     remote = RemotePrefill.from_dict(params)
+    check_first_token(remote, prompt_token_ids, wants_logprobs, block_size, vocab_size)
+    return remote
+
+
+def check_first_token(
+    remote: RemotePrefill,
+    prompt_token_ids: list[int],
+    wants_logprobs: bool,
+    block_size: int,
+    vocab_size: int,
+) -> None:
+    """ValueError unless `remote` is what a prefill instance made of this very prompt."""
     if remote.block_size != block_size:
         raise ValueError(
             f"the prefill instance uses blocks of {remote.block_size} tokens and this "
@@ -164,7 +240,6 @@ def check_kv_transfer(
             "the request asks for logprobs but kv_transfer_params has none for the first "
             "token: send the prefill instance the same logprobs setting"
         )
-    return remote
 
 
 def _wrong_role(flag: str, needed: str, role: str) -> str:

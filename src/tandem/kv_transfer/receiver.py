@@ -2,28 +2,37 @@
 Each prefill peer gets a thread that owns the control socket and the pair group to it, formed
 on first use and formed again after a failure; it writes received blocks straight into the
 KV cache (blocks the scheduler allocated to the request and nobody else reads until the load
-is reported done) and reports each load's outcome to the engine core."""
+is reported done) and reports each load's outcome to the engine core. A streamed load (the
+prompt is still being computed there) gets a thread of its own and a tag on the pair group,
+so it holds up no other load from that peer while it waits for the prompt's chunks."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
+import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import torch
 import zmq
 
 from tandem.kv_transfer.channel import (
+    STATUS_DONE,
+    STATUS_MISMATCH,
     STATUS_OK,
+    STATUS_WAIT,
     TAG,
     Hello,
     Pull,
     Release,
+    StreamPull,
     Welcome,
     block_bytes,
     blocks_per_chunk,
@@ -34,7 +43,7 @@ from tandem.kv_transfer.channel import (
     scatter_blocks,
 )
 from tandem.kv_transfer.config import KVTransferConfig
-from tandem.kv_transfer.params import KVLoad, RemotePrefill
+from tandem.kv_transfer.params import KVLoad, Remote, prompt_digest
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +56,7 @@ class LoadResult:
     num_bytes: int
     seconds: float
     error: str | None = None
+    final: dict[str, Any] | None = None  # a stream's RemotePrefill dict, sent at its end
 
 
 class _Peer:
@@ -58,6 +68,7 @@ class _Peer:
         self.jobs: queue.SimpleQueue[KVLoad | Release] = queue.SimpleQueue()
         self.socket: zmq.Socket | None = None
         self.group = None
+        self.tags = itertools.count(TAG + 1)  # one per streamed load
         threading.Thread(
             target=self._run, name=f"tandem-kv-recv-{host}:{port}", daemon=True
         ).start()
@@ -71,11 +82,13 @@ class _Peer:
             start = time.perf_counter()
             try:
                 self._connect()
+                if job.remote.transfer_id is not None:
+                    self._start_stream(job, start)
+                    continue
                 self._load(job)
             except Exception as error:
                 self._disconnect()
-                result = LoadResult(job.request_id, False, 0, 0, time.perf_counter() - start,
-                                    f"{type(error).__name__}: {error}")  # fmt: skip
+                result = self._failed(job, start, error)
             else:
                 num_blocks = len(job.block_ids)
                 num_bytes = num_blocks * block_bytes(self.receiver.kv_caches)
@@ -84,7 +97,72 @@ class _Peer:
                 )
             self.receiver._finished(result)
 
-    def _send_control(self, message: Pull | Release | Hello) -> None:
+    @staticmethod
+    def _failed(job: KVLoad, start: float, error: Exception) -> LoadResult:
+        return LoadResult(job.request_id, False, 0, 0, time.perf_counter() - start,
+                          f"{type(error).__name__}: {error}")  # fmt: skip
+
+    def _start_stream(self, load: KVLoad, start: float) -> None:
+        """Ask for the stream here (this thread owns the control socket), then receive it on a
+        thread of its own."""
+        tag = next(self.tags)
+        self._send_control(
+            StreamPull(
+                self.receiver.peer_id, load.remote.transfer_id, tag, load.first_block,
+                len(load.prompt_token_ids), prompt_digest(load.prompt_token_ids),
+            )
+        )  # fmt: skip
+        threading.Thread(
+            target=self._stream, args=(self.group, load, tag, start),
+            name=f"tandem-kv-stream-{load.request_id}", daemon=True,
+        ).start()  # fmt: skip
+
+    def _stream(self, group, load: KVLoad, tag: int, start: float) -> None:
+        """Receive a stream's chunks into the request's blocks as they come, then the
+        RemotePrefill dict that ends it."""
+        caches = self.receiver.kv_caches
+        header = torch.empty(4, dtype=torch.int64)
+        num_blocks = 0
+        try:
+            while True:
+                group.recv([header], 0, tag).wait()
+                status, first, count, size = header.tolist()
+                if status == STATUS_WAIT:
+                    continue
+                if status == STATUS_OK:
+                    local = first - load.first_block
+                    if local < 0 or local + count > len(load.block_ids):
+                        raise ValueError(f"blocks {first}..{first + count} are not the prompt's")
+                    chunk = empty_chunk(caches, count)
+                    group.recv([chunk], 0, tag).wait()
+                    ids = torch.tensor(load.block_ids[local : local + count], dtype=torch.int64)
+                    scatter_blocks(caches, ids, chunk)
+                    num_blocks += count
+                    continue
+                if status == STATUS_DONE:
+                    payload = torch.empty(size, dtype=torch.uint8)
+                    group.recv([payload], 0, tag).wait()
+                    final = msgspec.msgpack.decode(payload.numpy().tobytes())
+                    break
+                if status == STATUS_MISMATCH:
+                    raise ValueError(
+                        f"transfer {load.remote.transfer_id} computed another prompt than "
+                        "this request's (the two legs of a request must carry the same prompt)"
+                    )
+                raise LookupError(f"the prefill instance has no transfer {load.remote.transfer_id}")
+            if caches[0].is_cuda:
+                torch.cuda.current_stream(caches[0].device).synchronize()
+        except Exception as error:
+            if not isinstance(error, LookupError | ValueError) and self.group is group:
+                self.group = None  # the pair group broke: the next load forms a new one
+            result = self._failed(load, start, error)
+        else:
+            num_bytes = num_blocks * block_bytes(caches)
+            seconds = time.perf_counter() - start
+            result = LoadResult(load.request_id, True, num_blocks, num_bytes, seconds, None, final)
+        self.receiver._finished(result)
+
+    def _send_control(self, message: Pull | StreamPull | Release | Hello) -> None:
         if self.socket is None:
             self.socket = self.receiver.context.socket(zmq.DEALER)
             self.socket.setsockopt(zmq.LINGER, 0)
@@ -95,6 +173,9 @@ class _Peer:
         if self.group is not None:
             return
         receiver = self.receiver
+        # ZeroMQ would wait out the timeout for a prefill instance that is gone; TCP says so
+        # at once (connection refused), and the request is prefilled here without delay.
+        socket.create_connection((self.host, self.port), timeout=receiver.config.timeout).close()
         self._send_control(Hello(receiver.peer_id, receiver.layout))
         assert self.socket is not None
         if not self.socket.poll(int(receiver.config.timeout * 1000)):
@@ -177,9 +258,14 @@ class KVReceiver:
     def load(self, load: KVLoad) -> None:
         self._peer(load.remote).jobs.put(load)
 
-    def release(self, remote: RemotePrefill) -> None:
-        """Tell the prefill instance to free a request's blocks: they will not be pulled."""
-        self._peer(remote).jobs.put(Release([remote.remote_request_id]))
+    def release(self, remote: Remote) -> None:
+        """Tell the prefill instance to free a request's blocks (or end its stream): they
+        will not be pulled, or no longer."""
+        if remote.transfer_id is not None:
+            message = Release([], [remote.transfer_id])
+        else:
+            message = Release([remote.remote_request_id])
+        self._peer(remote).jobs.put(message)
 
     def take_results(self) -> list[LoadResult]:
         results = []
@@ -189,7 +275,7 @@ class KVReceiver:
             except queue.Empty:
                 return results
 
-    def _peer(self, remote: RemotePrefill) -> _Peer:
+    def _peer(self, remote: Remote) -> _Peer:
         key = (remote.remote_host, remote.remote_port)
         peer = self._peers.get(key)
         if peer is None:

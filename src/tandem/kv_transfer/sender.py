@@ -2,7 +2,12 @@
 pull them. A control thread answers ZeroMQ messages; each decode peer gets a thread that owns
 its pair group and sends one request's blocks after another. Blocks are freed only by the
 engine core's thread (the block pool is not thread-safe): this side reports which requests it
-is done with, and the core releases them."""
+is done with, and the core releases them.
+
+Streams (a prefill leg with a transfer id) need no held blocks: the engine core copies each
+block out once a step has computed it (`stage`), and a thread per streamed pull sends the
+copies as they come, on the pull's own tag, so a stream waiting for its prompt's next chunk
+holds up no other transfer to the same peer."""
 
 from __future__ import annotations
 
@@ -11,21 +16,27 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import torch
 import zmq
 
 from tandem.kv_transfer.channel import (
+    STATUS_DONE,
+    STATUS_MISMATCH,
     STATUS_OK,
     STATUS_UNKNOWN,
+    STATUS_WAIT,
     TAG,
     ControlMessage,
     Hello,
     Pull,
     Release,
+    StreamPull,
     Welcome,
     block_bytes,
     blocks_per_chunk,
@@ -45,6 +56,29 @@ class _Held:
     block_ids: list[int]
     expires_at: float
     sending: bool = False
+
+
+@dataclass
+class _Stream:
+    """One transfer's blocks, copied out as its prompt is computed. Made by whichever comes
+    first: the prefill request (`open_stream`) or the decode side's pull."""
+
+    expires_at: float
+    chunks: deque[tuple[int, torch.Tensor]] = field(default_factory=deque)  # (first block, KV)
+    prompt: tuple[int, str] | None = None  # (number of prompt tokens, digest), once it came
+    final: bytes | None = None  # the RemotePrefill dict, msgpack: the prompt is done
+    failed: bool = False  # aborted, or not the decode request's prompt: nothing more comes
+    pulled: bool = False
+
+
+class _Pair:
+    """A decode peer: the pulls its thread serves one after another, and its pair group once
+    formed (streamed pulls send on it from threads of their own)."""
+
+    def __init__(self) -> None:
+        self.pulls: queue.SimpleQueue[Pull] = queue.SimpleQueue()
+        self.group = None
+        self.formed = threading.Event()
 
 
 @dataclass
@@ -70,7 +104,9 @@ class KVSender:
         self.notify = notify
         self.stats = SenderStats()
         self._held: dict[str, _Held] = {}
+        self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
+        self._stream_changed = threading.Condition(self._lock)
         self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._pair_ids = itertools.count()
         self._store = host_store(config.host, config.port + 1, config.timeout)
@@ -89,6 +125,47 @@ class KVSender:
         with self._lock:
             self._held[request_id] = _Held(block_ids, time.monotonic() + self.config.hold_seconds)
 
+    def open_stream(self, transfer_id: str, num_prompt_tokens: int, digest: str) -> None:
+        """A prefill request with a transfer id has come: its blocks will be staged."""
+        with self._stream_changed:
+            stream = self._streams.get(transfer_id)
+            if stream is not None and stream.prompt is not None:
+                raise ValueError(
+                    f"kv_transfer_params.transfer_id {transfer_id!r} is already in use: "
+                    "give each prefill leg an id of its own"
+                )
+            if stream is None:
+                stream = self._streams[transfer_id] = _Stream(self._expiry())
+            stream.prompt = (num_prompt_tokens, digest)
+            self._stream_changed.notify_all()
+
+    def stage(self, transfer_id: str, first_block: int, chunk: torch.Tensor) -> None:
+        """Blocks [first_block, first_block + len) of a stream, copied out of the cache."""
+        with self._stream_changed:
+            stream = self._streams.get(transfer_id)
+            if stream is None or stream.failed:
+                return
+            stream.chunks.append((first_block, chunk))
+            stream.expires_at = self._expiry()
+            self._stream_changed.notify_all()
+
+    def finish_stream(self, transfer_id: str, final: dict[str, Any] | None) -> None:
+        """The prompt is done (`final`: its RemotePrefill dict), or will never be (None)."""
+        with self._stream_changed:
+            stream = self._streams.get(transfer_id)
+            if stream is None:
+                return
+            if final is None:
+                stream.failed = True
+                stream.chunks.clear()
+            else:
+                stream.final = msgspec.msgpack.encode(final)
+            stream.expires_at = self._expiry()
+            self._stream_changed.notify_all()
+
+    def _expiry(self) -> float:
+        return time.monotonic() + self.config.hold_seconds
+
     def take_released(self) -> list[str]:
         """Requests this side is done with (sent, released by the peer, or expired)."""
         now = time.monotonic()
@@ -100,7 +177,16 @@ class KVSender:
             ]
             for request_id in expired:
                 del self._held[request_id]
-        self.stats.num_expired += len(expired)
+            stale = [
+                transfer_id
+                for transfer_id, stream in self._streams.items()
+                if not stream.pulled and stream.expires_at <= now
+            ]
+            for transfer_id in stale:  # staged copies nobody pulled
+                del self._streams[transfer_id]
+        self.stats.num_expired += len(expired) + len(stale)
+        for transfer_id in stale:
+            logger.warning("KV stream %s was not pulled in time: dropped", transfer_id)
         for request_id in expired:
             logger.warning("KV of request %s was not pulled in time: freed", request_id)
         released = expired
@@ -112,14 +198,26 @@ class KVSender:
 
     @property
     def num_held_blocks(self) -> int:
+        """Blocks held for pulls, and blocks staged for streams and not sent yet."""
         with self._lock:
-            return sum(len(held.block_ids) for held in self._held.values())
+            held = sum(len(held.block_ids) for held in self._held.values())
+            return held + sum(
+                chunk.shape[2] for stream in self._streams.values() for _, chunk in stream.chunks
+            )
 
     # -- transfer threads -------------------------------------------------------------------
 
-    def _release(self, request_ids: list[str]) -> None:
-        with self._lock:
+    def _release(self, request_ids: list[str], transfer_ids: Sequence[str] = ()) -> None:
+        with self._stream_changed:
             found = [i for i in request_ids if self._held.pop(i, None) is not None]
+            for transfer_id in transfer_ids:  # a pull under way ends with STATUS_UNKNOWN
+                stream = self._streams.get(transfer_id)
+                if stream is not None:
+                    stream.failed = True
+                    stream.chunks.clear()
+                    if not stream.pulled:
+                        del self._streams[transfer_id]
+            self._stream_changed.notify_all()
         for request_id in found:
             self._released.put(request_id)
         if found:
@@ -128,7 +226,7 @@ class KVSender:
     def _serve_control(self) -> None:
         decoder = msgspec.msgpack.Decoder(ControlMessage)
         encoder = msgspec.msgpack.Encoder()
-        peers: dict[str, queue.SimpleQueue[Pull]] = {}
+        peers: dict[str, _Pair] = {}
         while True:
             identity, frame = self._control.recv_multipart()
             try:
@@ -139,36 +237,34 @@ class KVSender:
             if isinstance(message, Hello):
                 reply = self._welcome(message, peers)
                 self._control.send_multipart([identity, encoder.encode(reply)])
-            elif isinstance(message, Pull):
-                pulls = peers.get(message.peer_id)
-                if pulls is None:  # its pair group failed: it will say Hello again
+            elif isinstance(message, Pull | StreamPull):
+                pair = peers.get(message.peer_id)
+                if pair is None:  # its pair group failed: it will say Hello again
                     logger.warning("a pull from unpaired peer %s: ignored", message.peer_id)
+                elif isinstance(message, Pull):
+                    pair.pulls.put(message)
                 else:
-                    pulls.put(message)
+                    self._start_stream(message, pair, peers)
             elif isinstance(message, Release):
-                self._release(message.request_ids)
+                self._release(message.request_ids, message.transfer_ids)
 
-    def _welcome(self, hello: Hello, peers: dict[str, queue.SimpleQueue[Pull]]) -> Welcome:
+    def _welcome(self, hello: Hello, peers: dict[str, _Pair]) -> Welcome:
         if hello.layout != self.layout:
             return Welcome(
                 error=f"KV cache layouts differ: prefill {self.layout}, decode {hello.layout} "
                 "(serve the same model, block size and dtype on both)"
             )
         pair_name = f"{hello.peer_id}/{next(self._pair_ids)}"
-        pulls: queue.SimpleQueue[Pull] = queue.SimpleQueue()
-        peers[hello.peer_id] = pulls  # a new Hello from the peer replaces its old pair
+        pair = _Pair()
+        peers[hello.peer_id] = pair  # a new Hello from the peer replaces its old pair
         threading.Thread(
-            target=self._serve_peer, args=(pair_name, pulls, peers, hello.peer_id),
+            target=self._serve_peer, args=(pair_name, pair, peers, hello.peer_id),
             name=f"tandem-kv-send-{pair_name}", daemon=True,
         ).start()  # fmt: skip
         return Welcome(pair_name, self.config.port + 1)
 
     def _serve_peer(
-        self,
-        pair_name: str,
-        pulls: queue.SimpleQueue[Pull],
-        peers: dict[str, queue.SimpleQueue[Pull]],
-        peer_id: str,
+        self, pair_name: str, pair: _Pair, peers: dict[str, _Pair], peer_id: str
     ) -> None:
         try:
             group = pair_group(
@@ -178,17 +274,93 @@ class KVSender:
         except Exception as error:
             logger.error("KV pair group %s could not form: %s", pair_name, error)
             return
+        finally:
+            pair.formed.set()
+        pair.group = group
         logger.info("KV pair group %s formed", pair_name)
         while True:
-            pull = pulls.get()
+            pull = pair.pulls.get()
             try:
                 self._send(group, pull)
             except Exception as error:  # the peer died or timed out: it prefills locally
                 logger.error("KV transfer to %s failed: %s", pair_name, error)
                 self._release([pull.request_id])
-                if peers.get(peer_id) is pulls:
+                if peers.get(peer_id) is pair:
                     del peers[peer_id]
                 return
+
+    def _start_stream(self, pull: StreamPull, pair: _Pair, peers: dict[str, _Pair]) -> None:
+        with self._lock:
+            stream = self._streams.get(pull.transfer_id)
+            if stream is None:  # the pull came before the prefill request: it waits for it
+                stream = self._streams[pull.transfer_id] = _Stream(self._expiry())
+            stream.pulled = True
+        threading.Thread(
+            target=self._send_stream, args=(pair, pull, stream),
+            name=f"tandem-kv-stream-{pull.transfer_id}", daemon=True,
+        ).start()  # fmt: skip
+
+    def _send_stream(self, pair: _Pair, pull: StreamPull, stream: _Stream) -> None:
+        """Send a stream's chunks as they are staged, then its RemotePrefill dict. While it
+        waits, a keep-alive header every third of the timeout, so the decode side's receive
+        does not time out on a prompt that is queued or still computing; a prompt that has
+        not come within the timeout (the prefill leg failed) ends it, as does an abort."""
+        pair.formed.wait(self.config.timeout)
+        group = pair.group
+        try:
+            if group is None:
+                raise RuntimeError("the pair group did not form")
+            self._stream_to(group, pull, stream)
+        except Exception as error:  # the peer died: it prefills locally
+            logger.error("KV stream %s failed: %s", pull.transfer_id, error)
+        finally:
+            with self._lock:
+                if self._streams.get(pull.transfer_id) is stream:
+                    del self._streams[pull.transfer_id]
+
+    def _stream_to(self, group, pull: StreamPull, stream: _Stream) -> None:
+        def header(status: int, first: int = 0, count: int = 0, size: int = 0) -> None:
+            values = [status, first, count, size]
+            group.send([torch.tensor(values, dtype=torch.int64)], 1, pull.tag).wait()
+
+        keep_alive = self.config.timeout / 3
+        arrive_by = time.monotonic() + self.config.timeout
+        num_blocks = 0
+        while True:
+            with self._stream_changed:
+                self._stream_changed.wait_for(
+                    lambda: stream.chunks or stream.final is not None or stream.failed,
+                    keep_alive,
+                )
+                chunks = list(stream.chunks)
+                stream.chunks.clear()
+                final, failed, prompt = stream.final, stream.failed, stream.prompt
+            if prompt is None and time.monotonic() > arrive_by:
+                failed = True
+            if prompt is not None and prompt != (pull.num_prompt_tokens, pull.prompt_digest):
+                header(STATUS_MISMATCH)
+                return
+            if failed:
+                header(STATUS_UNKNOWN)
+                return
+            for first, chunk in chunks:
+                skip = max(0, pull.first_block - first)  # the decode side's prefix-cache hits
+                count = chunk.shape[2] - skip
+                if count <= 0:
+                    continue
+                header(STATUS_OK, first + skip, count)
+                group.send([chunk[:, :, skip:].contiguous()], 1, pull.tag).wait()
+                num_blocks += count
+            if final is not None:
+                header(STATUS_DONE, size=len(final))
+                payload = torch.frombuffer(bytearray(final), dtype=torch.uint8)
+                group.send([payload], 1, pull.tag).wait()
+                self.stats.num_sent += 1
+                self.stats.num_sent_blocks += num_blocks
+                self.stats.sent_bytes += num_blocks * block_bytes(self.kv_caches)
+                return
+            if not chunks:
+                header(STATUS_WAIT)
 
     def _send(self, group, pull: Pull) -> None:
         with self._lock:

@@ -1,10 +1,12 @@
 """The router's HTTP face. A completion or chat request goes to a prefill instance with
-max_tokens 1 and kv_transfer_params {"do_remote_decode": true}; the prefill instance computes
-the prompt and the first token and answers with where the prompt's KV waits. The same request
-then goes to a decode instance with that answer as its kv_transfer_params, and the decode
-instance's response (streamed or not) is the client's. The decode instance pulls the KV, emits
-the first token at once and decodes the rest; it never computes the prompt unless the pull
-fails.
+max_tokens 1 and kv_transfer_params {"do_remote_decode": true, "transfer_id": T}, and at the
+same time to a decode instance with {"do_remote_prefill": true, "remote_host", "remote_port",
+"transfer_id": T}, whose response (streamed or not) is the client's. The prefill instance
+computes the prompt and the first token; the decode instance pulls the prompt's KV as each
+step computes it, and the first token last, then decodes the rest; it never computes the
+prompt unless the transfer fails. Without a known KV endpoint for the prefill instance (its
+/metrics), or with `--no-kv-streaming`, the legs go one after the other: the prefill leg's
+answer (where the finished prompt's KV waits) becomes the decode leg's kv_transfer_params.
 
 Requests that cannot be split this way go whole to one instance: prompt scoring (prompt
 logprobs, echo with logprobs, max_tokens <= 1) to a prefill instance; n > 1, several prompts,
@@ -18,6 +20,7 @@ import hmac
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -43,6 +46,7 @@ _PREFILL_DROPPED = ("max_completion_tokens", "stream_options", "n", "best_of")
 class RouterSettings:
     api_key: str | None = None
     request_timeout: float = 600.0
+    kv_streaming: bool = True  # both legs at once (the KV streams), where the endpoint is known
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -71,9 +75,9 @@ def _route(kind: str, body: dict[str, Any]) -> str:
     return "split"
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+def prefill_body(body: dict[str, Any], transfer_id: str | None = None) -> dict[str, Any]:
     """The prefill leg: the prompt and the first token, sampled as the client asked, the KV
-    kept for the decode leg."""
+    kept for the decode leg (or streamed to it, with a transfer id)."""
     prefill = copy.deepcopy(body)
     for name in _PREFILL_DROPPED:
         prefill.pop(name, None)
@@ -82,6 +86,8 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     if isinstance(prefill.get("min_tokens"), int):
         prefill["min_tokens"] = min(prefill["min_tokens"], 1)
     prefill["kv_transfer_params"] = {"do_remote_decode": True}
+    if transfer_id is not None:
+        prefill["kv_transfer_params"]["transfer_id"] = transfer_id
     return prefill
 
 
@@ -104,6 +110,11 @@ class _Metrics:
         self.prefill_fallbacks = Counter(
             "tandem_router:prefill_fallbacks",
             "Split requests no prefill instance could serve: the decode instance prefilled.",
+            registry=self.registry,
+        )
+        self.streamed = Counter(
+            "tandem_router:streamed_requests",
+            "Split requests whose two legs went out at once (the KV streamed).",
             registry=self.registry,
         )
         self.prefill_seconds = Histogram(
@@ -234,10 +245,15 @@ def build_router(
         return None
 
     async def relay(
-        instance: Instance, path: str, body: dict[str, Any], headers: dict[str, str]
+        instance: Instance,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        prefill_leg: asyncio.Future | None = None,
     ) -> Response:
         """Send the request to `instance` and give its answer to the client as it comes. A
-        client that goes away closes the upstream stream, which aborts the request there."""
+        client that goes away closes the upstream stream, which aborts the request there, and
+        cancels `prefill_leg` (a streamed request's, which aborts it on its instance)."""
         client = pool().client
         instance.in_flight += 1
         instance.num_requests += 1
@@ -251,6 +267,8 @@ def build_router(
             instance.in_flight -= 1
             instance.failed(f"{type(error).__name__}: {error}")
             metrics.failures.labels(instance.url, instance.role).inc()
+            if prefill_leg is not None:
+                prefill_leg.cancel()
             return _error(
                 503, f"the {instance.role} instance did not answer: {error}",
                 "service_unavailable",
@@ -265,6 +283,8 @@ def build_router(
             finally:
                 instance.in_flight -= 1
                 await upstream.aclose()
+                if prefill_leg is not None and not prefill_leg.done():
+                    prefill_leg.cancel()
 
         media_type = upstream.headers.get("content-type", "application/json")
         return StreamingResponse(chunks(), upstream.status_code, media_type=media_type)
@@ -282,6 +302,9 @@ def build_router(
         headers = forward_headers(request)
         route = _route(kind, body)
         metrics.routes.labels(route).inc()
+        streaming_from = pool().choose("prefill") if settings.kv_streaming else None
+        if route == "split" and streaming_from is not None and streaming_from.kv_endpoint:
+            return await streamed_split(streaming_from, path, body, headers)
         if route == "split":
             params = await _until_disconnect(request, prefill(path, body, headers))
             if isinstance(params, Response):
@@ -299,6 +322,38 @@ def build_router(
                 "service_unavailable",
             )  # fmt: skip
         return await relay(instance, path, body, headers)
+
+    async def streamed_split(
+        prefill_instance: Instance, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> Response:
+        """Both legs at once, tied by a transfer id. If the prefill leg fails, the decode
+        instance waits for its KV until its --kv-transfer-timeout, then computes the prompt
+        itself."""
+        decode_instance = pool().choose("decode")
+        if decode_instance is None:
+            return _error(503, "no healthy decode instance: see the router's /health",
+                          "service_unavailable")  # fmt: skip
+        transfer_id = uuid.uuid4().hex
+        start = time.perf_counter()
+
+        async def prefill_leg() -> None:
+            response = await post(prefill_instance, path, prefill_body(body, transfer_id), headers)
+            if response is None or response.status_code != 200:
+                metrics.prefill_fallbacks.inc()
+                status = None if response is None else response.status_code
+                logger.warning("prefill leg of transfer %s failed (%s): the decode instance "
+                               "will compute the prompt", transfer_id, status)  # fmt: skip
+            else:
+                metrics.prefill_seconds.observe(time.perf_counter() - start)
+
+        leg = asyncio.ensure_future(prefill_leg())
+        metrics.streamed.inc()
+        host, port = prefill_instance.kv_endpoint
+        params = {"do_remote_prefill": True, "remote_host": host, "remote_port": port,
+                  "transfer_id": transfer_id}  # fmt: skip
+        return await relay(
+            decode_instance, path, {**body, "kv_transfer_params": params}, headers, leg
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -393,12 +448,13 @@ def run_router(
     poll_interval: float = 1.0,
     request_timeout: float = 600.0,
     discover: bool = False,
+    kv_streaming: bool = True,
 ) -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per poll otherwise
-    settings = RouterSettings(api_key, request_timeout)
+    settings = RouterSettings(api_key, request_timeout, kv_streaming)
     app = build_router(prefill_urls, decode_urls, settings, poll_interval, discover)
     logger.info(
         "router on http://%s:%d: prefill %s, decode %s",

@@ -38,6 +38,9 @@ class Instance:
     num_failures: int = 0
     last_error: str | None = None
     last_poll: float = 0.0
+    # A prefill instance's KV endpoint (host, port), from its /metrics: with it, a request's
+    # decode leg can go out with its prefill leg and pull the KV as it is computed.
+    kv_endpoint: tuple[str, int] | None = None
 
     @property
     def load(self) -> tuple[int, float]:
@@ -50,6 +53,7 @@ class Instance:
             "kv_cache_usage": self.kv_usage, "in_flight": self.in_flight,
             "num_requests": self.num_requests, "num_failures": self.num_failures,
             "last_error": self.last_error,
+            "kv_endpoint": None if self.kv_endpoint is None else "{}:{}".format(*self.kv_endpoint),
         }  # fmt: skip
 
     def failed(self, error: str) -> None:
@@ -138,7 +142,11 @@ class InstancePool:
             instance.healthy = False
             instance.last_error = f"{type(error).__name__}: {error}"
         else:
+            instance.kv_endpoint = None
             for family in text_string_to_metric_families(metrics.text):
+                if family.name == "tandem:kv_transfer_endpoint" and family.samples:
+                    labels = family.samples[0].labels
+                    instance.kv_endpoint = (labels["host"], int(labels["port"]))
                 field = _LOAD_GAUGES.get(family.name)
                 if field is not None and family.samples:
                     value = family.samples[0].value

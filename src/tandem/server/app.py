@@ -247,6 +247,9 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     app.add_middleware(Gate, settings=settings)
     stats = next((s for s in engine.stat_loggers if isinstance(s, PrometheusStatLogger)), None)
     model_name = settings.served_model_names[0]
+    transfer = engine.config.kv_transfer
+    if stats is not None and transfer is not None and transfer.role == "prefill":
+        stats.kv_transfer_endpoint(transfer.host, transfer.port)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, error: OpenAIError) -> JSONResponse:

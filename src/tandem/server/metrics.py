@@ -367,6 +367,16 @@ class PrometheusStatLogger:
         counter.inc(total - last if total >= last else total)
         self._last_totals[key] = total
 
+    def kv_transfer_endpoint(self, host: str, port: int) -> None:
+        """Prefill role: where decode instances pull KV from, as labels of a constant 1 (the
+        router reads it to send a request's two legs at once)."""
+        Gauge(
+            PREFIX + "kv_transfer_endpoint",
+            "Prefill role: the host and port decode instances pull KV from (value 1).",
+            ["model_name", "host", "port"],
+            registry=self.registry,
+        ).labels(self.model_name, host, str(port)).set(1)
+
     def _gauge(self, name: str, documentation: str) -> Gauge:
         metric = Gauge(PREFIX + name, documentation, ["model_name"], registry=self.registry)
         return metric.labels(self.model_name)
