@@ -3,7 +3,9 @@
 Co-located: one `tandem serve` on both cores (decode-first, the default budget 2048, and the
 budget 512 that BENCHMARKS.md found best for the streams). Disaggregated: one `--role
 prefill` instance pinned to core 0 and one `--role decode` instance pinned to core 1 (one
-thread each), a `tandem router` in front. Each configuration runs alone (never two
+thread each), a `tandem router` in front: sending a request's two legs at once, so its KV
+streams while the prompt is computed, or (`--no-kv-streaming`) the decode leg after the
+prefill leg's answer, the KV pulled whole. Each configuration runs alone (never two
 computing at once), the `stutter` and `chat` workloads through the `tandem bench serve`
 client, and the decode side's step log and /metrics say what it computed and what the KV
 transfers cost.
@@ -101,7 +103,7 @@ class Setup:
         self.decode_url = ""
         self.url = ""
 
-    def start(self, budget: int | None, disaggregated: bool) -> Setup:
+    def start(self, budget: int | None, disaggregated: bool, streaming: bool = True) -> Setup:
         base = ["--kv-cache-memory", KV_CACHE, "--max-model-len", "4096"]
         if budget is not None:
             base += ["--max-num-batched-tokens", str(budget)]
@@ -121,7 +123,8 @@ class Setup:
             "decode", one_thread,
         )  # fmt: skip
         router = [sys.executable, "-m", "tandem.cli", "router", "--port", "{port}",
-                  "--prefill", prefill.url, "--decode", decode.url]  # fmt: skip
+                  "--prefill", prefill.url, "--decode", decode.url,
+                  "--kv-streaming" if streaming else "--no-kv-streaming"]  # fmt: skip
         self.url = self._launch(router, "router").url
         self.decode_url = decode.url
         return self
@@ -195,14 +198,15 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     sizes = QUICK if args.quick else WORKLOADS
     setups = [
-        ("colocated 2048", 2048, False),
-        ("colocated 512", 512, False),
-        ("disaggregated", None, True),
+        ("colocated 2048", 2048, False, False),
+        ("colocated 512", 512, False, False),
+        ("disaggregated, streamed", None, True, True),
+        ("disaggregated, sequential", None, True, False),
     ]
     runs: dict[str, list[dict]] = {name: [] for name in sizes}
-    for name, budget, disaggregated in setups:
+    for name, budget, disaggregated, streaming in setups:
         print(f"{name}:", flush=True)
-        setup = Setup(name, out).start(budget, disaggregated)
+        setup = Setup(name, out).start(budget, disaggregated, streaming)
         try:
             for workload_name in sizes:
                 run = bench(setup, workload_name, sizes, out)
