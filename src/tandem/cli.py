@@ -128,8 +128,9 @@ def add_kv_transfer_args(parser: argparse.ArgumentParser) -> None:
                         help="prefill role: KV control port, and port + 1 "
                         "(or TANDEM_KV_PORT)")  # fmt: skip
     parser.add_argument("--kv-transfer-timeout", type=float, default=30.0,
-                        help="decode role: seconds before a KV pull falls back to a local "
-                        "prefill")  # fmt: skip
+                        help="decode role: seconds before a KV pull (or a silent stream) "
+                        "falls back to a local prefill; prefill role: seconds a stream waits "
+                        "for its prefill leg")  # fmt: skip
     parser.add_argument("--kv-hold-seconds", type=float, default=120.0,
                         help="prefill role: seconds a finished prompt's KV waits to be "
                         "pulled")  # fmt: skip

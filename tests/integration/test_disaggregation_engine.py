@@ -275,7 +275,7 @@ def test_blocks_arrive_while_the_prompt_is_still_computing(stream_cores):
 
 def test_aborted_prefill_leg_makes_the_decode_core_prefill(stream_cores):
     prefill, decode, colocated = stream_cores
-    prompt = PROMPTS[3]
+    prompt = list(range(72, 2, -1))  # no core has it cached: the prefill takes five steps
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     colocated.add_request(Request("c-cut", prompt, params))
     reference = token_ids(drain(colocated, {"c-cut"})["c-cut"])
@@ -298,7 +298,7 @@ def test_aborted_decode_leg_ends_the_stream(stream_cores):
     """The decode request goes while its prompt computes: the prefill side drops what it copied
     out and copies no more, and both caches end empty."""
     prefill, decode, _ = stream_cores
-    prompt = PROMPTS[3]
+    prompt = list(range(190, 120, -1))  # uncached: the prefill goes on after the abort
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     decode.add_request(Request("d-gone", prompt, params), stream_params(prefill, "gone"))
     decode.step()
@@ -328,3 +328,46 @@ def test_a_transfer_id_is_used_once(stream_cores):
         prefill.add_request(Request("p-twice", PROMPTS[0], one), kv_params)
     drain(prefill, {"p-once"})
     prefill.kv_connector.sender._release([], ["twice"])
+
+
+def test_a_streamed_prefill_answer_pulled_afterwards(stream_cores):
+    """A client that runs the legs one after the other with a transfer id (the prefill leg's
+    answer names it): the decode core pulls the finished stream and gives the same tokens."""
+    prefill, decode, colocated = stream_cores
+    prompt = list(range(250, 209, -1))
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+    colocated.add_request(Request("c-late", prompt, params))
+    reference = token_ids(drain(colocated, {"c-late"})["c-late"])
+    prefill.add_request(
+        Request("p-late", prompt, dataclasses.replace(params, max_tokens=1)),
+        {"do_remote_decode": True, "transfer_id": "late"},
+    )
+    answer = drain(prefill, {"p-late"})["p-late"][-1].kv_transfer_params
+    assert answer["transfer_id"] == "late"
+    assert prefill.kv_cache_manager.num_free_blocks == 64  # copied out, nothing held
+    decode.add_request(Request("d-late", prompt, params), answer)
+    outputs = step_both(prefill, decode, {"d-late"})["d-late"]
+    assert token_ids(outputs) == reference
+    assert decode.kv_cache_manager.num_free_blocks == 64
+
+
+def test_a_stream_end_that_does_not_fit_the_request_makes_it_prefill(stream_cores):
+    """The decode leg asks for logprobs that the prefill leg did not compute: the stream
+    arrives, but its first token cannot be used, so the decode core computes the prompt (one
+    failed load) and still answers what one core answers."""
+    prefill, decode, colocated = stream_cores
+    prompt = list(range(199, 166, -1))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    colocated.add_request(Request("c-mis", prompt, params))
+    reference = token_ids(drain(colocated, {"c-mis"})["c-mis"])
+    before = decode.scheduler_stats()
+    decode.add_request(Request("d-mis", prompt, params), stream_params(prefill, "mis"))
+    leg = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    prefill.add_request(Request("p-mis", prompt, leg), {"do_remote_decode": True,
+                                                        "transfer_id": "mis"})  # fmt: skip
+    outputs = step_both(prefill, decode, {"d-mis"})["d-mis"]
+    assert token_ids(outputs) == reference
+    after = decode.scheduler_stats()
+    assert after.kv_num_load_failed == before.kv_num_load_failed + 1
+    assert after.kv_num_loaded == before.kv_num_loaded
+    assert decode.kv_cache_manager.num_free_blocks == 64

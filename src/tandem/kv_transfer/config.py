@@ -19,8 +19,9 @@ class KVTransferConfig:
     role: str
     host: str = "127.0.0.1"
     port: int = DEFAULT_KV_PORT
-    # A decode instance waits this long for a transfer (connecting included) before it
-    # computes the prompt itself.
+    # A decode instance waits this long for a transfer (connecting included), or for the
+    # next word of a stream, before it computes the prompt itself; a prefill instance ends a
+    # stream whose prefill leg has not come within it.
     timeout: float = 30.0
     # A prefill instance keeps a finished prompt's blocks this long for a decode instance to
     # pull; then they go back to the pool (the decode side, if it ever asks, prefills locally).

@@ -302,9 +302,10 @@ def build_router(
         headers = forward_headers(request)
         route = _route(kind, body)
         metrics.routes.labels(route).inc()
-        streaming_from = pool().choose("prefill") if settings.kv_streaming else None
-        if route == "split" and streaming_from is not None and streaming_from.kv_endpoint:
-            return await streamed_split(streaming_from, path, body, headers)
+        if route == "split" and settings.kv_streaming:
+            streaming_from = pool().choose("prefill")
+            if streaming_from is not None and streaming_from.kv_endpoint is not None:
+                return await streamed_split(streaming_from, path, body, headers)
         if route == "split":
             params = await _until_disconnect(request, prefill(path, body, headers))
             if isinstance(params, Response):

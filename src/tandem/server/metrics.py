@@ -156,7 +156,8 @@ class PrometheusStatLogger:
         }
         self.kv_transfer_held_blocks = self._gauge(
             "kv_transfer_held_blocks",
-            "Prefill role: KV blocks of finished prompts kept for decode instances to pull.",
+            "Prefill role: KV blocks kept for decode instances to pull (finished prompts' "
+            "blocks held in the cache, and blocks copied out for streams and not sent yet).",
         )
         # Per finished sequence.
         self.prompt_tokens = self._counter(
