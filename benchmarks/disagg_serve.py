@@ -11,8 +11,13 @@ client, and the decode side's step log and /metrics say what it computed and wha
 transfers cost.
 
     .venv/bin/python benchmarks/disagg_serve.py [--quick] [--out DIR]
+    .venv/bin/python benchmarks/disagg_serve.py --handoff [--rounds N]
 
 Writes runs (JSON), a Markdown table and ITL timelines into benchmarks/results/disagg/.
+`--handoff` measures what streaming the KV is for instead: long prompts one at a time through
+the router, each leg's prefill chunked by a 512-token budget, streamed and sequential setups
+alternated `--rounds` times; per request the client's TTFT and the handoff, TTFT minus the
+router's prefill leg (what the transfer and the second leg add to the prompt's compute).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import argparse
 import datetime
 import json
 import math
+import random
 import statistics
 import subprocess
 import sys
@@ -159,6 +165,77 @@ def bench(setup: Setup, workload_name: str, sizes: dict, out: Path) -> dict:
     return run
 
 
+HANDOFF_PROMPT_TOKENS = 1536
+HANDOFF_REQUESTS = 4
+
+
+def prefill_leg_seconds(router_url: str) -> float:
+    text = httpx.get(f"{router_url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        if family.name == "tandem_router:prefill_leg_seconds":
+            return sum(s.value for s in family.samples if s.name.endswith("_sum"))
+    return 0.0
+
+
+def handoff(setup: Setup, seed: int) -> list[tuple[float, float]]:
+    """(TTFT, handoff) in ms for long prompts sent one at a time, streamed to the client."""
+    rng = random.Random(seed)
+    results = []
+    for _ in range(HANDOFF_REQUESTS):
+        body = {
+            "model": "default", "prompt": w.token_ids_of(rng, HANDOFF_PROMPT_TOKENS, (100, 40000)),
+            "max_tokens": 4, "temperature": 0, "stream": True,
+        }  # fmt: skip
+        leg_before = prefill_leg_seconds(setup.url)
+        start = time.perf_counter()
+        ttft = None
+        url = f"{setup.url}/v1/completions"
+        with httpx.stream("POST", url, json=body, timeout=300) as response:
+            for line in response.iter_lines():
+                if ttft is None and line.startswith("data:"):
+                    ttft = time.perf_counter() - start
+        time.sleep(0.3)  # the prefill leg's answer reaches the router after the first token
+        leg = prefill_leg_seconds(setup.url) - leg_before
+        results.append((ttft * 1e3, (ttft - leg) * 1e3))
+    return results
+
+
+def run_handoff(out: Path, rounds: int) -> None:
+    by_setup: dict[str, list[tuple[float, float]]] = {}
+    for round_index in range(rounds):
+        for name, streaming in (("streamed", True), ("sequential", False)):
+            setup = Setup(f"handoff {name} {round_index}", out).start(512, True, streaming)
+            try:
+                measured = handoff(setup, 1000 * round_index + streaming)
+            finally:
+                setup.stop()
+            by_setup.setdefault(name, []).extend(measured)
+            print(f"  {name}: " + ", ".join(f"{t:.0f}/{h:.0f}" for t, h in measured), flush=True)
+            time.sleep(2)
+    lines = [
+        f"# Handoff, {datetime.date.today()}, commit {git_commit()}: {HANDOFF_REQUESTS} × "
+        f"{rounds} prompts of {HANDOFF_PROMPT_TOKENS} tokens one at a time, budget 512",
+        "",
+        "| legs | TTFT p50 (ms) | TTFT min–max | handoff p50 (ms) | handoff min–max |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, measured in by_setup.items():
+        ttfts, handoffs = [t for t, _ in measured], [h for _, h in measured]
+        lines.append(
+            f"| {name} | {statistics.median(ttfts):.0f} | {min(ttfts):.0f}–{max(ttfts):.0f} | "
+            f"{statistics.median(handoffs):.0f} | {min(handoffs):.0f}–{max(handoffs):.0f} |"
+        )
+    table = "\n".join(lines)
+    (out / "handoff.md").write_text(table + "\n")
+    print(table)
+
+
+def git_commit() -> str:
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
+
+
 def row(run: dict) -> str:
     records = run["records"]
     m = compute_metrics(records, SLOS)
@@ -193,9 +270,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "disagg"))
+    parser.add_argument(
+        "--handoff",
+        action="store_true",
+        help="measure the KV handoff of streamed and sequential legs only",
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="--handoff: alternations")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.handoff:
+        run_handoff(out, args.rounds)
+        return
     sizes = QUICK if args.quick else WORKLOADS
     setups = [
         ("colocated 2048", 2048, False, False),
@@ -215,9 +301,7 @@ def main() -> None:
         finally:
             setup.stop()
         time.sleep(2)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
+    commit = git_commit()
     info = machine()
     lines = [
         f"# Disaggregation, {datetime.date.today()}, commit {commit}: {info.get('cpu')}, "

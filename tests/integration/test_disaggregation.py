@@ -13,6 +13,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -649,9 +650,10 @@ def test_killed_prefill_instance_loses_no_request(
     colocated: ServerProcess,
 ) -> None:
     """A decode leg whose prefill instance died after answering computes the prompt itself
-    (one failed pull) and answers what the co-located instance answers, as does a streamed
-    decode leg naming the dead instance, at once; a router with two prefill instances, one
-    of them dead, sends every prefill leg to the live one."""
+    (one failed pull) and answers what the co-located instance answers, as does a decode leg
+    streaming from it when it dies mid-prompt, and one naming the dead instance, at once; a
+    router with two prefill instances, one of them dead, sends every prefill leg to the live
+    one."""
     victim_args = prefill_args()
     victim = server_factory.start(*victim_args, name="prefill-victim")
     second_router = server_factory.start(
@@ -680,7 +682,28 @@ def test_killed_prefill_instance_loses_no_request(
         "logprobs": 1,
     }
     params = prefill_leg(victim, body)
-    kill_process_group(victim)
+    ended = after[FAILED] + after[LOADED]
+    # And the victim dies while it computes a long prompt whose decode leg streams from it.
+    long_body = {"model": MODEL, "prompt": long_prompt(82, 60), "max_tokens": 6,
+                 "temperature": 0}  # fmt: skip
+    victim_kv_port = int(victim_args[victim_args.index("--kv-port") + 1])
+    stream_params = {"do_remote_prefill": True, "remote_host": "127.0.0.1",
+                     "remote_port": victim_kv_port, "transfer_id": "cut-short"}  # fmt: skip
+    with ThreadPoolExecutor(2) as pool:
+        streamed = pool.submit(
+            post, decode, "/v1/completions", {**long_body, "kv_transfer_params": stream_params}
+        )
+        pool.submit(
+            post, victim, "/v1/completions",
+            {**long_body, "max_tokens": 1,
+             "kv_transfer_params": {"do_remote_decode": True, "transfer_id": "cut-short"}},
+        )  # fmt: skip
+        time.sleep(0.3)  # the victim has the prompt and the decode instance waits on it
+        kill_process_group(victim)
+        answer = streamed.result()
+    assert answer.status_code == 200, answer.text
+    assert_same_body(answer.json(), post(colocated, "/v1/completions", long_body).json())
+
     answer = post(decode, "/v1/completions", {**body, "kv_transfer_params": params})
     assert answer.status_code == 200, answer.text
     want = post(colocated, "/v1/completions", body).json()
@@ -689,24 +712,24 @@ def test_killed_prefill_instance_loses_no_request(
     want_lp = want["choices"][0]["logprobs"]
     assert got_lp["tokens"] == want_lp["tokens"]
     assert got_lp["token_logprobs"] == pytest.approx(want_lp["token_logprobs"], abs=1e-4)
-    failed = wait_metrics(decode, lambda s: s[FAILED] > after[FAILED])
-    assert failed[FAILED] == after[FAILED] + 1
-    assert failed[LOADED] == after[LOADED]
+    # The streamed leg failed too, unless the prompt was done before the kill.
+    failed = wait_metrics(decode, lambda s: s[FAILED] + s[LOADED] >= ended + 2)
+    assert failed[FAILED] + failed[LOADED] == ended + 2
+    assert failed[FAILED] >= after[FAILED] + 1
 
     # A streamed decode leg (the router sends it with its prefill leg) naming the dead
     # instance: its refused connection sends the prompt to a local prefill without waiting.
-    stream_params = {
-        "do_remote_prefill": True, "remote_host": "127.0.0.1",
-        "remote_port": int(victim_args[victim_args.index("--kv-port") + 1]),
-        "transfer_id": "to-the-dead",
-    }  # fmt: skip
     started = time.monotonic()
-    answer = post(decode, "/v1/completions", {**body, "kv_transfer_params": stream_params})
+    answer = post(
+        decode, "/v1/completions",
+        {**body, "kv_transfer_params": {**stream_params, "transfer_id": "to-the-dead"}},
+    )  # fmt: skip
     assert answer.status_code == 200, answer.text
     assert time.monotonic() - started < 15  # the transfer timeout is 30 s
     assert_same_body(answer.json(), want)
-    failed = wait_metrics(decode, lambda s: s[FAILED] > after[FAILED] + 1)
-    assert failed[FAILED] == after[FAILED] + 2
+    failed = wait_metrics(decode, lambda s: s[FAILED] + s[LOADED] >= ended + 3)
+    assert failed[FAILED] + failed[LOADED] == ended + 3
+    assert failed[FAILED] >= after[FAILED] + 2
 
     # The router still believes the victim healthy (it polls once a minute): its legs fail
     # over to the live prefill instance.

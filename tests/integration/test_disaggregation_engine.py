@@ -371,3 +371,58 @@ def test_a_stream_end_that_does_not_fit_the_request_makes_it_prefill(stream_core
     assert after.kv_num_load_failed == before.kv_num_load_failed + 1
     assert after.kv_num_loaded == before.kv_num_loaded
     assert decode.kv_cache_manager.num_free_blocks == 64
+
+
+def test_a_second_pull_of_one_transfer_is_refused(stream_cores):
+    """Two decode requests name one transfer: the first gets the stream, the second is refused
+    at once and computes its prompt; both answer what one core answers."""
+    prefill, decode, colocated = stream_cores
+    prompt = list(range(230, 181, -1))
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    colocated.add_request(Request("c-twice", prompt, params))
+    reference = token_ids(drain(colocated, {"c-twice"})["c-twice"])
+    before = decode.scheduler_stats()
+    for request_id in ("d-first", "d-second"):
+        decode.add_request(Request(request_id, prompt, params), stream_params(prefill, "dup"))
+        decode.step()
+    prefill.add_request(
+        Request("p-dup", prompt, dataclasses.replace(params, max_tokens=1)),
+        {"do_remote_decode": True, "transfer_id": "dup"},
+    )
+    outputs = step_both(prefill, decode, {"d-first", "d-second"})
+    assert token_ids(outputs["d-first"]) == token_ids(outputs["d-second"]) == reference
+    after = decode.scheduler_stats()
+    assert after.kv_num_loaded == before.kv_num_loaded + 1
+    assert after.kv_num_load_failed == before.kv_num_load_failed + 1
+    assert decode.kv_cache_manager.num_free_blocks == 64
+
+
+def test_an_ended_transfer_makes_the_waiting_decode_core_prefill_at_once(stream_cores):
+    """What the router does when a prefill leg is refused (a 503 from a full prefill
+    instance): it ends the transfer on the prefill instance's KV channel, and the decode core
+    waiting for it computes the prompt without waiting out its timeout; a prefill leg that
+    still comes for it is not copied out."""
+    from tandem.router.app import end_transfer
+
+    prefill, decode, colocated = stream_cores
+    prompt = list(range(240, 201, -1))
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    colocated.add_request(Request("c-end", prompt, params))
+    reference = token_ids(drain(colocated, {"c-end"})["c-end"])
+    before = decode.scheduler_stats()
+    started = time.monotonic()
+    decode.add_request(Request("d-end", prompt, params), stream_params(prefill, "ended"))
+    decode.step()
+    end_transfer(("127.0.0.1", prefill.config.kv_transfer.port), "ended")
+    outputs = step_both(prefill, decode, {"d-end"})["d-end"]
+    assert time.monotonic() - started < 8  # the decode core's transfer timeout is 10 s
+    assert token_ids(outputs) == reference
+    assert decode.scheduler_stats().kv_num_load_failed == before.kv_num_load_failed + 1
+    prefill.add_request(
+        Request("p-end", prompt, dataclasses.replace(params, max_tokens=1)),
+        {"do_remote_decode": True, "transfer_id": "ended"},
+    )
+    drain(prefill, {"p-end"})
+    sender = prefill.kv_connector.sender
+    assert "ended" not in sender._streams and sender.num_held_blocks == 0
+    assert prefill.kv_cache_manager.num_free_blocks == 64

@@ -839,15 +839,17 @@ class Scheduler:
         return True
 
     def _start_kv_load(self, request: Request, plan: _StepPlan) -> bool:
-        """Give a request that arrives with its prompt computed elsewhere (and its first token)
-        the blocks of its whole prompt and first token, and plan the pull of the prompt
-        blocks its local prefix-cache hits lack. Like any admission, refused unless they all
-        fit now. It takes no token budget: it computes nothing until its KV is here."""
+        """Give a request that arrives with its prompt computed elsewhere the blocks of its
+        whole prompt and first token (which comes with it, or at the end of a stream), and
+        plan the pull of the prompt blocks its local prefix-cache hits lack. Like any
+        admission, refused unless they all fit now. It takes no token budget: it computes
+        nothing until its KV is here."""
         kv = self.kv_cache_manager
         computed_blocks, num_cached_tokens = kv.get_computed_blocks(request)
-        if not kv.can_allocate(request, request.num_tokens, computed_blocks):
+        num_tokens = request.num_prompt_tokens + 1
+        if not kv.can_allocate(request, num_tokens, computed_blocks):
             return False
-        num_new_tokens = request.num_tokens - num_cached_tokens
+        num_new_tokens = num_tokens - num_cached_tokens
         new_block_ids = kv.allocate_slots(request, num_new_tokens, computed_blocks)
         assert new_block_ids is not None, "can_allocate has checked these blocks"
         self.waiting.pop()

@@ -248,8 +248,9 @@ class EngineCore:
         self, request: Request, kv_transfer_params: dict[str, Any] | None = None
     ) -> None:
         """Queue a request; ValueError (nothing queued) for one that cannot run.
-        `kv_transfer_params` (disaggregation): {"do_remote_decode": true} on a prefill
-        instance, or what a prefill instance returned, on a decode instance."""
+        `kv_transfer_params` (disaggregation): {"do_remote_decode": true} (and a transfer id,
+        to stream) on a prefill instance; on a decode instance, what a prefill instance
+        returned, or the endpoint and transfer id of a prefill leg running now."""
         self.num_requests_received += 1
         vocab_size = self.runner.model_config.vocab_size
         request.sampling_params.check_vocab(vocab_size)
@@ -392,7 +393,9 @@ class EngineCore:
             else:
                 self.scheduler.finish_kv_load(result.request_id, result.ok)
 
-    def _take_first_token(self, request: Request, remote: RemotePrefill) -> dict:
+    def _take_first_token(
+        self, request: Request, remote: RemotePrefill
+    ) -> dict[str, list[dict[int, Logprob]]]:
         """Record the first token the prefill instance sampled; its logprobs by request id."""
         request.append_output_token_ids([remote.first_token_id])
         now = self.scheduler.clock()
@@ -431,7 +434,7 @@ class EngineCore:
             restore_generator(generator, remote.generator_state)
         status = self.scheduler.stop_status(request)
         if status is not None:
-            self.scheduler.finish_requests([request_id], status)
+            self.finish_requests([request_id], status)
         self._pending_outputs.append(self._output(request, 0, logprobs_by_id))
 
     def _start_kv_loads(self, loads: list[KVLoad]) -> None:
@@ -840,8 +843,8 @@ class EngineCore:
 
     def _stage_streams(self, entries: list[ScheduledRequest]) -> None:
         """Prefill side: copy out the blocks this step completed of prompts that stream
-        (the finished ones are copied out whole when they finish; a preempted one's blocks
-        are gone, and copied again once recomputed)."""
+        (the finished ones' last blocks when they finish; a preempted one's blocks are gone,
+        and its copying goes on once its recomputation passes the blocks already copied)."""
         connector = self.kv_connector
         running = RequestStatus.RUNNING
         for entry in entries:

@@ -1,77 +1,21 @@
-"""What the two ends of a KV transfer share: the control messages (ZeroMQ, msgpack) and the
-data path (a two-rank torch.distributed gloo group per prefill/decode pair, built without a
-global process group so that any number of instances can pair up while they run).
+"""The data path of a KV transfer: a two-rank torch.distributed gloo group per prefill/decode
+pair, built without a global process group so that any number of instances can pair up while
+they run (the control messages are in messages.py).
 
 Data on a pair group, per pulled request: a header [status, number of blocks], then chunks of
 blocks, each one tensor [layers, 2, blocks, block_size, kv heads, head dim] (keys and values of
 every layer of those blocks), sent in order on tag 0. A streamed pull has a tag of its own
-(streams to one peer interleave): headers [status, first block, number of blocks, bytes], each
-followed by its chunk, or, last, by the msgpack of the RemotePrefill dict (status DONE)."""
+(streams to one peer interleave): headers [status, first block, number of blocks, payload
+bytes], each OK one followed by its chunk, and the last (DONE) by the msgpack of the
+RemotePrefill dict."""
 
 from __future__ import annotations
 
 import datetime
 from collections.abc import Sequence
 
-import msgspec
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
-
-STATUS_OK = 0
-STATUS_UNKNOWN = 1  # not held (never, expired, or already sent): the decode side prefills
-STATUS_WAIT = 2  # a stream's keep-alive while its prompt waits or computes
-STATUS_DONE = 3  # a stream's end: the RemotePrefill dict follows
-STATUS_MISMATCH = 4  # a stream whose prompt is not the decode request's
-TAG = 0
-
-
-class Hello(msgspec.Struct, tag="hello"):
-    """Decode -> prefill: pair with me. `layout`: the decode side's KV cache layout; the
-    prefill side refuses a different one (another model, block size or dtype)."""
-
-    peer_id: str
-    layout: list[str | int]
-
-
-class Welcome(msgspec.Struct, tag="welcome"):
-    """Prefill -> decode: join pair group `pair_name` through the store at `store_port`."""
-
-    pair_name: str = ""
-    store_port: int = 0
-    error: str | None = None
-
-
-class Pull(msgspec.Struct, tag="pull"):
-    """Decode -> prefill: send blocks [first_block, first_block + num_blocks) of a held
-    request on our pair group."""
-
-    peer_id: str
-    request_id: str
-    first_block: int
-    num_blocks: int
-
-
-class StreamPull(msgspec.Struct, tag="stream-pull"):
-    """Decode -> prefill: send transfer `transfer_id`'s blocks from `first_block` on as they are
-    computed, then its RemotePrefill dict, on our pair group with tag `tag`."""
-
-    peer_id: str
-    transfer_id: str
-    tag: int
-    first_block: int
-    num_prompt_tokens: int
-    prompt_digest: str
-
-
-class Release(msgspec.Struct, tag="release"):
-    """Decode -> prefill: these requests' blocks (or transfers' streams) will not be pulled, or
-    no longer (they ended at their first token, or were aborted): free them now."""
-
-    request_ids: list[str]
-    transfer_ids: list[str] = []
-
-
-ControlMessage = Hello | Welcome | Pull | StreamPull | Release
 
 
 def cache_layout(kv_caches: Sequence[torch.Tensor]) -> list[str | int]:

@@ -15,19 +15,20 @@ from typing import Any
 
 import torch
 
-from tandem.kv_transfer.channel import gather_blocks
+from tandem.kv_transfer.channel import blocks_per_chunk, chunk_ranges, gather_blocks
 from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.params import (
     KVLoad,
     Remote,
     RemotePrefill,
+    RemoteStream,
     check_kv_transfer,
     prompt_digest,
     transfer_id_of,
     wants_remote_decode,
 )
 from tandem.kv_transfer.receiver import KVReceiver, LoadResult
-from tandem.kv_transfer.sender import KVSender
+from tandem.kv_transfer.sender import KVSender, StagedStream
 from tandem.outputs import Logprob
 from tandem.request import Request
 
@@ -46,9 +47,9 @@ class KVLoadStats:
 
 @dataclass
 class _Streaming:
-    """A prefill request whose blocks stream: its transfer and the blocks copied out so far."""
+    """A prefill request whose blocks stream: its stream and the blocks copied out so far."""
 
-    transfer_id: str
+    stream: StagedStream
     num_staged_blocks: int = 0
 
 
@@ -64,6 +65,9 @@ class KVConnector:
         self.receiver = KVReceiver(config, kv_caches, notify) if self.role == "decode" else None
         self.load_stats = KVLoadStats()
         self.kv_caches = list(kv_caches)
+        # A streamed step's blocks are copied out in pieces of about chunk_bytes: on a GPU the
+        # copy goes through a device buffer, which must stay small next to the KV cache.
+        self.blocks_per_chunk = blocks_per_chunk(self.kv_caches, config.chunk_bytes)
         self.streaming: dict[str, _Streaming] = {}  # prefill side, by request id
 
     def set_wake(self, wake: Callable[[], None]) -> None:
@@ -87,9 +91,11 @@ class KVConnector:
             transfer_id = transfer_id_of(params)
             if transfer_id is not None:
                 assert self.sender is not None
+                if request.request_id in self.streaming:
+                    raise ValueError(f"request id {request.request_id!r} is already in use")
                 digest = prompt_digest(request.prompt_token_ids)
-                self.sender.open_stream(transfer_id, request.num_prompt_tokens, digest)
-                self.streaming[request.request_id] = _Streaming(transfer_id)
+                stream = self.sender.open_stream(transfer_id, request.num_prompt_tokens, digest)
+                self.streaming[request.request_id] = _Streaming(stream)
             request.hold_kv = True
         return remote
 
@@ -108,7 +114,9 @@ class KVConnector:
             return
         assert self.sender is not None
         ids = torch.tensor(block_ids[first:num_full], dtype=torch.int64)
-        self.sender.stage(streaming.transfer_id, first, gather_blocks(self.kv_caches, ids))
+        for start, stop in chunk_ranges(num_full - first, self.blocks_per_chunk):
+            chunk = gather_blocks(self.kv_caches, ids[start:stop])
+            self.sender.stage(streaming.stream, first + start, chunk)
         streaming.num_staged_blocks = num_full
 
     def drop_stream(self, request_id: str) -> None:
@@ -117,7 +125,7 @@ class KVConnector:
         streaming = self.streaming.pop(request_id, None)
         if streaming is not None:
             assert self.sender is not None
-            self.sender.finish_stream(streaming.transfer_id, None)
+            self.sender.finish_stream(streaming.stream, None)
 
     def hold(
         self,
@@ -155,10 +163,10 @@ class KVConnector:
             first_logprobs=rows,
             generator_state=state,
             num_cached_tokens=request.num_cached_tokens,
-            transfer_id=None if streaming is None else streaming.transfer_id,
+            transfer_id=None if streaming is None else streaming.stream.transfer_id,
         ).to_dict()
         if streaming is not None:
-            self.sender.finish_stream(streaming.transfer_id, params)
+            self.sender.finish_stream(streaming.stream, params)
         return params
 
     def take_released(self) -> list[str]:
@@ -174,7 +182,7 @@ class KVConnector:
         empty = []
         for load in loads:
             self.load_stats.num_cached_blocks += load.first_block
-            if load.block_ids or load.remote.transfer_id is not None:  # a stream: its end too
+            if load.block_ids or isinstance(load.remote, RemoteStream):  # its first token too
                 self.receiver.load(load)
             else:
                 self.receiver.release(load.remote)

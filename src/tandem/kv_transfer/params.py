@@ -110,9 +110,6 @@ class RemoteStream:
     transfer_id: str
     do_remote_prefill: bool = True
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> RemoteStream:
         unknown = sorted(set(params) - set(cls.__dataclass_fields__))

@@ -22,8 +22,19 @@ from typing import Any
 import msgspec
 import torch
 import zmq
+from torch.distributed import ProcessGroupGloo
 
 from tandem.kv_transfer.channel import (
+    block_bytes,
+    blocks_per_chunk,
+    cache_layout,
+    chunk_ranges,
+    empty_chunk,
+    pair_group,
+    scatter_blocks,
+)
+from tandem.kv_transfer.config import KVTransferConfig
+from tandem.kv_transfer.messages import (
     STATUS_DONE,
     STATUS_MISMATCH,
     STATUS_OK,
@@ -34,15 +45,7 @@ from tandem.kv_transfer.channel import (
     Release,
     StreamPull,
     Welcome,
-    block_bytes,
-    blocks_per_chunk,
-    cache_layout,
-    chunk_ranges,
-    empty_chunk,
-    pair_group,
-    scatter_blocks,
 )
-from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.params import KVLoad, Remote, prompt_digest
 
 logger = logging.getLogger(__name__)
@@ -67,7 +70,9 @@ class _Peer:
         self.host, self.port = host, port
         self.jobs: queue.SimpleQueue[KVLoad | Release] = queue.SimpleQueue()
         self.socket: zmq.Socket | None = None
-        self.group = None
+        self.group: ProcessGroupGloo | None = None  # this thread's to set
+        # A stream's thread that saw the group break says so here; the next load forms anew.
+        self.broken_group: ProcessGroupGloo | None = None
         self.tags = itertools.count(TAG + 1)  # one per streamed load
         threading.Thread(
             target=self._run, name=f"tandem-kv-recv-{host}:{port}", daemon=True
@@ -81,11 +86,11 @@ class _Peer:
                 continue
             start = time.perf_counter()
             try:
-                self._connect()
+                group = self._connect()
                 if job.remote.transfer_id is not None:
-                    self._start_stream(job, start)
+                    self._start_stream(group, job, start)
                     continue
-                self._load(job)
+                self._load(group, job)
             except Exception as error:
                 self._disconnect()
                 result = self._failed(job, start, error)
@@ -102,7 +107,7 @@ class _Peer:
         return LoadResult(job.request_id, False, 0, 0, time.perf_counter() - start,
                           f"{type(error).__name__}: {error}")  # fmt: skip
 
-    def _start_stream(self, load: KVLoad, start: float) -> None:
+    def _start_stream(self, group: ProcessGroupGloo, load: KVLoad, start: float) -> None:
         """Ask for the stream here (this thread owns the control socket), then receive it on a
         thread of its own."""
         tag = next(self.tags)
@@ -110,19 +115,20 @@ class _Peer:
             StreamPull(
                 self.receiver.peer_id, load.remote.transfer_id, tag, load.first_block,
                 len(load.prompt_token_ids), prompt_digest(load.prompt_token_ids),
+                self.receiver.config.timeout,
             )
         )  # fmt: skip
         threading.Thread(
-            target=self._stream, args=(self.group, load, tag, start),
+            target=self._stream, args=(group, load, tag, start),
             name=f"tandem-kv-stream-{load.request_id}", daemon=True,
         ).start()  # fmt: skip
 
-    def _stream(self, group, load: KVLoad, tag: int, start: float) -> None:
-        """Receive a stream's chunks into the request's blocks as they come, then the
-        RemotePrefill dict that ends it."""
+    def _stream(self, group: ProcessGroupGloo, load: KVLoad, tag: int, start: float) -> None:
+        """Receive a stream's chunks into the request's blocks as they come, in order and each
+        block once, then the RemotePrefill dict that ends it (only once every block is in)."""
         caches = self.receiver.kv_caches
         header = torch.empty(4, dtype=torch.int64)
-        num_blocks = 0
+        num_blocks = 0  # received: blocks [first_block, first_block + num_blocks)
         try:
             while True:
                 group.recv([header], 0, tag).wait()
@@ -131,14 +137,21 @@ class _Peer:
                     continue
                 if status == STATUS_OK:
                     local = first - load.first_block
-                    if local < 0 or local + count > len(load.block_ids):
-                        raise ValueError(f"blocks {first}..{first + count} are not the prompt's")
+                    if local != num_blocks or count < 1 or local + count > len(load.block_ids):
+                        raise ValueError(
+                            f"blocks {first}..{first + count} came where block "
+                            f"{load.first_block + num_blocks} was due"
+                        )
                     chunk = empty_chunk(caches, count)
                     group.recv([chunk], 0, tag).wait()
                     ids = torch.tensor(load.block_ids[local : local + count], dtype=torch.int64)
                     scatter_blocks(caches, ids, chunk)
                     num_blocks += count
                     continue
+                if status == STATUS_DONE and num_blocks != len(load.block_ids):
+                    raise ValueError(
+                        f"the stream ended with {num_blocks} of {len(load.block_ids)} blocks"
+                    )
                 if status == STATUS_DONE:
                     payload = torch.empty(size, dtype=torch.uint8)
                     group.recv([payload], 0, tag).wait()
@@ -153,8 +166,8 @@ class _Peer:
             if caches[0].is_cuda:
                 torch.cuda.current_stream(caches[0].device).synchronize()
         except Exception as error:
-            if not isinstance(error, LookupError | ValueError) and self.group is group:
-                self.group = None  # the pair group broke: the next load forms a new one
+            if not isinstance(error, LookupError | ValueError):
+                self.broken_group = group  # the pair group broke: the next load forms anew
             result = self._failed(load, start, error)
         else:
             num_bytes = num_blocks * block_bytes(caches)
@@ -169,9 +182,11 @@ class _Peer:
             self.socket.connect(f"tcp://{self.host}:{self.port}")
         self.socket.send(self.receiver.encoder.encode(message))
 
-    def _connect(self) -> None:
-        if self.group is not None:
-            return
+    def _connect(self) -> ProcessGroupGloo:
+        """The pair group to the prefill instance, formed now if there is none (or the one
+        there is broke under a stream)."""
+        if self.group is not None and self.group is not self.broken_group:
+            return self.group
         receiver = self.receiver
         # ZeroMQ would wait out the timeout for a prefill instance that is gone; TCP says so
         # at once (connection refused), and the request is prefilled here without delay.
@@ -190,6 +205,7 @@ class _Peer:
             self.host, welcome.store_port, welcome.pair_name, 1, receiver.config.host,
             receiver.config.timeout,
         )  # fmt: skip
+        return self.group
 
     def _disconnect(self) -> None:
         self.group = None
@@ -197,14 +213,14 @@ class _Peer:
             self.socket.close(linger=0)
             self.socket = None
 
-    def _load(self, load: KVLoad) -> None:
+    def _load(self, group: ProcessGroupGloo, load: KVLoad) -> None:
         receiver = self.receiver
         num_blocks = len(load.block_ids)
         self._send_control(
             Pull(receiver.peer_id, load.remote.remote_request_id, load.first_block, num_blocks)
         )
         header = torch.empty(2, dtype=torch.int64)
-        self.group.recv([header], 0, TAG).wait()
+        group.recv([header], 0, TAG).wait()
         status, num_sent = header.tolist()
         if status != STATUS_OK or num_sent != num_blocks:
             raise LookupError(
@@ -218,7 +234,7 @@ class _Peer:
         posted = []
         for start, stop in ranges[:2]:
             chunk = empty_chunk(caches, stop - start)
-            posted.append((self.group.recv([chunk], 0, TAG), chunk, start, stop))
+            posted.append((group.recv([chunk], 0, TAG), chunk, start, stop))
         next_range = 2
         while posted:
             work, chunk, start, stop = posted.pop(0)
@@ -226,9 +242,7 @@ class _Peer:
             if next_range < len(ranges):
                 follow_start, follow_stop = ranges[next_range]
                 follow = empty_chunk(caches, follow_stop - follow_start)
-                posted.append(
-                    (self.group.recv([follow], 0, TAG), follow, follow_start, follow_stop)
-                )
+                posted.append((group.recv([follow], 0, TAG), follow, follow_start, follow_stop))
                 next_range += 1
             scatter_blocks(caches, block_ids[start:stop], chunk)
         if caches[0].is_cuda:

@@ -24,8 +24,19 @@ from typing import Any
 import msgspec
 import torch
 import zmq
+from torch.distributed import ProcessGroupGloo
 
 from tandem.kv_transfer.channel import (
+    block_bytes,
+    blocks_per_chunk,
+    cache_layout,
+    chunk_ranges,
+    gather_blocks,
+    host_store,
+    pair_group,
+)
+from tandem.kv_transfer.config import KVTransferConfig
+from tandem.kv_transfer.messages import (
     STATUS_DONE,
     STATUS_MISMATCH,
     STATUS_OK,
@@ -38,15 +49,7 @@ from tandem.kv_transfer.channel import (
     Release,
     StreamPull,
     Welcome,
-    block_bytes,
-    blocks_per_chunk,
-    cache_layout,
-    chunk_ranges,
-    gather_blocks,
-    host_store,
-    pair_group,
 )
-from tandem.kv_transfer.config import KVTransferConfig
 
 logger = logging.getLogger(__name__)
 
@@ -59,16 +62,19 @@ class _Held:
 
 
 @dataclass
-class _Stream:
+class StagedStream:
     """One transfer's blocks, copied out as its prompt is computed. Made by whichever comes
     first: the prefill request (`open_stream`) or the decode side's pull."""
 
-    expires_at: float
+    transfer_id: str
+    active_at: float  # made, opened, or last staged: a stream silent too long has stalled
     chunks: deque[tuple[int, torch.Tensor]] = field(default_factory=deque)  # (first block, KV)
     prompt: tuple[int, str] | None = None  # (number of prompt tokens, digest), once it came
     final: bytes | None = None  # the RemotePrefill dict, msgpack: the prompt is done
-    failed: bool = False  # aborted, or not the decode request's prompt: nothing more comes
-    pulled: bool = False
+    failed: bool = False  # aborted or released: nothing more comes
+    pulled: bool = False  # a decode instance pulls it (one only: a second is refused)
+    ended_at: float | None = None  # when final or failed was set
+    gone: bool = False  # out of the sender's table: staging into it is pointless
 
 
 class _Pair:
@@ -77,7 +83,7 @@ class _Pair:
 
     def __init__(self) -> None:
         self.pulls: queue.SimpleQueue[Pull] = queue.SimpleQueue()
-        self.group = None
+        self.group: ProcessGroupGloo | None = None
         self.formed = threading.Event()
 
 
@@ -104,7 +110,10 @@ class KVSender:
         self.notify = notify
         self.stats = SenderStats()
         self._held: dict[str, _Held] = {}
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, StagedStream] = {}
+        # Transfer ids released or ended, for a while: a pull or prefill leg that comes late
+        # for one is answered at once (refused, or not staged) instead of waiting for it.
+        self._ended_ids: dict[str, float] = {}
         self._lock = threading.Lock()
         self._stream_changed = threading.Condition(self._lock)
         self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -125,8 +134,10 @@ class KVSender:
         with self._lock:
             self._held[request_id] = _Held(block_ids, time.monotonic() + self.config.hold_seconds)
 
-    def open_stream(self, transfer_id: str, num_prompt_tokens: int, digest: str) -> None:
-        """A prefill request with a transfer id has come: its blocks will be staged."""
+    def open_stream(self, transfer_id: str, num_prompt_tokens: int, digest: str) -> StagedStream:
+        """A prefill request with a transfer id has come: its blocks will be staged into the
+        returned stream (not staged if its decode side has already given up on it)."""
+        now = time.monotonic()
         with self._stream_changed:
             stream = self._streams.get(transfer_id)
             if stream is not None and stream.prompt is not None:
@@ -135,40 +146,58 @@ class KVSender:
                     "give each prefill leg an id of its own"
                 )
             if stream is None:
-                stream = self._streams[transfer_id] = _Stream(self._expiry())
+                stream = StagedStream(transfer_id, now)
+                if transfer_id in self._ended_ids:
+                    stream.failed = stream.gone = True
+                else:
+                    self._streams[transfer_id] = stream
             stream.prompt = (num_prompt_tokens, digest)
+            stream.active_at = now
             self._stream_changed.notify_all()
+        return stream
 
-    def stage(self, transfer_id: str, first_block: int, chunk: torch.Tensor) -> None:
+    def stage(self, stream: StagedStream, first_block: int, chunk: torch.Tensor) -> None:
         """Blocks [first_block, first_block + len) of a stream, copied out of the cache."""
         with self._stream_changed:
-            stream = self._streams.get(transfer_id)
-            if stream is None or stream.failed:
+            if stream.failed or stream.gone:
                 return
             stream.chunks.append((first_block, chunk))
-            stream.expires_at = self._expiry()
+            stream.active_at = time.monotonic()
             self._stream_changed.notify_all()
 
-    def finish_stream(self, transfer_id: str, final: dict[str, Any] | None) -> None:
+    def finish_stream(self, stream: StagedStream, final: dict[str, Any] | None) -> None:
         """The prompt is done (`final`: its RemotePrefill dict), or will never be (None)."""
         with self._stream_changed:
-            stream = self._streams.get(transfer_id)
-            if stream is None:
+            if stream.failed or stream.gone:
                 return
             if final is None:
-                stream.failed = True
-                stream.chunks.clear()
+                self._fail(stream)
             else:
                 stream.final = msgspec.msgpack.encode(final)
-            stream.expires_at = self._expiry()
+                stream.ended_at = time.monotonic()
             self._stream_changed.notify_all()
 
-    def _expiry(self) -> float:
-        return time.monotonic() + self.config.hold_seconds
+    def _fail(self, stream: StagedStream) -> None:
+        """End a stream (the lock held): its copies go, a pull under way gets STATUS_UNKNOWN,
+        and one nobody makes is dropped now."""
+        stream.failed = True
+        stream.chunks.clear()
+        stream.ended_at = time.monotonic()
+        if not stream.pulled:
+            self._drop(stream)
+
+    def _drop(self, stream: StagedStream) -> None:
+        """Out of the table (the lock held), its id remembered for a while."""
+        if self._streams.get(stream.transfer_id) is stream:
+            del self._streams[stream.transfer_id]
+        stream.gone = True
+        stream.chunks.clear()
+        self._ended_ids[stream.transfer_id] = time.monotonic() + self.config.hold_seconds
 
     def take_released(self) -> list[str]:
         """Requests this side is done with (sent, released by the peer, or expired)."""
         now = time.monotonic()
+        ended_before = now - self.config.hold_seconds
         with self._lock:
             expired = [
                 request_id
@@ -177,16 +206,20 @@ class KVSender:
             ]
             for request_id in expired:
                 del self._held[request_id]
+            # Finished prompts nobody pulled (a pulled stream is its sending thread's to end).
             stale = [
-                transfer_id
-                for transfer_id, stream in self._streams.items()
-                if not stream.pulled and stream.expires_at <= now
+                stream
+                for stream in self._streams.values()
+                if not stream.pulled
+                and stream.ended_at is not None
+                and stream.ended_at <= ended_before
             ]
-            for transfer_id in stale:  # staged copies nobody pulled
-                del self._streams[transfer_id]
+            for stream in stale:
+                self._drop(stream)
+            self._ended_ids = {i: until for i, until in self._ended_ids.items() if until > now}
         self.stats.num_expired += len(expired) + len(stale)
-        for transfer_id in stale:
-            logger.warning("KV stream %s was not pulled in time: dropped", transfer_id)
+        for stream in stale:
+            logger.warning("KV stream %s was not pulled in time: dropped", stream.transfer_id)
         for request_id in expired:
             logger.warning("KV of request %s was not pulled in time: freed", request_id)
         released = expired
@@ -210,13 +243,13 @@ class KVSender:
     def _release(self, request_ids: list[str], transfer_ids: Sequence[str] = ()) -> None:
         with self._stream_changed:
             found = [i for i in request_ids if self._held.pop(i, None) is not None]
-            for transfer_id in transfer_ids:  # a pull under way ends with STATUS_UNKNOWN
+            now = time.monotonic()
+            for transfer_id in transfer_ids:
                 stream = self._streams.get(transfer_id)
                 if stream is not None:
-                    stream.failed = True
-                    stream.chunks.clear()
-                    if not stream.pulled:
-                        del self._streams[transfer_id]
+                    self._fail(stream)
+                else:  # not opened yet: its prefill leg, if it comes, is not staged
+                    self._ended_ids[transfer_id] = now + self.config.hold_seconds
             self._stream_changed.notify_all()
         for request_id in found:
             self._released.put(request_id)
@@ -271,12 +304,12 @@ class KVSender:
                 self.config.host, self.config.port + 1, pair_name, 0, self.config.host,
                 self.config.timeout, self._store,
             )  # fmt: skip
+            pair.group = group
         except Exception as error:
             logger.error("KV pair group %s could not form: %s", pair_name, error)
             return
         finally:
             pair.formed.set()
-        pair.group = group
         logger.info("KV pair group %s formed", pair_name)
         while True:
             pull = pair.pulls.get()
@@ -290,41 +323,51 @@ class KVSender:
                 return
 
     def _start_stream(self, pull: StreamPull, pair: _Pair, peers: dict[str, _Pair]) -> None:
+        now = time.monotonic()
         with self._lock:
             stream = self._streams.get(pull.transfer_id)
-            if stream is None:  # the pull came before the prefill request: it waits for it
-                stream = self._streams[pull.transfer_id] = _Stream(self._expiry())
-            stream.pulled = True
+            if stream is None and pull.transfer_id not in self._ended_ids:
+                # The pull came before the prefill request: it waits for it.
+                stream = self._streams[pull.transfer_id] = StagedStream(pull.transfer_id, now)
+            if stream is not None and stream.pulled:
+                stream = None  # a second pull of one transfer: refused, the first goes on
+            elif stream is not None:
+                stream.pulled = True
         threading.Thread(
             target=self._send_stream, args=(pair, pull, stream),
             name=f"tandem-kv-stream-{pull.transfer_id}", daemon=True,
         ).start()  # fmt: skip
 
-    def _send_stream(self, pair: _Pair, pull: StreamPull, stream: _Stream) -> None:
-        """Send a stream's chunks as they are staged, then its RemotePrefill dict. While it
-        waits, a keep-alive header every third of the timeout, so the decode side's receive
-        does not time out on a prompt that is queued or still computing; a prompt that has
-        not come within the timeout (the prefill leg failed) ends it, as does an abort."""
+    def _send_stream(self, pair: _Pair, pull: StreamPull, stream: StagedStream | None) -> None:
+        """Send a stream's chunks as they are staged, then its RemotePrefill dict (None: refuse
+        the pull). While it waits, a keep-alive header well within either side's timeout, so
+        the decode side's receive does not time out on a prompt that is queued or computing;
+        a prompt that has not come within the timeout (its prefill leg failed), or that stays
+        silent for --kv-hold-seconds (stalled), ends it, as does an abort."""
         pair.formed.wait(self.config.timeout)
         group = pair.group
         try:
             if group is None:
                 raise RuntimeError("the pair group did not form")
+            if stream is None:
+                header = [STATUS_UNKNOWN, 0, 0, 0]
+                group.send([torch.tensor(header, dtype=torch.int64)], 1, pull.tag).wait()
+                return
             self._stream_to(group, pull, stream)
         except Exception as error:  # the peer died: it prefills locally
             logger.error("KV stream %s failed: %s", pull.transfer_id, error)
         finally:
-            with self._lock:
-                if self._streams.get(pull.transfer_id) is stream:
-                    del self._streams[pull.transfer_id]
+            if stream is not None:
+                with self._lock:
+                    self._drop(stream)
 
-    def _stream_to(self, group, pull: StreamPull, stream: _Stream) -> None:
+    def _stream_to(self, group: ProcessGroupGloo, pull: StreamPull, stream: StagedStream) -> None:
         def header(status: int, first: int = 0, count: int = 0, size: int = 0) -> None:
             values = [status, first, count, size]
             group.send([torch.tensor(values, dtype=torch.int64)], 1, pull.tag).wait()
 
-        keep_alive = self.config.timeout / 3
-        arrive_by = time.monotonic() + self.config.timeout
+        keep_alive = min(self.config.timeout, pull.timeout) / 3
+        made_at = time.monotonic()
         num_blocks = 0
         while True:
             with self._stream_changed:
@@ -335,8 +378,11 @@ class KVSender:
                 chunks = list(stream.chunks)
                 stream.chunks.clear()
                 final, failed, prompt = stream.final, stream.failed, stream.prompt
-            if prompt is None and time.monotonic() > arrive_by:
-                failed = True
+                silent_for = time.monotonic() - stream.active_at
+            if prompt is None and time.monotonic() - made_at > self.config.timeout:
+                failed = True  # its prefill leg never came
+            elif final is None and silent_for > self.config.hold_seconds:
+                failed = True  # queued or stalled too long: the decode side prefills
             if prompt is not None and prompt != (pull.num_prompt_tokens, pull.prompt_digest):
                 header(STATUS_MISMATCH)
                 return
@@ -355,14 +401,18 @@ class KVSender:
                 header(STATUS_DONE, size=len(final))
                 payload = torch.frombuffer(bytearray(final), dtype=torch.uint8)
                 group.send([payload], 1, pull.tag).wait()
-                self.stats.num_sent += 1
-                self.stats.num_sent_blocks += num_blocks
-                self.stats.sent_bytes += num_blocks * block_bytes(self.kv_caches)
+                self._count_sent(num_blocks)
                 return
             if not chunks:
                 header(STATUS_WAIT)
 
-    def _send(self, group, pull: Pull) -> None:
+    def _count_sent(self, num_blocks: int) -> None:
+        with self._lock:  # streams to several peers finish on their own threads
+            self.stats.num_sent += 1
+            self.stats.num_sent_blocks += num_blocks
+            self.stats.sent_bytes += num_blocks * block_bytes(self.kv_caches)
+
+    def _send(self, group: ProcessGroupGloo, pull: Pull) -> None:
         with self._lock:
             held = self._held.get(pull.request_id)
             if held is not None:
@@ -384,7 +434,5 @@ class KVSender:
                 pending.pop(0)[0].wait()
         for work, _ in pending:
             work.wait()
-        self.stats.num_sent += 1
-        self.stats.num_sent_blocks += pull.num_blocks
-        self.stats.sent_bytes += pull.num_blocks * block_bytes(self.kv_caches)
+        self._count_sent(pull.num_blocks)
         self._release([pull.request_id])

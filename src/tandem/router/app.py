@@ -27,16 +27,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import msgspec
 import uvicorn
+import zmq
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 import tandem
+from tandem.kv_transfer.messages import Release
 from tandem.router.instances import Instance, InstancePool
 from tandem.server.protocol_responses import error_body
 
 logger = logging.getLogger("tandem.router")
+
+_ZMQ_CONTEXT = zmq.Context()
 
 # Fields that change what the prefill leg would compute, or a stream, in the prefill request.
 _PREFILL_DROPPED = ("max_completion_tokens", "stream_options", "n", "best_of")
@@ -263,6 +268,11 @@ def build_router(
                 client.build_request("POST", f"{instance.url}{path}", json=body, headers=headers),
                 stream=True,
             )
+        except asyncio.CancelledError:  # the client went away: the upstream request closes
+            instance.in_flight -= 1
+            if prefill_leg is not None:
+                prefill_leg.cancel()
+            raise
         except httpx.HTTPError as error:
             instance.in_flight -= 1
             instance.failed(f"{type(error).__name__}: {error}")
@@ -305,7 +315,7 @@ def build_router(
         if route == "split" and settings.kv_streaming:
             streaming_from = pool().choose("prefill")
             if streaming_from is not None and streaming_from.kv_endpoint is not None:
-                return await streamed_split(streaming_from, path, body, headers)
+                return await streamed_split(request, streaming_from, path, body, headers)
         if route == "split":
             params = await _until_disconnect(request, prefill(path, body, headers))
             if isinstance(params, Response):
@@ -322,39 +332,54 @@ def build_router(
                 503, f"no healthy {route} instance: see the router's /health",
                 "service_unavailable",
             )  # fmt: skip
-        return await relay(instance, path, body, headers)
+        return await _until_disconnect(request, relay(instance, path, body, headers))
 
     async def streamed_split(
-        prefill_instance: Instance, path: str, body: dict[str, Any], headers: dict[str, str]
+        request: Request,
+        prefill_instance: Instance,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
     ) -> Response:
-        """Both legs at once, tied by a transfer id. If the prefill leg fails, the decode
-        instance waits for its KV until its --kv-transfer-timeout, then computes the prompt
-        itself."""
+        """Both legs at once, tied by a transfer id. A prefill leg that fails ends the
+        transfer on its instance's KV channel, so the decode instance computes the prompt
+        itself at once (or, if that instance is gone, when its connection is refused)."""
         decode_instance = pool().choose("decode")
         if decode_instance is None:
             return _error(503, "no healthy decode instance: see the router's /health",
                           "service_unavailable")  # fmt: skip
         transfer_id = uuid.uuid4().hex
+        kv_endpoint = prefill_instance.kv_endpoint
+        assert kv_endpoint is not None
         start = time.perf_counter()
 
         async def prefill_leg() -> None:
-            response = await post(prefill_instance, path, prefill_body(body, transfer_id), headers)
-            if response is None or response.status_code != 200:
-                metrics.prefill_fallbacks.inc()
-                status = None if response is None else response.status_code
-                logger.warning("prefill leg of transfer %s failed (%s): the decode instance "
-                               "will compute the prompt", transfer_id, status)  # fmt: skip
-            else:
+            leg_body = prefill_body(body, transfer_id)
+            try:
+                response = await post(prefill_instance, path, leg_body, headers)
+            except Exception as error:  # an answer that is not HTTP: the leg failed
+                logger.error("prefill leg of transfer %s: %s", transfer_id, error)
+                response = None
+            if response is not None and response.status_code == 200:
                 metrics.prefill_seconds.observe(time.perf_counter() - start)
+                return
+            metrics.prefill_fallbacks.inc()
+            status = None if response is None else response.status_code
+            logger.warning("prefill leg of transfer %s failed (%s): the decode instance "
+                           "computes the prompt", transfer_id, status)  # fmt: skip
+            end_transfer(kv_endpoint, transfer_id)
 
         leg = asyncio.ensure_future(prefill_leg())
         metrics.streamed.inc()
-        host, port = prefill_instance.kv_endpoint
-        params = {"do_remote_prefill": True, "remote_host": host, "remote_port": port,
-                  "transfer_id": transfer_id}  # fmt: skip
-        return await relay(
-            decode_instance, path, {**body, "kv_transfer_params": params}, headers, leg
+        params = {"do_remote_prefill": True, "remote_host": kv_endpoint[0],
+                  "remote_port": kv_endpoint[1], "transfer_id": transfer_id}  # fmt: skip
+        decode_body = {**body, "kv_transfer_params": params}
+        response = await _until_disconnect(
+            request, relay(decode_instance, path, decode_body, headers, leg)
         )
+        if response.status_code == 499:  # the client went before the decode leg answered
+            leg.cancel()
+        return response
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -417,6 +442,17 @@ def build_router(
         return Response(metrics.render(pool()), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def end_transfer(kv_endpoint: tuple[str, int], transfer_id: str) -> None:
+    """Tell a prefill instance's KV channel that a transfer will not come: a decode instance
+    waiting for it is answered at once (and prefills), and a late prefill leg is not kept.
+    Best effort: a prefill instance that is gone refuses the decode instance's pull anyway."""
+    socket = _ZMQ_CONTEXT.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 1000)  # the message leaves even though we close at once
+    socket.connect(f"tcp://{kv_endpoint[0]}:{kv_endpoint[1]}")
+    socket.send(msgspec.msgpack.encode(Release([], [transfer_id])))
+    socket.close()
 
 
 async def _until_disconnect(request: Request, work):

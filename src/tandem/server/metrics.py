@@ -154,6 +154,7 @@ class PrometheusStatLogger:
             field: (self._counter(name, documentation), field)
             for name, field, documentation in KV_TRANSFER_COUNTERS
         }
+        self._kv_endpoint: Gauge | None = None  # prefill role only: kv_transfer_endpoint()
         self.kv_transfer_held_blocks = self._gauge(
             "kv_transfer_held_blocks",
             "Prefill role: KV blocks kept for decode instances to pull (finished prompts' "
@@ -371,12 +372,14 @@ class PrometheusStatLogger:
     def kv_transfer_endpoint(self, host: str, port: int) -> None:
         """Prefill role: where decode instances pull KV from, as labels of a constant 1 (the
         router reads it to send a request's two legs at once)."""
-        Gauge(
-            PREFIX + "kv_transfer_endpoint",
-            "Prefill role: the host and port decode instances pull KV from (value 1).",
-            ["model_name", "host", "port"],
-            registry=self.registry,
-        ).labels(self.model_name, host, str(port)).set(1)
+        if self._kv_endpoint is None:
+            self._kv_endpoint = Gauge(
+                PREFIX + "kv_transfer_endpoint",
+                "Prefill role: the host and port decode instances pull KV from (value 1).",
+                ["model_name", "host", "port"],
+                registry=self.registry,
+            )
+        self._kv_endpoint.labels(self.model_name, host, str(port)).set(1)
 
     def _gauge(self, name: str, documentation: str) -> Gauge:
         metric = Gauge(PREFIX + name, documentation, ["model_name"], registry=self.registry)
