@@ -261,10 +261,9 @@ class EngineCore:
             if self.kv_connector is not None:
                 remote = self.kv_connector.accept(request, kv_transfer_params, vocab_size)
             else:
-                params = request.sampling_params
                 check_kv_transfer(
-                    kv_transfer_params, "both", request.prompt_token_ids, params.max_tokens,
-                    params.logprobs is not None, self.config.runner.block_size, vocab_size,
+                    kv_transfer_params, "both", request.prompt_token_ids, request.sampling_params,
+                    self.config.runner.block_size, vocab_size,
                 )  # fmt: skip
         first_known = isinstance(remote, RemotePrefill)
         if first_known:

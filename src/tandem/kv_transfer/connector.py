@@ -82,10 +82,9 @@ class KVConnector:
         request keeps its prompt's blocks when it finishes, or streams them with a transfer
         id. Decode side: the place its prompt's KV waits, and its first token if known
         (returned)."""
-        params_of_request = request.sampling_params
         remote = check_kv_transfer(
-            params, self.role, request.prompt_token_ids, params_of_request.max_tokens,
-            params_of_request.logprobs is not None, self.block_size, vocab_size,
+            params, self.role, request.prompt_token_ids, request.sampling_params,
+            self.block_size, vocab_size,
         )  # fmt: skip
         if wants_remote_decode(params):
             transfer_id = transfer_id_of(params)

@@ -20,6 +20,7 @@ from dataclasses import MISSING, asdict, dataclass
 from typing import Any
 
 from tandem.outputs import Logprob
+from tandem.sampling_params import SamplingParams
 
 try:  # a declared dependency; the engine core must import where only torch is installed
     import xxhash
@@ -176,8 +177,7 @@ def check_kv_transfer(
     params: dict[str, Any],
     role: str,
     prompt_token_ids: list[int],
-    max_tokens: int | None,
-    wants_logprobs: bool,
+    sampling_params: SamplingParams,
     block_size: int,
     vocab_size: int,
 ) -> Remote | None:
@@ -188,7 +188,7 @@ def check_kv_transfer(
     if wants_remote_decode(params):
         if role != "prefill":
             raise ValueError(_wrong_role("do_remote_decode", "prefill", role))
-        if max_tokens != 1:
+        if sampling_params.max_tokens != 1:
             raise ValueError(
                 "a request with kv_transfer_params.do_remote_decode computes the prompt and "
                 "the first token only: send max_tokens 1 (the decode instance does the rest)"
@@ -199,9 +199,16 @@ def check_kv_transfer(
         return None
     if role != "decode":
         raise ValueError(_wrong_role("do_remote_prefill", "decode", role))
+    if sampling_params.prompt_logprobs is not None:
+        raise ValueError(
+            "prompt_logprobs need the prompt computed here, and kv_transfer_params."
+            "do_remote_prefill brings it computed: send such a request without "
+            "kv_transfer_params (the router sends it whole to a prefill instance)"
+        )
     if "first_token_id" not in params:
         return RemoteStream.from_dict(params)
     remote = RemotePrefill.from_dict(params)
+    wants_logprobs = sampling_params.logprobs is not None
     check_first_token(remote, prompt_token_ids, wants_logprobs, block_size, vocab_size)
     return remote
 

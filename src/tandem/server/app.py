@@ -335,8 +335,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         try:
             check_kv_transfer_params(
                 params, "both" if transfer is None else transfer.role, jobs[0].token_ids,
-                jobs[0].params.max_tokens, jobs[0].params.logprobs is not None,
-                engine.config.runner.block_size, engine.vocab_size,
+                jobs[0].params, engine.config.runner.block_size, engine.vocab_size,
             )  # fmt: skip
         except ValueError as error:
             raise OpenAIError(400, str(error), param="kv_transfer_params") from error
