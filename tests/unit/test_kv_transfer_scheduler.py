@@ -498,6 +498,13 @@ def check(params: dict, role: str, max_tokens: int = 8, **sampling: object) -> o
     return check_kv_transfer(params, role, prompt_of(9), sampling_params, BLOCK_SIZE, 4096)
 
 
+def test_a_decode_leg_cannot_ask_for_prompt_logprobs() -> None:
+    streamed = {**remote_prefill(prompt_of(9)).to_dict(), "transfer_id": "t1"}
+    for params in (STREAM, streamed, remote_prefill(prompt_of(9)).to_dict()):
+        with pytest.raises(ValueError, match="prompt_logprobs need the prompt computed here"):
+            check(params, "decode", prompt_logprobs=1)
+
+
 def test_a_decode_leg_without_a_first_token_is_a_stream() -> None:
     assert check(STREAM, "decode") == RemoteStream("10.0.0.7", 14579, "t1")
     # The answer of a prefill leg that streamed: pulled by its transfer id.
@@ -518,13 +525,6 @@ def test_a_decode_leg_without_a_first_token_is_a_stream() -> None:
         ({"do_remote_decode": True, "transfer_id": ["x"]}, "prefill", "transfer_id must be"),
     ],
 )
-def test_a_decode_leg_cannot_ask_for_prompt_logprobs() -> None:
-    streamed = {**remote_prefill(prompt_of(9)).to_dict(), "transfer_id": "t1"}
-    for params in (STREAM, streamed, remote_prefill(prompt_of(9)).to_dict()):
-        with pytest.raises(ValueError, match="prompt_logprobs need the prompt computed here"):
-            check(params, "decode", prompt_logprobs=1)
-
-
 def test_stream_params_name_what_is_wrong(params: dict, role: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         check(params, role, 1 if role == "prefill" else 8)
