@@ -426,3 +426,27 @@ def test_an_ended_transfer_makes_the_waiting_decode_core_prefill_at_once(stream_
     sender = prefill.kv_connector.sender
     assert "ended" not in sender._streams and sender.num_held_blocks == 0
     assert prefill.kv_cache_manager.num_free_blocks == 64
+
+
+def test_streamed_split_with_async_scheduling_on_the_prefill_core(tiny_llama, stream_cores):
+    """With async scheduling a step's blocks are copied out when that step lands, while the
+    next one is in flight; the decode core still gets exactly the prompt's KV."""
+    _, decode, colocated = stream_cores
+    prefill = make_core(tiny_llama[0], "prefill", {**CHUNKED, "async_scheduling": True})
+    assert prefill.async_scheduling
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    one = dataclasses.replace(params, max_tokens=1)
+    prompts = [list(range(9, 80)), list(range(81, 140)), list(range(141, 160))]
+    for index, prompt in enumerate(prompts):
+        colocated.add_request(Request(f"c-async{index}", prompt, params))
+    references = drain(colocated, {f"c-async{i}" for i in range(len(prompts))})
+    for index, prompt in enumerate(prompts):  # together: steps mix the three prompts
+        key = f"async{index}"
+        decode.add_request(Request(f"d-{key}", prompt, params), stream_params(prefill, key))
+        prefill.add_request(Request(f"p-{key}", prompt, one), {"do_remote_decode": True,
+                                                               "transfer_id": key})  # fmt: skip
+    outputs = step_both(prefill, decode, {f"d-async{i}" for i in range(len(prompts))})
+    for index in range(len(prompts)):
+        assert token_ids(outputs[f"d-async{index}"]) == token_ids(references[f"c-async{index}"])
+    assert prefill.kv_cache_manager.num_free_blocks == 64
+    assert decode.kv_cache_manager.num_free_blocks == 64
