@@ -83,6 +83,27 @@ def prefill_params(core: EngineCore, request_id: str, prompt: list[int], params)
     return kv_params
 
 
+def one_core_tokens(core: EngineCore, request_id: str, prompt: list[int], params) -> list[int]:
+    """The reference: the request's tokens from a core that does both phases."""
+    core.add_request(Request(request_id, prompt, params))
+    return token_ids(drain(core, {request_id})[request_id])
+
+
+def assert_same_tokens(outputs: list[EngineCoreOutput], reference: list[int], params) -> None:
+    """A split request's tokens are one core's, with logprobs on every output if it asked."""
+    assert token_ids(outputs) == reference
+    if params.logprobs is not None:
+        assert all(o.new_logprobs for o in outputs if o.new_token_ids)
+
+
+def assert_decoded_only(decode: EngineCore, steps_before: int) -> None:
+    """Since `steps_before`, the decode core computed no prompt token of the PROMPTS it was
+    given: one decode token per output token after the first (12 each)."""
+    steps = list(decode.step_stats)[steps_before:]
+    assert sum(s.num_prefill_tokens for s in steps) == 0
+    assert sum(s.num_decode_tokens for s in steps) == len(PROMPTS) * (12 - 1)
+
+
 @pytest.fixture(scope="module")
 def cores(tiny_llama):
     model = tiny_llama[0]
@@ -108,12 +129,8 @@ def test_split_requests_equal_one_core_and_the_decode_core_prefills_nothing(core
         kv_params = prefill_params(prefill, f"p{request_id}", prompt, params)
         decode.add_request(Request(f"d{request_id}", prompt, params), kv_params)
         outputs = drain(decode, {f"d{request_id}"})[f"d{request_id}"]
-        assert token_ids(outputs) == reference
-        if params.logprobs is not None:
-            assert all(o.new_logprobs for o in outputs if o.new_token_ids)
-    steps = list(decode.step_stats)[steps_before:]
-    assert sum(s.num_prefill_tokens for s in steps) == 0
-    assert sum(s.num_decode_tokens for s in steps) == len(PROMPTS) * (12 - 1)
+        assert_same_tokens(outputs, reference, params)
+    assert_decoded_only(decode, steps_before)
     deadline = time.monotonic() + 5
     while prefill.kv_cache_manager.num_free_blocks < 64 and time.monotonic() < deadline:
         prefill.poll_kv_transfers()
@@ -224,12 +241,8 @@ def test_streamed_split_equals_one_core(stream_cores, params, decode_first):
         for core, request, kv_params in legs[::-1] if decode_first else legs:
             core.add_request(request, kv_params)
         outputs = step_both(prefill, decode, {f"d{key}"})[f"d{key}"]
-        assert token_ids(outputs) == reference
-        if params.logprobs is not None:
-            assert all(o.new_logprobs for o in outputs if o.new_token_ids)
-    steps = list(decode.step_stats)[steps_before:]
-    assert sum(s.num_prefill_tokens for s in steps) == 0
-    assert sum(s.num_decode_tokens for s in steps) == len(PROMPTS) * (12 - 1)
+        assert_same_tokens(outputs, reference, params)
+    assert_decoded_only(decode, steps_before)
     sender = prefill.kv_connector.sender
     deadline = time.monotonic() + 5
     while sender.num_held_blocks and time.monotonic() < deadline:
@@ -277,8 +290,7 @@ def test_aborted_prefill_leg_makes_the_decode_core_prefill(stream_cores):
     prefill, decode, colocated = stream_cores
     prompt = list(range(72, 2, -1))  # no core has it cached: the prefill takes five steps
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    colocated.add_request(Request("c-cut", prompt, params))
-    reference = token_ids(drain(colocated, {"c-cut"})["c-cut"])
+    reference = one_core_tokens(colocated, "c-cut", prompt, params)
     prefill.add_request(
         Request("p-cut", prompt, dataclasses.replace(params, max_tokens=1)),
         {"do_remote_decode": True, "transfer_id": "cut"},
@@ -336,8 +348,7 @@ def test_a_streamed_prefill_answer_pulled_afterwards(stream_cores):
     prefill, decode, colocated = stream_cores
     prompt = list(range(250, 209, -1))
     params = SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
-    colocated.add_request(Request("c-late", prompt, params))
-    reference = token_ids(drain(colocated, {"c-late"})["c-late"])
+    reference = one_core_tokens(colocated, "c-late", prompt, params)
     prefill.add_request(
         Request("p-late", prompt, dataclasses.replace(params, max_tokens=1)),
         {"do_remote_decode": True, "transfer_id": "late"},
@@ -358,8 +369,7 @@ def test_a_stream_end_that_does_not_fit_the_request_makes_it_prefill(stream_core
     prefill, decode, colocated = stream_cores
     prompt = list(range(199, 166, -1))
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
-    colocated.add_request(Request("c-mis", prompt, params))
-    reference = token_ids(drain(colocated, {"c-mis"})["c-mis"])
+    reference = one_core_tokens(colocated, "c-mis", prompt, params)
     before = decode.scheduler_stats()
     decode.add_request(Request("d-mis", prompt, params), stream_params(prefill, "mis"))
     leg = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -379,8 +389,7 @@ def test_a_second_pull_of_one_transfer_is_refused(stream_cores):
     prefill, decode, colocated = stream_cores
     prompt = list(range(230, 181, -1))
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    colocated.add_request(Request("c-twice", prompt, params))
-    reference = token_ids(drain(colocated, {"c-twice"})["c-twice"])
+    reference = one_core_tokens(colocated, "c-twice", prompt, params)
     before = decode.scheduler_stats()
     for request_id in ("d-first", "d-second"):
         decode.add_request(Request(request_id, prompt, params), stream_params(prefill, "dup"))
@@ -407,8 +416,7 @@ def test_an_ended_transfer_makes_the_waiting_decode_core_prefill_at_once(stream_
     prefill, decode, colocated = stream_cores
     prompt = list(range(240, 201, -1))
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    colocated.add_request(Request("c-end", prompt, params))
-    reference = token_ids(drain(colocated, {"c-end"})["c-end"])
+    reference = one_core_tokens(colocated, "c-end", prompt, params)
     before = decode.scheduler_stats()
     started = time.monotonic()
     decode.add_request(Request("d-end", prompt, params), stream_params(prefill, "ended"))
@@ -430,23 +438,31 @@ def test_an_ended_transfer_makes_the_waiting_decode_core_prefill_at_once(stream_
 
 def test_streamed_split_with_async_scheduling_on_the_prefill_core(tiny_llama, stream_cores):
     """With async scheduling a step's blocks are copied out when that step lands, while the
-    next one is in flight; the decode core still gets exactly the prompt's KV."""
+    next one is in flight; the decode core still gets exactly the prompt's KV. (The prefill
+    core runs its steps to the end before the decode core computes: a step's forward context
+    is one per process, and two cores that compute at once in one process would share it.
+    The decode core's transfer threads receive meanwhile.)"""
     _, decode, colocated = stream_cores
     prefill = make_core(tiny_llama[0], "prefill", {**CHUNKED, "async_scheduling": True})
     assert prefill.async_scheduling
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     one = dataclasses.replace(params, max_tokens=1)
     prompts = [list(range(9, 80)), list(range(81, 140)), list(range(141, 160))]
-    for index, prompt in enumerate(prompts):
-        colocated.add_request(Request(f"c-async{index}", prompt, params))
-    references = drain(colocated, {f"c-async{i}" for i in range(len(prompts))})
+    references = [
+        one_core_tokens(colocated, f"c-async{index}", prompt, params)
+        for index, prompt in enumerate(prompts)
+    ]
     for index, prompt in enumerate(prompts):  # together: steps mix the three prompts
         key = f"async{index}"
         decode.add_request(Request(f"d-{key}", prompt, params), stream_params(prefill, key))
         prefill.add_request(Request(f"p-{key}", prompt, one), {"do_remote_decode": True,
                                                                "transfer_id": key})  # fmt: skip
-    outputs = step_both(prefill, decode, {f"d-async{i}" for i in range(len(prompts))})
-    for index in range(len(prompts)):
-        assert token_ids(outputs[f"d-async{index}"]) == token_ids(references[f"c-async{index}"])
+    failed_before = decode.scheduler_stats().kv_num_load_failed
+    decode.step()  # admits them and starts their pulls: nothing to compute yet
+    drain(prefill, {f"p-async{i}" for i in range(len(prompts))})
+    outputs = drain(decode, {f"d-async{i}" for i in range(len(prompts))})
+    for index, reference in enumerate(references):
+        assert token_ids(outputs[f"d-async{index}"]) == reference
+    assert decode.scheduler_stats().kv_num_load_failed == failed_before
     assert prefill.kv_cache_manager.num_free_blocks == 64
     assert decode.kv_cache_manager.num_free_blocks == 64

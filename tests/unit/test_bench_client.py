@@ -141,7 +141,9 @@ async def test_good_streams_give_their_timestamps():
         assert record.ok, record.error
         assert len(record.chunks) == 6 and record.output_tokens == 6 and record.prompt_tokens == 4
         gaps = [b - a for a, b in zip(record.chunks, record.chunks[1:], strict=False)]
-        assert all(GAP * 0.8 < gap < GAP * 4 for gap in gaps), gaps
+        # Each chunk stamped as it came, not all at the end; a client that read one chunk late
+        # (a busy 2-core machine) sees the next one sooner, so the floor is loose.
+        assert all(GAP * 0.4 < gap < GAP * 4 for gap in gaps), gaps
         assert record.send <= record.chunks[0] <= record.end
     metrics = compute_metrics(records)
     assert metrics["completed"] == 2 and metrics["failed"] == 0
