@@ -1,9 +1,11 @@
 """The router's choices that need no running instance: which requests are split into a prefill
-and a decode leg, what the prefill leg asks for, and which instance gets a request."""
+and a decode leg, what the prefill leg asks for, and which instance gets a request; and, against
+stand-in instances, the two legs sent at once."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -115,3 +117,88 @@ def test_instance_describe_names_its_state() -> None:
     described = instance.describe()
     assert described["healthy"] is False and described["last_error"] == "refused"
     assert described["num_failures"] == 1
+
+
+# -- the two legs at once, against stand-in instances ------------------------------------------
+
+PREFILL_URL, DECODE_URL = "http://prefill.test", "http://decode.test"
+PREFILL_METRICS = (
+    'tandem:kv_transfer_endpoint{model_name="m",host="10.0.0.7",port="14579"} 1.0\n'
+    'tandem:num_requests_waiting{model_name="m"} 0.0\n'
+)
+
+
+class _Body(httpx.AsyncByteStream):
+    """A body read as it streams, as a real server's (httpx reads bytes content at once, and
+    the router relays the decode leg's answer chunk by chunk)."""
+
+    def __init__(self, payload: dict) -> None:
+        self.data = json.dumps(payload).encode()
+
+    async def __aiter__(self):
+        yield self.data
+
+
+def answer(status: int, payload: dict) -> httpx.Response:
+    headers = {"content-type": "application/json"}
+    return httpx.Response(status, headers=headers, stream=_Body(payload))
+
+
+def stand_in_instances(prefill_status: int, seen: dict[str, list]) -> httpx.MockTransport:
+    """A prefill instance that publishes its KV endpoint and answers the prefill leg with
+    `prefill_status`, and a decode instance that answers once the prefill leg has had its
+    answer (as a real one, whose first token comes at the end of the prefill); both record
+    the bodies they got."""
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        url = str(request.url)
+        if url.endswith("/health"):
+            return httpx.Response(200)
+        if url.endswith("/metrics"):
+            body = PREFILL_METRICS if url.startswith(PREFILL_URL) else ""
+            return httpx.Response(200, text=body)
+        role = "prefill" if url.startswith(PREFILL_URL) else "decode"
+        seen[role].append(json.loads(request.content))
+        if role == "decode":
+            while not seen["prefill"]:
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(0.05)  # the router has the prefill leg's answer by now
+        if role == "prefill" and prefill_status != 200:
+            return answer(prefill_status, {"error": {"message": "full"}})
+        return answer(200, {"choices": [{"text": role}], "kv_transfer_params": {}})
+
+    return httpx.MockTransport(handle)
+
+
+@pytest.mark.parametrize("prefill_status", [200, 400, 503])
+def test_both_legs_go_at_once_and_a_refused_prefill_leg_ends_its_transfer(
+    monkeypatch, prefill_status: int
+) -> None:
+    """The decode leg names the prefill instance's KV endpoint and the prefill leg's transfer
+    id; when the prefill instance refuses its leg, the router ends that transfer on its KV
+    channel (so the decode instance computes the prompt at once), and only then."""
+    from fastapi.testclient import TestClient
+
+    from tandem.router import app as router_app
+
+    seen: dict[str, list] = {"prefill": [], "decode": []}
+    transport = stand_in_instances(prefill_status, seen)
+    client_class = httpx.AsyncClient
+    monkeypatch.setattr(
+        router_app.httpx, "AsyncClient",
+        lambda **kwargs: client_class(transport=transport, **kwargs),
+    )  # fmt: skip
+    ended: list[tuple] = []
+    monkeypatch.setattr(router_app, "end_transfer", lambda *args: ended.append(args))
+    app = router_app.build_router([PREFILL_URL], [DECODE_URL], router_app.RouterSettings())
+    with TestClient(app) as client:
+        answer = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8})
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == "decode"
+    (decode_leg,), (prefill_leg,) = seen["decode"], seen["prefill"]
+    transfer_id = prefill_leg["kv_transfer_params"]["transfer_id"]
+    assert prefill_leg["max_tokens"] == 1
+    assert decode_leg["kv_transfer_params"] == {
+        "do_remote_prefill": True, "remote_host": "10.0.0.7", "remote_port": 14579,
+        "transfer_id": transfer_id,
+    }  # fmt: skip
+    assert ended == ([] if prefill_status == 200 else [(("10.0.0.7", 14579), transfer_id)])

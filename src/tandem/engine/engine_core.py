@@ -257,9 +257,12 @@ class EngineCore:
         self.config.check_logprobs(request.sampling_params)
         request.argmax_only = argmax_only(request.sampling_params)
         remote = None
+        connector = self.kv_connector
+        # A request id already streaming is another request's (this one is refused below).
+        streamed_before = connector is not None and request.request_id in connector.streaming
         if kv_transfer_params is not None:
-            if self.kv_connector is not None:
-                remote = self.kv_connector.accept(request, kv_transfer_params, vocab_size)
+            if connector is not None:
+                remote = connector.accept(request, kv_transfer_params, vocab_size)
             else:
                 check_kv_transfer(
                     kv_transfer_params, "both", request.prompt_token_ids, request.sampling_params,
@@ -279,9 +282,9 @@ class EngineCore:
             self.scheduler.add_request(request)
         except ValueError:
             if remote is not None:  # its KV will never be pulled
-                self.kv_connector.release(remote)
-            if self.kv_connector is not None:
-                self.kv_connector.drop_stream(request.request_id)
+                connector.release(remote)
+            if connector is not None and not streamed_before:
+                connector.drop_stream(request.request_id)
             raise
         seed = request.sampling_params.seed
         if seed is not None:

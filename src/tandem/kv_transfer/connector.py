@@ -104,6 +104,8 @@ class KVConnector:
         """Copy out the prompt blocks of a streaming request that the step just ended has
         completed (`num_computed_tokens`: its tokens computed by then)."""
         streaming = self.streaming[request.request_id]
+        if streaming.stream.failed or streaming.stream.gone:
+            return  # its decode side has given up: no copy (they only ever turn true)
         num_tokens = min(num_computed_tokens, request.num_prompt_tokens)
         num_full = num_tokens // self.block_size
         if num_tokens == request.num_prompt_tokens:

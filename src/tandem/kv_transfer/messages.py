@@ -54,8 +54,9 @@ class StreamPull(msgspec.Struct, tag="stream-pull"):
 
 
 class Release(msgspec.Struct, tag="release"):
-    """Decode -> prefill: these requests' blocks (or transfers' streams) will not be pulled, or
-    no longer (they ended at their first token, or were aborted): free them now."""
+    """Decode (or the router, for a prefill leg that failed) -> prefill: these requests'
+    blocks (or transfers' streams) will not be pulled, or no longer (they ended at their first
+    token, or were aborted): free them now."""
 
     request_ids: list[str]
     transfer_ids: list[str] = []

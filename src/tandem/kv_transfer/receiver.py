@@ -71,8 +71,8 @@ class _Peer:
         self.jobs: queue.SimpleQueue[KVLoad | Release] = queue.SimpleQueue()
         self.socket: zmq.Socket | None = None
         self.group: ProcessGroupGloo | None = None  # this thread's to set
-        # A stream's thread that saw the group break says so here; the next load forms anew.
-        self.broken_group: ProcessGroupGloo | None = None
+        # Stream threads that saw a group break say so here; the next load forms a new one.
+        self.broken_groups: set[ProcessGroupGloo] = set()
         self.tags = itertools.count(TAG + 1)  # one per streamed load
         threading.Thread(
             target=self._run, name=f"tandem-kv-recv-{host}:{port}", daemon=True
@@ -167,7 +167,7 @@ class _Peer:
                 torch.cuda.current_stream(caches[0].device).synchronize()
         except Exception as error:
             if not isinstance(error, LookupError | ValueError):
-                self.broken_group = group  # the pair group broke: the next load forms anew
+                self.broken_groups.add(group)  # the next load forms a new pair group
             result = self._failed(load, start, error)
         else:
             num_bytes = num_blocks * block_bytes(caches)
@@ -185,7 +185,7 @@ class _Peer:
     def _connect(self) -> ProcessGroupGloo:
         """The pair group to the prefill instance, formed now if there is none (or the one
         there is broke under a stream)."""
-        if self.group is not None and self.group is not self.broken_group:
+        if self.group is not None and self.group not in self.broken_groups:
             return self.group
         receiver = self.receiver
         # ZeroMQ would wait out the timeout for a prefill instance that is gone; TCP says so

@@ -112,8 +112,10 @@ class KVSender:
         self._held: dict[str, _Held] = {}
         self._streams: dict[str, StagedStream] = {}
         # Transfer ids released or ended, for a while: a pull or prefill leg that comes late
-        # for one is answered at once (refused, or not staged) instead of waiting for it.
-        self._ended_ids: dict[str, float] = {}
+        # for one is answered at once (refused, or not staged) instead of waiting for it. In
+        # the order they ended, so forgetting the old ones costs only them.
+        self._ended_ids: dict[str, None] = {}
+        self._ended_order: deque[tuple[float, str]] = deque()
         self._lock = threading.Lock()
         self._stream_changed = threading.Condition(self._lock)
         self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -192,7 +194,12 @@ class KVSender:
             del self._streams[stream.transfer_id]
         stream.gone = True
         stream.chunks.clear()
-        self._ended_ids[stream.transfer_id] = time.monotonic() + self.config.hold_seconds
+        self._remember_ended(stream.transfer_id)
+
+    def _remember_ended(self, transfer_id: str) -> None:
+        """(The lock held.)"""
+        self._ended_ids[transfer_id] = None
+        self._ended_order.append((time.monotonic() + self.config.hold_seconds, transfer_id))
 
     def take_released(self) -> list[str]:
         """Requests this side is done with (sent, released by the peer, or expired)."""
@@ -216,7 +223,8 @@ class KVSender:
             ]
             for stream in stale:
                 self._drop(stream)
-            self._ended_ids = {i: until for i, until in self._ended_ids.items() if until > now}
+            while self._ended_order and self._ended_order[0][0] <= now:
+                self._ended_ids.pop(self._ended_order.popleft()[1], None)
         self.stats.num_expired += len(expired) + len(stale)
         for stream in stale:
             logger.warning("KV stream %s was not pulled in time: dropped", stream.transfer_id)
@@ -243,13 +251,12 @@ class KVSender:
     def _release(self, request_ids: list[str], transfer_ids: Sequence[str] = ()) -> None:
         with self._stream_changed:
             found = [i for i in request_ids if self._held.pop(i, None) is not None]
-            now = time.monotonic()
             for transfer_id in transfer_ids:
                 stream = self._streams.get(transfer_id)
                 if stream is not None:
                     self._fail(stream)
                 else:  # not opened yet: its prefill leg, if it comes, is not staged
-                    self._ended_ids[transfer_id] = now + self.config.hold_seconds
+                    self._remember_ended(transfer_id)
             self._stream_changed.notify_all()
         for request_id in found:
             self._released.put(request_id)
@@ -277,7 +284,7 @@ class KVSender:
                 elif isinstance(message, Pull):
                     pair.pulls.put(message)
                 else:
-                    self._start_stream(message, pair, peers)
+                    self._start_stream(message, pair)
             elif isinstance(message, Release):
                 self._release(message.request_ids, message.transfer_ids)
 
@@ -322,7 +329,7 @@ class KVSender:
                     del peers[peer_id]
                 return
 
-    def _start_stream(self, pull: StreamPull, pair: _Pair, peers: dict[str, _Pair]) -> None:
+    def _start_stream(self, pull: StreamPull, pair: _Pair) -> None:
         now = time.monotonic()
         with self._lock:
             stream = self._streams.get(pull.transfer_id)

@@ -21,10 +21,10 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import msgspec
@@ -33,6 +33,7 @@ import zmq
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.background import BackgroundTask
 
 import tandem
 from tandem.kv_transfer.messages import Release
@@ -42,6 +43,7 @@ from tandem.server.protocol_responses import error_body
 logger = logging.getLogger("tandem.router")
 
 _ZMQ_CONTEXT = zmq.Context()
+T = TypeVar("T")
 
 # Fields that change what the prefill leg would compute, or a stream, in the prefill request.
 _PREFILL_DROPPED = ("max_completion_tokens", "stream_options", "n", "best_of")
@@ -286,18 +288,31 @@ def build_router(
         if upstream.status_code >= 500:
             note_server_error(instance, path, upstream.status_code)
 
+        closed = False
+
+        async def close() -> None:
+            """Once, whether the answer was relayed whole, cut short, or never started (a
+            client gone as its headers came: Starlette then runs only the background task)."""
+            nonlocal closed
+            if closed:
+                return
+            closed = True
+            instance.in_flight -= 1
+            await upstream.aclose()
+            if prefill_leg is not None and not prefill_leg.done():
+                prefill_leg.cancel()
+
         async def chunks() -> AsyncIterator[bytes]:
             try:
                 async for chunk in upstream.aiter_raw():
                     yield chunk
             finally:
-                instance.in_flight -= 1
-                await upstream.aclose()
-                if prefill_leg is not None and not prefill_leg.done():
-                    prefill_leg.cancel()
+                await close()
 
         media_type = upstream.headers.get("content-type", "application/json")
-        return StreamingResponse(chunks(), upstream.status_code, media_type=media_type)
+        return StreamingResponse(
+            chunks(), upstream.status_code, media_type=media_type, background=BackgroundTask(close)
+        )
 
     async def serve(request: Request, kind: str, path: str) -> Response:
         refused = refusal(request)
@@ -357,7 +372,7 @@ def build_router(
             leg_body = prefill_body(body, transfer_id)
             try:
                 response = await post(prefill_instance, path, leg_body, headers)
-            except Exception as error:  # an answer that is not HTTP: the leg failed
+            except Exception as error:  # post() turns HTTP errors into None: anything else
                 logger.error("prefill leg of transfer %s: %s", transfer_id, error)
                 response = None
             if response is not None and response.status_code == 200:
@@ -450,12 +465,16 @@ def end_transfer(kv_endpoint: tuple[str, int], transfer_id: str) -> None:
     Best effort: a prefill instance that is gone refuses the decode instance's pull anyway."""
     socket = _ZMQ_CONTEXT.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 1000)  # the message leaves even though we close at once
-    socket.connect(f"tcp://{kv_endpoint[0]}:{kv_endpoint[1]}")
-    socket.send(msgspec.msgpack.encode(Release([], [transfer_id])))
-    socket.close()
+    try:
+        socket.connect(f"tcp://{kv_endpoint[0]}:{kv_endpoint[1]}")
+        socket.send(msgspec.msgpack.encode(Release([], [transfer_id])))
+    except zmq.ZMQError as error:
+        logger.warning("could not end transfer %s at %s: %s", transfer_id, kv_endpoint, error)
+    finally:
+        socket.close()
 
 
-async def _until_disconnect(request: Request, work):
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T | Response:
     """Await `work`, cancelled (and its upstream request with it) if the client goes away."""
     task = asyncio.ensure_future(work)
 
