@@ -8,6 +8,7 @@ either leg is aborted."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 
 import pytest
@@ -466,3 +467,35 @@ def test_streamed_split_with_async_scheduling_on_the_prefill_core(tiny_llama, st
     assert decode.scheduler_stats().kv_num_load_failed == failed_before
     assert prefill.kv_cache_manager.num_free_blocks == 64
     assert decode.kv_cache_manager.num_free_blocks == 64
+
+
+def test_pairing_again_ends_the_old_pairs_thread(stream_cores):
+    """A decode core whose pair group broke pairs again with a new Hello: the prefill core's
+    thread for the old pair ends (it used to wait on its queue for good, with its group)."""
+    prefill, decode, colocated = stream_cores
+    receiver = decode.kv_connector.receiver
+    prefix = f"tandem-kv-send-{receiver.peer_id}/"
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    def split(key: str, prompt: list[int]) -> None:
+        reference = one_core_tokens(colocated, f"c-{key}", prompt, params)
+        decode.add_request(Request(f"d-{key}", prompt, params), stream_params(prefill, key))
+        prefill.add_request(
+            Request(f"p-{key}", prompt, dataclasses.replace(params, max_tokens=1)),
+            {"do_remote_decode": True, "transfer_id": key},
+        )
+        assert token_ids(step_both(prefill, decode, {f"d-{key}"})[f"d-{key}"]) == reference
+
+    def pair_threads() -> set[threading.Thread]:  # every prefill core's, for this decode core
+        return {t for t in threading.enumerate() if t.name.startswith(prefix)}
+
+    split("pair", list(range(120, 96, -1)))  # paired now, if no earlier test did
+    before = pair_threads()
+    peer = receiver._peers[("127.0.0.1", prefill.config.kv_transfer.port)]
+    peer.broken_groups.add(peer.group)
+    split("again", list(range(96, 72, -1)))
+    deadline = time.monotonic() + 5
+    while len(pair_threads()) > len(before) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    after = pair_threads()
+    assert len(after - before) == 1 and len(before - after) == 1  # one new, the old one gone

@@ -82,7 +82,7 @@ class _Pair:
     formed (streamed pulls send on it from threads of their own)."""
 
     def __init__(self) -> None:
-        self.pulls: queue.SimpleQueue[Pull] = queue.SimpleQueue()
+        self.pulls: queue.SimpleQueue[Pull | None] = queue.SimpleQueue()  # None: replaced
         self.group: ProcessGroupGloo | None = None
         self.formed = threading.Event()
 
@@ -296,7 +296,10 @@ class KVSender:
             )
         pair_name = f"{hello.peer_id}/{next(self._pair_ids)}"
         pair = _Pair()
-        peers[hello.peer_id] = pair  # a new Hello from the peer replaces its old pair
+        replaced = peers.get(hello.peer_id)
+        if replaced is not None:  # a new Hello from the peer replaces its old pair: that
+            replaced.pulls.put(None)  # pair's thread ends, and its group goes with it
+        peers[hello.peer_id] = pair
         threading.Thread(
             target=self._serve_peer, args=(pair_name, pair, peers, hello.peer_id),
             name=f"tandem-kv-send-{pair_name}", daemon=True,
@@ -318,8 +321,7 @@ class KVSender:
         finally:
             pair.formed.set()
         logger.info("KV pair group %s formed", pair_name)
-        while True:
-            pull = pair.pulls.get()
+        while (pull := pair.pulls.get()) is not None:
             try:
                 self._send(group, pull)
             except Exception as error:  # the peer died or timed out: it prefills locally
