@@ -71,6 +71,14 @@ def host_store(host: str, port: int, timeout: float) -> TCPStore:
     )  # fmt: skip
 
 
+def send_stream_header(
+    group: ProcessGroupGloo, tag: int, status: int, first: int = 0, count: int = 0, size: int = 0
+) -> None:
+    """A stream's header to the decode side (rank 1): [status, first block, blocks, bytes]."""
+    header = torch.tensor([status, first, count, size], dtype=torch.int64)
+    group.send([header], 1, tag).wait()
+
+
 def gather_blocks(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:
     """The blocks' keys and values of every layer in one host tensor, ready to send."""
     cache = kv_caches[0]

@@ -148,11 +148,11 @@ class _Peer:
                     scatter_blocks(caches, ids, chunk)
                     num_blocks += count
                     continue
-                if status == STATUS_DONE and num_blocks != len(load.block_ids):
-                    raise ValueError(
-                        f"the stream ended with {num_blocks} of {len(load.block_ids)} blocks"
-                    )
                 if status == STATUS_DONE:
+                    if num_blocks != len(load.block_ids):
+                        raise ValueError(
+                            f"the stream ended with {num_blocks} of {len(load.block_ids)} blocks"
+                        )
                     payload = torch.empty(size, dtype=torch.uint8)
                     group.recv([payload], 0, tag).wait()
                     final = msgspec.msgpack.decode(payload.numpy().tobytes())

@@ -34,6 +34,7 @@ from tandem.kv_transfer.channel import (
     gather_blocks,
     host_store,
     pair_group,
+    send_stream_header,
 )
 from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.messages import (
@@ -359,8 +360,7 @@ class KVSender:
             if group is None:
                 raise RuntimeError("the pair group did not form")
             if stream is None:
-                header = [STATUS_UNKNOWN, 0, 0, 0]
-                group.send([torch.tensor(header, dtype=torch.int64)], 1, pull.tag).wait()
+                send_stream_header(group, pull.tag, STATUS_UNKNOWN)
                 return
             self._stream_to(group, pull, stream)
         except Exception as error:  # the peer died: it prefills locally
@@ -371,10 +371,6 @@ class KVSender:
                     self._drop(stream)
 
     def _stream_to(self, group: ProcessGroupGloo, pull: StreamPull, stream: StagedStream) -> None:
-        def header(status: int, first: int = 0, count: int = 0, size: int = 0) -> None:
-            values = [status, first, count, size]
-            group.send([torch.tensor(values, dtype=torch.int64)], 1, pull.tag).wait()
-
         keep_alive = min(self.config.timeout, pull.timeout) / 3
         made_at = time.monotonic()
         num_blocks = 0
@@ -393,27 +389,27 @@ class KVSender:
             elif final is None and silent_for > self.config.hold_seconds:
                 failed = True  # queued or stalled too long: the decode side prefills
             if prompt is not None and prompt != (pull.num_prompt_tokens, pull.prompt_digest):
-                header(STATUS_MISMATCH)
+                send_stream_header(group, pull.tag, STATUS_MISMATCH)
                 return
             if failed:
-                header(STATUS_UNKNOWN)
+                send_stream_header(group, pull.tag, STATUS_UNKNOWN)
                 return
             for first, chunk in chunks:
                 skip = max(0, pull.first_block - first)  # the decode side's prefix-cache hits
                 count = chunk.shape[2] - skip
                 if count <= 0:
                     continue
-                header(STATUS_OK, first + skip, count)
+                send_stream_header(group, pull.tag, STATUS_OK, first + skip, count)
                 group.send([chunk[:, :, skip:].contiguous()], 1, pull.tag).wait()
                 num_blocks += count
             if final is not None:
-                header(STATUS_DONE, size=len(final))
+                send_stream_header(group, pull.tag, STATUS_DONE, size=len(final))
                 payload = torch.frombuffer(bytearray(final), dtype=torch.uint8)
                 group.send([payload], 1, pull.tag).wait()
                 self._count_sent(num_blocks)
                 return
             if not chunks:
-                header(STATUS_WAIT)
+                send_stream_header(group, pull.tag, STATUS_WAIT)
 
     def _count_sent(self, num_blocks: int) -> None:
         with self._lock:  # streams to several peers finish on their own threads
