@@ -69,6 +69,29 @@ def test_random_decode_layouts(seed):
     torch.testing.assert_close(got, expected, **tolerance(dtype))
 
 
+@pytest.mark.parametrize("num_threads", [2, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_long_decodes_split_their_contexts(num_threads, dtype):
+    """Fewer work items than twice the threads (a batch-1 decode: one per kv head) cut each
+    context into parts, attended to apart and merged: equal to the oracle, with parts of
+    uneven length, and at 8 threads a short decode beside a long one, whose context has fewer
+    chunks than there are parts (empty parts)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        for shapes, num_heads, num_kv_heads, head_dim in [
+            ([(1000, 1)], 9, 3, 64),
+            ([(3000, 1), (20, 1)], 8, 1, 128),
+            ([(700, 1)], 4, 2, 64),
+        ]:
+            expected, _, got, _, _ = run_both(
+                shapes, num_heads, num_kv_heads, head_dim, 16, dtype, seed=len(shapes)
+            )
+            torch.testing.assert_close(got, expected, **tolerance(dtype))
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_large_scores_do_not_overflow():
     """Scores in the hundreds (softmax's running max must carry them): still the oracle's."""
     torch.manual_seed(0)

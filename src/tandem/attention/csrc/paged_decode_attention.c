@@ -8,6 +8,7 @@
    -ffast-math, whose start-up code would set flush-to-zero for the whole process. */
 
 #include <stddef.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "element_types.h"
@@ -70,8 +71,9 @@ static inline __m512 load16_bf16(const uint16_t *p) {
 /* One work item (a token's `group` query heads of one kv head) on the vector path. */
 #define DEFINE_ITEM(NAME, T, LOAD16, STORE, D)                                                  \
 static void NAME(const T *query, int64_t q_head_stride, const T *kv_cache,                      \
-                 const T *value_cache, int64_t row, const int64_t *blocks, int64_t context,     \
-                 int64_t block_size, int64_t group, float scale, T *out) {                      \
+                 const T *value_cache, int64_t row, const int64_t *blocks, int64_t begin,       \
+                 int64_t context, int64_t block_size, int64_t group, float scale, T *out,       \
+                 float *partial) {                                                              \
     enum { V = D / 16 };                                                                        \
     float keys[CHUNK][D] __attribute__((aligned(64)));                                          \
     float values[CHUNK][D] __attribute__((aligned(64)));                                        \
@@ -84,7 +86,7 @@ static void NAME(const T *query, int64_t q_head_stride, const T *kv_cache,      
         running_sum[g] = 0.0f;                                                                  \
     }                                                                                           \
     int64_t count; /* keys in this chunk: up to 16, within one block */                        \
-    for (int64_t start = 0; start < context; start += count) {                                  \
+    for (int64_t start = begin; start < context; start += count) {                                  \
         const int64_t in_block = start % block_size;                                            \
         const int64_t block = blocks[start / block_size];                                       \
         count = context - start < CHUNK ? context - start : CHUNK;                              \
@@ -145,6 +147,12 @@ static void NAME(const T *query, int64_t q_head_stride, const T *kv_cache,      
         }                                                                                       \
     }                                                                                           \
     for (int64_t g = 0; g < group; g++) {                                                       \
+        if (partial) { /* a part of the context: its softmax state, merged by the caller */     \
+            memcpy(partial + g * (D + 2), acc[g], sizeof acc[g]);                               \
+            partial[g * (D + 2) + D] = running_max[g];                                          \
+            partial[g * (D + 2) + D + 1] = running_sum[g];                                      \
+            continue;                                                                           \
+        }                                                                                       \
         const float inverse = 1.0f / running_sum[g];                                            \
         for (int d = 0; d < D; d++) out[g * D + d] = STORE(acc[g][d] * inverse);                \
     }                                                                                           \
@@ -158,6 +166,85 @@ DEFINE_ITEM(item_bf16_128, uint16_t, load16_bf16, bf16_store, 128)
 #else
 #define VECTOR_ITEM(NAME) NULL
 #endif
+
+/* Fewer (token, kv head) work items than twice the threads (batch 1: three items of the
+   embedded model on two threads, one thread idle a third of the time): each item's context is
+   cut into parts of whole chunks, every part attended to on its own (its softmax state in
+   fp32), and the parts of an item merged: out = Σ_p e^(max_p − M)·acc_p / Σ_p e^(max_p − M)·sum_p,
+   M the largest max_p. Returns 0 where the items are enough (or the scratch cannot be had):
+   the caller runs them whole. */
+#define SPLIT_MIN_POSITIONS 256 /* a part attends to at least this many positions */
+#define MAX_SPLITS 8
+#define SPLIT_ALIGN 16 /* parts begin at multiples of this (the vector item's chunk) */
+#define split_items(ITEM_FN, query, q_token_stride, q_head_stride, kv_cache, value_cache, row,  \
+                    block_table, bt_stride, token_rows, token_requests, token_seq_lens,         \
+                    num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale, out,      \
+                    num_threads, STORE)                                                         \
+    ({                                                                                          \
+        const int64_t items_ = (num_tokens) * (num_kv_heads);                                   \
+        const int64_t group_ = (num_heads) / (num_kv_heads);                                    \
+        int64_t longest_ = 0;                                                                   \
+        for (int64_t t_ = 0; t_ < (num_tokens); t_++)                                           \
+            if ((token_seq_lens)[t_] > longest_) longest_ = (token_seq_lens)[t_];               \
+        int64_t splits_ = items_ > 0 ? (2 * (num_threads) + items_ - 1) / items_ : 1;           \
+        if (splits_ > MAX_SPLITS) splits_ = MAX_SPLITS;                                         \
+        if (splits_ > longest_ / SPLIT_MIN_POSITIONS) splits_ = longest_ / SPLIT_MIN_POSITIONS; \
+        const int64_t width_ = group_ * ((head_dim) + 2); /* one part's state */                \
+        float *parts_ = splits_ > 1 ? malloc(sizeof(float) * items_ * splits_ * width_) : NULL; \
+        if (parts_) {                                                                           \
+            _Pragma("omp parallel for schedule(static) num_threads(num_threads)")               \
+            for (int64_t i_ = 0; i_ < items_ * splits_; i_++) {                                 \
+                const int64_t t_ = i_ / splits_ / (num_kv_heads);                               \
+                const int64_t h_ = i_ / splits_ % (num_kv_heads), p_ = i_ % splits_;            \
+                const int64_t context_ = (token_seq_lens)[t_];                                  \
+                /* part p_: chunks [p_·n / splits, (p_ + 1)·n / splits) of the context's n */   \
+                const int64_t chunks_ = (context_ + SPLIT_ALIGN - 1) / SPLIT_ALIGN;                         \
+                int64_t begin_ = p_ * chunks_ / splits_ * SPLIT_ALIGN;                                \
+                int64_t end_ = (p_ + 1) * chunks_ / splits_ * SPLIT_ALIGN;                            \
+                if (end_ > context_) end_ = context_;                                           \
+                float *state_ = parts_ + i_ * width_;                                           \
+                if (begin_ >= end_) { /* an empty part: weight 0 in the merge */                \
+                    for (int64_t g_ = 0; g_ < group_; g_++) {                                   \
+                        state_[g_ * ((head_dim) + 2) + (head_dim)] = -INFINITY;                 \
+                        state_[g_ * ((head_dim) + 2) + (head_dim) + 1] = 0.0f;                  \
+                    }                                                                           \
+                    continue;                                                                   \
+                }                                                                               \
+                ITEM_FN((query) + (token_rows)[t_] * (q_token_stride) +                         \
+                            h_ * group_ * (q_head_stride),                                      \
+                        (q_head_stride), (kv_cache) + h_ * (head_dim),                          \
+                        (value_cache) + h_ * (head_dim), (row),                                 \
+                        (block_table) + (token_requests)[t_] * (bt_stride), begin_, end_,       \
+                        (block_size), group_, (scale), NULL, state_);                           \
+            }                                                                                   \
+            for (int64_t i_ = 0; i_ < items_; i_++) {                                           \
+                const int64_t t_ = i_ / (num_kv_heads), h_ = i_ % (num_kv_heads);               \
+                for (int64_t g_ = 0; g_ < group_; g_++) {                                       \
+                    const float *first_ = parts_ + i_ * splits_ * width_ + g_ * ((head_dim) + 2);\
+                    float largest_ = -INFINITY, total_ = 0.0f, weights_[MAX_SPLITS];            \
+                    for (int64_t p_ = 0; p_ < splits_; p_++)                                    \
+                        largest_ = fmaxf(largest_, first_[p_ * width_ + (head_dim)]);           \
+                    for (int64_t p_ = 0; p_ < splits_; p_++) {                                  \
+                        const float *part_ = first_ + p_ * width_;                              \
+                        weights_[p_] = part_[(head_dim) + 1] > 0.0f                             \
+                                           ? exp_nonpositive(part_[(head_dim)] - largest_)      \
+                                           : 0.0f;                                              \
+                        total_ += weights_[p_] * part_[(head_dim) + 1];                         \
+                    }                                                                           \
+                    __typeof__(out) dst_ =                                                      \
+                        (out) + ((token_rows)[t_] * (num_heads) + h_ * group_ + g_) * (head_dim);\
+                    for (int64_t d_ = 0; d_ < (head_dim); d_++) {                               \
+                        float sum_ = 0.0f;                                                      \
+                        for (int64_t p_ = 0; p_ < splits_; p_++)                                \
+                            sum_ += weights_[p_] * first_[p_ * width_ + d_];                    \
+                        dst_[d_] = STORE(sum_ / total_);                                        \
+                    }                                                                           \
+                }                                                                               \
+            }                                                                                   \
+            free(parts_);                                                                       \
+        }                                                                                       \
+        parts_ != NULL;                                                                         \
+    })
 
 /* DEFINE_DECODE(name, element type, load, store): one kernel per cache dtype.
    query [tokens, heads, head_dim] with strides (q_token_stride, q_head_stride, 1);
@@ -175,17 +262,22 @@ void NAME(const T *query, int64_t q_token_stride, int64_t q_head_stride,        
     const int64_t group = num_heads / num_kv_heads;                                             \
     const int64_t row = num_kv_heads * head_dim; /* one position's keys, all kv heads */        \
     const T *value_cache = kv_cache + num_blocks * block_size * row;                            \
+    void (*item)(const T *, int64_t, const T *, const T *, int64_t, const int64_t *, int64_t,   \
+                 int64_t, int64_t, int64_t, float, T *, float *) = ITEM;                        \
+    if (item && split_items(item, query, q_token_stride, q_head_stride, kv_cache, value_cache,  \
+                            row, block_table, bt_stride, token_rows, token_requests,            \
+                            token_seq_lens, num_tokens, num_heads, num_kv_heads, head_dim,      \
+                            block_size, scale, out, num_threads, STORE))                        \
+        return;                                                                                 \
     _Pragma("omp parallel for collapse(2) schedule(static) num_threads(num_threads)")           \
     for (int64_t t = 0; t < num_tokens; t++) {                                                  \
         for (int64_t h = 0; h < num_kv_heads; h++) {                                            \
-            void (*item)(const T *, int64_t, const T *, const T *, int64_t, const int64_t *,    \
-                         int64_t, int64_t, int64_t, float, T *) = ITEM;                         \
             if (item) {                                                                         \
                 item(query + token_rows[t] * q_token_stride + h * group * q_head_stride,        \
                      q_head_stride, kv_cache + h * head_dim, value_cache + h * head_dim, row,   \
-                     block_table + token_requests[t] * bt_stride, token_seq_lens[t],            \
+                     block_table + token_requests[t] * bt_stride, 0, token_seq_lens[t],         \
                      block_size, group, scale,                                                  \
-                     out + (token_rows[t] * num_heads + h * group) * head_dim);                 \
+                     out + (token_rows[t] * num_heads + h * group) * head_dim, NULL);           \
                 continue;                                                                       \
             }                                                                                   \
             float q[MAX_GROUP][MAX_HEAD_DIM];                                                   \
