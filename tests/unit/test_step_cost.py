@@ -118,6 +118,52 @@ def test_follows_a_machine_that_slows_down():
     assert model.predict(sums) == pytest.approx(3 * true_seconds(sums), rel=0.05)
 
 
+def test_small_steps_follow_a_slowdown_within_a_few_steps():
+    """Decode steps of one token count on a machine that turns 30% slower: the per-count
+    ratio catches up within four steps, long before the window's refits would."""
+    model = StepCostModel(SHAPE, PEAKS, window=512, min_steps=32, refit_every=16)
+    contexts = [100 + 7 * index for index in range(300)]
+    for context in contexts[:290]:
+        sums = request_sums(context, 1, True) + request_sums(context + 50, 1, True)
+        model.observe(sums, true_seconds(sums))
+    for context in contexts[290:294]:
+        sums = request_sums(context, 1, True) + request_sums(context + 50, 1, True)
+        model.observe(sums, 1.3 * true_seconds(sums))
+    sums = request_sums(contexts[294], 1, True) + request_sums(contexts[294] + 50, 1, True)
+    assert model.predict(sums) == pytest.approx(1.3 * true_seconds(sums), rel=0.05)
+
+
+def test_a_run_of_long_prompt_chunks_is_learned_as_it_comes():
+    """A window of decode steps and short fresh prompts, then a long prompt in chunks of 144
+    tokens, each attending to more of its own prefix, where attention costs far more per
+    position than in the steps the window holds (a prompt chunk's attention is another kernel
+    than a decode's): a chunk the forecast missed by more than 10% refits the line at once,
+    so from the fourth chunk on the forecasts are within 10% (the chunk sizes a time target
+    picks depend on them), where periodic refits alone would still be 16 steps away."""
+    model = StepCostModel(SHAPE, PEAKS, window=512, min_steps=32, refit_every=16)
+    rng = random.Random(3)
+
+    def seconds(sums: BatchSums, prompt_attended: int = 0) -> float:
+        return 2e-3 + 1e-3 * sums.num_new_tokens + 1e-8 * sums.num_attended + 2e-6 * prompt_attended
+
+    for index in range(192):
+        if index % 16 == 0:
+            sums = request_sums(0, 32, True)  # a short fresh prompt
+            model.observe(sums, seconds(sums, sums.num_attended))
+            continue
+        sums = BatchSums()
+        for _ in range(8):
+            sums += request_sums(rng.randint(100, 400), 1, True)
+        model.observe(sums, seconds(sums))
+    errors = []
+    for chunk in range(8):
+        sums = request_sums(144 * chunk, 144, False)
+        truth = seconds(sums, sums.num_attended)
+        errors.append(abs(model.predict(sums) - truth) / truth)
+        model.observe(sums, truth)
+    assert max(errors[3:]) < 0.10, errors
+
+
 def test_no_coefficient_is_negative_even_when_a_feature_never_varies():
     model = StepCostModel(SHAPE, PEAKS, min_steps=8, refit_every=8)
     for context in range(8, 200, 8):  # decodes only: new tokens == sampled rows, collinear

@@ -8,8 +8,13 @@ bytes, rows nearly free), so two more terms: f for a step too big for the packed
 g per new token of a step that uses them. Kernels that work in blocks of rows (the CPU int4
 matmul takes four at a time) or CUDA graphs captured at padded batch sizes make small steps'
 time a staircase in their token count that no line follows: for steps of up to
-RESIDUAL_MAX_TOKENS tokens, what the line misses is learned per token count, as a moving
-average, and added back. Until enough
+RESIDUAL_MAX_TOKENS tokens, the ratio of the measured time to the line's is learned per token
+count, as a moving average, and scales the line (a ratio, not a difference: learned at one
+context it still scales the line at another, and never drives a forecast to nothing; and it
+follows this machine's drift from minute to minute, which a window of 512 steps refitted every
+16 does not). A larger step whose forecast missed by more than REFIT_ERROR refits the line at
+once: such steps come in runs (a long prompt's chunks, each attending to more of its own
+prefix), and the scheduler sizes the next chunk of the run by the forecast. Until enough
 steps are seen, the roofline (the slower of compute and bandwidth at the machine's peaks)
 predicts, plus the least per-step overhead seen so far (time the roofline does not explain:
 launches, Python, sampling), so that from the first step on it is not wildly optimistic for
@@ -23,7 +28,8 @@ import numpy as np
 from tandem.core.roofline import BatchSums, MachinePeaks, ModelShape, StepWork, sums_work
 
 RESIDUAL_MAX_TOKENS = 64
-RESIDUAL_WEIGHT = 0.25  # of the newest step in a token count's moving average
+RESIDUAL_WEIGHT = 0.5  # of the newest step in a token count's moving average
+REFIT_ERROR = 0.1  # relative forecast error of a larger step that refits the line at once
 FEATURE_NAMES = (
     "constant", "new tokens", "attended positions", "KV positions", "sampled rows",
     "dense step", "packed tokens",
@@ -65,18 +71,14 @@ class StepCostModel:
         # One per feature (a tuple: the step loop's dot product in Python beats numpy's call).
         self.coefficients: tuple[float, ...] | None = None  # None: the roofline predicts
         self.overhead: float | None = None  # least (measured - roofline) seen, >= 0
-        # Small steps by token count: what the fitted line misses (seconds, moving average).
+        # Small steps by token count: measured time / the fitted line's (moving average).
         self.residuals: dict[int, float] = {}
 
     def predict(self, sums: BatchSums) -> float:
         if self.coefficients is None:
             return self.roofline_seconds(sums) + (self.overhead or 0.0)
         line = self._line(features(sums, self.packed_max_tokens))
-        return self._with_residual(line, sums.num_new_tokens)
-
-    def _with_residual(self, line: float, num_new_tokens: int) -> float:
-        # A residual learned at other contexts must not drive a forecast to nothing.
-        return max(line + self.residuals.get(num_new_tokens, 0.0), 0.5 * line)
+        return line * self.residuals.get(sums.num_new_tokens, 1.0)
 
     def _line(self, row: tuple[float, ...]) -> float:
         assert self.coefficients is not None
@@ -96,16 +98,19 @@ class StepCostModel:
         num_new = sums.num_new_tokens
         row = features(sums, self.packed_max_tokens)
         roofline = self._roofline_seconds(sums_work(self.shape, sums) if work is None else work)
+        missed_far = False
         if self.coefficients is None:
             predicted = roofline + (self.overhead or 0.0)
         else:
             line = self._line(row)
-            predicted = self._with_residual(line, num_new)
-            if num_new <= RESIDUAL_MAX_TOKENS:
-                missed = seconds - line
+            predicted = line * self.residuals.get(num_new, 1.0)
+            if num_new > RESIDUAL_MAX_TOKENS:
+                missed_far = abs(predicted - seconds) > REFIT_ERROR * seconds
+            elif line > 0:
+                ratio = seconds / line
                 previous = self.residuals.get(num_new)
                 self.residuals[num_new] = (
-                    missed if previous is None else previous + RESIDUAL_WEIGHT * (missed - previous)
+                    ratio if previous is None else previous + RESIDUAL_WEIGHT * (ratio - previous)
                 )
         unexplained = max(0.0, seconds - roofline)
         self.overhead = unexplained if self.overhead is None else min(self.overhead, unexplained)
@@ -117,7 +122,7 @@ class StepCostModel:
         num_rows = min(self._num_observed, len(self._times))
         # While the window is short every new step teaches a lot: refit more often.
         every = self.refit_every if num_rows >= 4 * self.refit_every else self.min_steps // 2
-        if num_rows >= self.min_steps and self._since_fit >= max(1, every):
+        if num_rows >= self.min_steps and (self._since_fit >= max(1, every) or missed_far):
             self._fit()
         return predicted
 

@@ -935,6 +935,9 @@ class EngineCore:
             num_draft_tokens=scheduled.num_draft_tokens,
             num_accepted_tokens=num_accepted_tokens,
             propose_time=propose_time,
+            num_attended=sums.num_attended,
+            num_context=sums.num_context,
+            num_sampled=sums.num_sampled,
         )
         self.step_stats.append(stats)
         if self.step_log is not None:

@@ -37,6 +37,12 @@ class StepStats:
     # Seconds of step_time spent proposing drafts for the next step (the step-cost model
     # forecasts the rest).
     propose_time: float = 0.0
+    # The rest of the step's composition as the step-cost model sees it (core/roofline.py's
+    # BatchSums; its new tokens are the prefill and decode tokens above), so that a step log
+    # can be replayed through a cost model offline (benchmarks/step_forecast.py).
+    num_attended: int = 0
+    num_context: int = 0
+    num_sampled: int = 0
 
     @property
     def phase(self) -> str:

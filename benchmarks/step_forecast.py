@@ -1,0 +1,153 @@
+"""How well the step-cost model forecasts each step's time (issue 9, item 2; target on this CPU:
+median absolute error <= 10%, p90 <= 20% over the stutter and random workloads), from step logs.
+
+1. Unless --logs are given, servers started one at a time (`tandem serve --step-log`, the
+   default engine: dtype auto), each alone on the machine, run the stutter workload (8 streams
+   decoding, 1,536-token prompts arriving), the same with `--target-itl-ms` (where the
+   scheduler sizes prompt chunks by the forecast), and the random workload; the step logs go
+   to benchmarks/results/step_forecast/.
+2. Every log is scored twice over its steps after the first SKIP_STEPS (the model's unfitted
+   start): the forecasts the engine logged (`predicted_step_time`, each made before the step
+   it forecasts ran), and those of this tree's StepCostModel replaying the log from its first
+   step (the same compositions and times, in order). For logs written by the same model the
+   two agree, which checks the replay; a change to the model is then judged on the very steps
+   the old one forecast, free of this machine's run-to-run noise.
+
+    .venv/bin/python benchmarks/step_forecast.py [--logs A.jsonl ...] [--packed-max-tokens N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from serve_workloads import KV_CACHE, SIZES, bench, serve
+from tandem.bench import workloads as w
+from tandem.bench.launch import tandem_serve_command
+from tandem.bench.runner import machine
+from tandem.core.roofline import BatchSums, MachinePeaks, ModelShape
+from tandem.core.step_cost import StepCostModel
+from tandem.engine.cpu_formats import cpu_formats
+from tandem.models.loader import load_model_config, resolve_model_path
+
+ROOT = Path(__file__).resolve().parents[1]
+SKIP_STEPS = 32
+TARGET_ITL_MS = 150.0
+
+
+def stutter() -> w.Workload:
+    return w.stutter_workload(
+        3, 1, streams=8, output_len=(160, 160), long_len=1536, long_start=2.0, long_every=3.0
+    )
+
+
+def write_logs(out: Path) -> list[Path]:
+    runs = [
+        ("stutter", [], stutter()),
+        ("stutter-target", ["--target-itl-ms", str(TARGET_ITL_MS)], stutter()),
+        ("random", [], SIZES["random"][0]()),
+    ]
+    logs = []
+    for label, flags, workload in runs:
+        log = out / f"{label}.jsonl"
+        log.unlink(missing_ok=True)
+        command = tandem_serve_command(["--kv-cache-memory", KV_CACHE, "--step-log", str(log),
+                                        *flags])  # fmt: skip
+        server = serve(command, out / f"{label}.log")
+        try:
+            bench(server, workload, SIZES["random"][1] if label == "random" else None, label, out)
+        finally:
+            server.stop()
+        logs.append(log)
+    return logs
+
+
+def load_steps(path: Path) -> list[dict]:
+    steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    missing = [s["step"] for s in steps if "num_context" not in s]
+    if missing:
+        raise SystemExit(f"{path}: steps without their composition (num_context): written "
+                         "before the step log carried it; write a new log")  # fmt: skip
+    return steps
+
+
+def replayed(steps: list[dict], packed_max_tokens: int) -> list[float]:
+    """The forecast of each step by a StepCostModel that saw the steps before it."""
+    shape = ModelShape.of(load_model_config(resolve_model_path("default")), 4, 4, 4,
+                          (1, 1, packed_max_tokens))  # fmt: skip
+    # The peaks shape only the forecasts before the first fit, which are not scored.
+    model = StepCostModel(shape, MachinePeaks("replay", 1e11, 1e10))
+    forecasts = []
+    for step in steps:
+        num_new = step["num_prefill_tokens"] + step["num_decode_tokens"]
+        sums = BatchSums(num_new, step["num_attended"], step["num_context"], step["num_sampled"])
+        forecasts.append(model.observe(sums, step["step_time"] - step["propose_time"]))
+    return forecasts
+
+
+def errors(steps: list[dict], forecasts: list[float]) -> dict[str, list[float]]:
+    """Absolute relative errors after SKIP_STEPS, by phase and for all steps."""
+    by_phase: dict[str, list[float]] = {"all": []}
+    for step, forecast in list(zip(steps, forecasts, strict=True))[SKIP_STEPS:]:
+        measured = step["step_time"] - step["propose_time"]
+        if measured <= 0:
+            continue
+        error = abs(forecast - measured) / measured
+        by_phase["all"].append(error)
+        by_phase.setdefault(step["phase"], []).append(error)
+    return by_phase
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summary(by_phase: dict[str, list[float]]) -> str:
+    return "; ".join(
+        f"{phase} ({len(values)}): {100 * statistics.median(values):.1f}% / "
+        f"{100 * quantile(values, 0.9):.1f}%"
+        for phase, values in by_phase.items()
+        if values
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--logs", type=Path, nargs="*", help="score these step logs instead")
+    parser.add_argument("--packed-max-tokens", type=int, default=None,
+                        help="the engine's (default: this machine's probe for the default "
+                             "model, as the servers this script starts use)")  # fmt: skip
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks/results/step_forecast")
+    args = parser.parse_args()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    logs = args.logs or write_logs(args.out_dir)
+    packed_max_tokens = args.packed_max_tokens
+    if packed_max_tokens is None:
+        config = load_model_config(resolve_model_path("default"))
+        packed_max_tokens = cpu_formats(config, packable=True).packed_max_tokens
+    info = machine()
+    print(f"\n{datetime.date.today()}, {info.get('cpu')}, {info['cores']} cores; "
+          f"`{' '.join([Path(sys.executable).name, *sys.argv])}`; median / p90 absolute error "
+          f"after the first {SKIP_STEPS} steps, by phase (steps)\n")  # fmt: skip
+    pooled: dict[str, dict[str, list[float]]] = {"logged": {}, "replayed": {}}
+    for log in logs:
+        steps = load_steps(log)
+        scored = {
+            "logged": errors(steps, [s["predicted_step_time"] for s in steps]),
+            "replayed": errors(steps, replayed(steps, packed_max_tokens)),
+        }
+        for kind, by_phase in scored.items():
+            print(f"{log.name}, {kind}: {summary(by_phase)}")
+            for phase, values in by_phase.items():
+                pooled[kind].setdefault(phase, []).extend(values)
+    for kind, by_phase in pooled.items():
+        print(f"all logs, {kind}: {summary(by_phase)}")
+
+
+if __name__ == "__main__":
+    main()
