@@ -13,7 +13,7 @@ from test_scheduler import add, make_scheduler, run_to_completion, step
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.roofline import BatchSums, MachinePeaks, ModelShape, batch_sums, request_sums
 from tandem.core.scheduler import MIN_PREFILL_TOKENS, Scheduler, SchedulerConfig
-from tandem.core.step_cost import StepCostModel
+from tandem.core.step_cost import HEADROOM_MAX, StepCostModel
 
 SHAPE = ModelShape(30, 576, 1536, 9, 3, 64, 49152, 4, 4, 4)
 PEAKS = MachinePeaks("test", 200e9, 20e9)
@@ -180,6 +180,10 @@ class FakeCost:
 
     packed_max_tokens = 0
 
+    def __init__(self, headroom: float = 0.0, max_observed_tokens: int = 10**6) -> None:
+        self.headroom = headroom
+        self.max_observed_tokens = max_observed_tokens
+
     def predict(self, sums: BatchSums) -> float:
         return 0.010 + 0.001 * sums.num_new_tokens + 0.00001 * sums.num_context
 
@@ -219,6 +223,47 @@ def test_steps_stay_within_the_target_when_decodes_fit():
             assert predicted <= 0.050 + 1e-12, (predicted, output.num_prefill_tokens)
     prefill_steps = [o for o in outputs if o.num_prefill_tokens]
     assert max(o.num_prefill_tokens for o in prefill_steps) > 16  # the room is used
+
+
+def test_headroom_is_the_recent_overrun_of_larger_steps_capped():
+    """Larger steps that run 25% over their forecast give a headroom of about 0.25; steps far
+    over it do not shrink every later chunk to nothing (at most HEADROOM_MAX)."""
+    model = StepCostModel(SHAPE, PEAKS, min_steps=8, refit_every=8)
+    rng = random.Random(4)
+    for _ in range(64):
+        sums = random_step(rng)
+        model.observe(sums, true_seconds(sums))
+    assert model.headroom < 0.05
+    for _ in range(16):
+        sums = request_sums(rng.randint(0, 500), 256, True)
+        model.observe(sums, 1.25 * model.predict(sums))
+    assert model.headroom == pytest.approx(0.25, abs=0.02)
+    for _ in range(16):
+        sums = request_sums(rng.randint(0, 500), 256, True)
+        model.observe(sums, 3 * model.predict(sums))
+    assert model.headroom == HEADROOM_MAX
+
+
+def test_target_plans_within_the_headroom_and_grows_chunks_gradually():
+    """With a headroom of 0.25 every planned step's forecast stays within target / 1.25; with a
+    model that has seen steps of at most 20 tokens, no step takes more than 40."""
+    for cost, bound, most_tokens in ((FakeCost(headroom=0.25), 0.050 / 1.25, None),
+                                     (FakeCost(max_observed_tokens=20), 0.050, 40)):  # fmt: skip
+        scheduler = Scheduler(
+            SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=16, max_model_len=512,
+                            target_step_time=0.050),
+            KVCacheManager(512, 4, False), cost_model=cost,
+        )  # fmt: skip
+        for index in range(4):
+            add(scheduler, f"stream{index}", 8, max_tokens=40, ignore_eos=True)
+        step(scheduler)
+        add(scheduler, "long", 300, max_tokens=2, ignore_eos=True)
+        outputs = run_to_completion(scheduler)
+        for output in outputs:
+            if output.num_prefill_tokens > MIN_PREFILL_TOKENS:
+                assert cost.predict(batch_sums(output.scheduled)) <= bound + 1e-12
+            if most_tokens is not None:
+                assert output.total_num_scheduled_tokens <= most_tokens
 
 
 def test_prompts_progress_when_decodes_alone_exceed_the_target():

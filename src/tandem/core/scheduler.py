@@ -84,6 +84,14 @@ class StepCostPredictor(Protocol):
     """Seconds a step of these sums will take (core/step_cost.py fits one online)."""
 
     packed_max_tokens: int  # the largest step that multiplies packed weights (0: none do)
+    # How far recent prompt-chunk steps ran over their forecasts (a fraction): an ITL target
+    # plans within target / (1 + headroom), so that a step the forecast misses still keeps
+    # near the target.
+    headroom: float
+    # The most new tokens of any step it has seen: a target's chunk grows at most to twice
+    # that, since a line fitted on small chunks may promise a far larger one in a fraction of
+    # its time.
+    max_observed_tokens: int
 
     def predict(self, sums: BatchSums) -> float: ...
 
@@ -623,11 +631,16 @@ class Scheduler:
         """The most of `num_tokens` prompt tokens (of `num_remaining` left, `num_computed`
         before them) the step can take with its predicted time within the ITL target; all
         of them without a target. The prediction grows with the chunk, so a bisection finds
-        it. The step's first chunk gets at least MIN_PREFILL_TOKENS, target or not."""
+        it; it is held within the target less the cost model's headroom (its recent over-runs
+        on such steps), and the step within twice the largest the model has seen. The step's
+        first chunk gets at least MIN_PREFILL_TOKENS, target or not."""
         target = self.config.target_step_time
         if target is None or num_tokens == 0:
             return num_tokens
         assert self.cost_model is not None
+        target /= 1 + self.cost_model.headroom
+        trusted = 2 * max(self.cost_model.max_observed_tokens, MIN_PREFILL_TOKENS)
+        num_tokens = min(num_tokens, max(trusted - plan.num_new_tokens, MIN_PREFILL_TOKENS))
 
         def fits(num_new: int) -> bool:
             sums = request_sums(num_computed, num_new, num_new == num_remaining)

@@ -14,7 +14,10 @@ context it still scales the line at another, and never drives a forecast to noth
 follows this machine's drift from minute to minute, which a window of 512 steps refitted every
 16 does not). A larger step whose forecast missed by more than REFIT_ERROR refits the line at
 once: such steps come in runs (a long prompt's chunks, each attending to more of its own
-prefix), and the scheduler sizes the next chunk of the run by the forecast. Until enough
+prefix), and the scheduler sizes the next chunk of the run by the forecast. What is left of
+those steps' error is noise and what no line captures: their recent over-runs (how much later
+than forecast they ran) give the scheduler `headroom`, the margin an ITL target plans with.
+Until enough
 steps are seen, the roofline (the slower of compute and bandwidth at the machine's peaks)
 predicts, plus the least per-step overhead seen so far (time the roofline does not explain:
 launches, Python, sampling), so that from the first step on it is not wildly optimistic for
@@ -23,6 +26,8 @@ a small model. No torch: the scheduler asks it how big a prefill chunk fits a ti
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 
 from tandem.core.roofline import BatchSums, MachinePeaks, ModelShape, StepWork, sums_work
@@ -30,6 +35,12 @@ from tandem.core.roofline import BatchSums, MachinePeaks, ModelShape, StepWork, 
 RESIDUAL_MAX_TOKENS = 64
 RESIDUAL_WEIGHT = 0.5  # of the newest step in a token count's moving average
 REFIT_ERROR = 0.1  # relative forecast error of a larger step that refits the line at once
+# headroom: this quantile of the over-runs of the last HEADROOM_STEPS larger steps (none until
+# HEADROOM_MIN_STEPS of them)
+HEADROOM_QUANTILE = 0.9
+HEADROOM_STEPS = 32
+HEADROOM_MIN_STEPS = 4
+HEADROOM_MAX = 0.5  # one wild step must not shrink every chunk to nothing
 FEATURE_NAMES = (
     "constant", "new tokens", "attended positions", "KV positions", "sampled rows",
     "dense step", "packed tokens",
@@ -73,6 +84,10 @@ class StepCostModel:
         self.overhead: float | None = None  # least (measured - roofline) seen, >= 0
         # Small steps by token count: measured time / the fitted line's (moving average).
         self.residuals: dict[int, float] = {}
+        # Larger steps' measured / forecast time - 1 (negative: early), newest last.
+        self._overruns: deque[float] = deque(maxlen=HEADROOM_STEPS)
+        self.headroom = 0.0
+        self.max_observed_tokens = 0  # the most new tokens of any step seen
 
     def predict(self, sums: BatchSums) -> float:
         if self.coefficients is None:
@@ -96,6 +111,7 @@ class StepCostModel:
         the caller has it. Returns what `predict` said of it before (the step loop's one call
         for both)."""
         num_new = sums.num_new_tokens
+        self.max_observed_tokens = max(self.max_observed_tokens, num_new)
         row = features(sums, self.packed_max_tokens)
         roofline = self._roofline_seconds(sums_work(self.shape, sums) if work is None else work)
         missed_far = False
@@ -106,6 +122,8 @@ class StepCostModel:
             predicted = line * self.residuals.get(num_new, 1.0)
             if num_new > RESIDUAL_MAX_TOKENS:
                 missed_far = abs(predicted - seconds) > REFIT_ERROR * seconds
+                if predicted > 0:
+                    self._note_overrun(seconds / predicted - 1)
             elif line > 0:
                 ratio = seconds / line
                 previous = self.residuals.get(num_new)
@@ -125,6 +143,13 @@ class StepCostModel:
         if num_rows >= self.min_steps and (self._since_fit >= max(1, every) or missed_far):
             self._fit()
         return predicted
+
+    def _note_overrun(self, overrun: float) -> None:
+        self._overruns.append(overrun)
+        if len(self._overruns) >= HEADROOM_MIN_STEPS:
+            ordered = sorted(self._overruns)
+            upper = ordered[min(len(ordered) - 1, int(HEADROOM_QUANTILE * len(ordered)))]
+            self.headroom = min(max(0.0, upper), HEADROOM_MAX)
 
     def _fit(self) -> None:
         """Least squares; a feature whose coefficient comes out negative (collinear, or not
