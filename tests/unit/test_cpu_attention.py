@@ -6,6 +6,7 @@ and built."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,23 +70,34 @@ def test_random_decode_layouts(seed):
     torch.testing.assert_close(got, expected, **tolerance(dtype))
 
 
+def _has_avx512() -> bool:
+    """The kernel's vector path, the one that splits contexts, is built for AVX-512 CPUs."""
+    try:
+        return " avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_avx512(), reason="contexts are split on the AVX-512 path only")
 @pytest.mark.parametrize("num_threads", [2, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_few_long_decodes_split_their_contexts(num_threads, dtype):
     """Fewer work items than twice the threads (a batch-1 decode: one per kv head) cut each
     context into parts, attended to apart and merged: equal to the oracle, with parts of
-    uneven length, and at 8 threads a short decode beside a long one, whose context has fewer
-    chunks than there are parts (empty parts)."""
+    uneven length, parts that begin inside a block (blocks of 7 and 32), and at 8 threads a
+    short decode beside a long one, whose context has fewer chunks than there are parts
+    (empty parts)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
-        for shapes, num_heads, num_kv_heads, head_dim in [
-            ([(1000, 1)], 9, 3, 64),
-            ([(3000, 1), (20, 1)], 8, 1, 128),
-            ([(700, 1)], 4, 2, 64),
+        for shapes, num_heads, num_kv_heads, head_dim, block_size in [
+            ([(1000, 1)], 9, 3, 64, 16),
+            ([(3000, 1), (20, 1)], 8, 1, 128, 16),
+            ([(700, 1)], 4, 2, 64, 7),
+            ([(1500, 1)], 9, 3, 64, 32),
         ]:
             expected, _, got, _, _ = run_both(
-                shapes, num_heads, num_kv_heads, head_dim, 16, dtype, seed=len(shapes)
+                shapes, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=len(shapes)
             )
             torch.testing.assert_close(got, expected, **tolerance(dtype))
     finally:

@@ -14,6 +14,9 @@ class LinearCost:
     """A step costs `constant` plus `per_token` for each new token; steps of at most
     `packed_max_tokens` use packed weights (0: none do)."""
 
+    headroom = 0.0
+    max_observed_tokens = 10**9
+
     def __init__(self, constant: float, per_token: float, packed_max_tokens: int = 0) -> None:
         self.constant, self.per_token = constant, per_token
         self.packed_max_tokens = packed_max_tokens
@@ -291,6 +294,8 @@ class TableCost:
     """Step time by new tokens, from a table (a staircase no line follows)."""
 
     packed_max_tokens = 0
+    headroom = 0.0
+    max_observed_tokens = 10**9
 
     def __init__(self, seconds_by_tokens: dict[int, float]) -> None:
         self.table = seconds_by_tokens

@@ -84,13 +84,13 @@ class StepCostPredictor(Protocol):
     """Seconds a step of these sums will take (core/step_cost.py fits one online)."""
 
     packed_max_tokens: int  # the largest step that multiplies packed weights (0: none do)
-    # How far recent prompt-chunk steps ran over their forecasts (a fraction): an ITL target
-    # plans within target / (1 + headroom), so that a step the forecast misses still keeps
-    # near the target.
+    # How far recent steps with prompt chunks ran over their forecasts (a fraction): an ITL
+    # target plans within target / (1 + headroom), so that a step the forecast misses still
+    # keeps near the target.
     headroom: float
-    # The most new tokens of any step it has seen: a target's chunk grows at most to twice
-    # that, since a line fitted on small chunks may promise a far larger one in a fraction of
-    # its time.
+    # The most new tokens of any step it has seen: under a target, prompt chunks fill a step
+    # to at most twice that (a line fitted on small chunks may promise a far larger one in a
+    # fraction of its time), so a first long prompt's chunks grow 32, 64, 128, ... tokens.
     max_observed_tokens: int
 
     def predict(self, sums: BatchSums) -> float: ...
@@ -625,6 +625,14 @@ class Scheduler:
         plan.add_decodes(decodes, num_context)
         return num_other_phase
 
+    def _planning_target(self) -> float | None:
+        """The ITL target less the cost model's headroom: what a step is planned within."""
+        target = self.config.target_step_time
+        if target is None:
+            return None
+        assert self.cost_model is not None
+        return target / (1 + self.cost_model.headroom)
+
     def _within_target(
         self, plan: _StepPlan, num_computed: int, num_remaining: int, num_tokens: int
     ) -> int:
@@ -632,13 +640,13 @@ class Scheduler:
         before them) the step can take with its predicted time within the ITL target; all
         of them without a target. The prediction grows with the chunk, so a bisection finds
         it; it is held within the target less the cost model's headroom (its recent over-runs
-        on such steps), and the step within twice the largest the model has seen. The step's
-        first chunk gets at least MIN_PREFILL_TOKENS, target or not."""
-        target = self.config.target_step_time
+        on such steps), and the chunk to what fills the step to twice the most tokens the
+        model has seen (but at least MIN_PREFILL_TOKENS). The step's first chunk gets at least
+        MIN_PREFILL_TOKENS, target or not."""
+        target = self._planning_target()
         if target is None or num_tokens == 0:
             return num_tokens
         assert self.cost_model is not None
-        target /= 1 + self.cost_model.headroom
         trusted = 2 * max(self.cost_model.max_observed_tokens, MIN_PREFILL_TOKENS)
         num_tokens = min(num_tokens, max(trusted - plan.num_new_tokens, MIN_PREFILL_TOKENS))
 
@@ -746,7 +754,7 @@ class Scheduler:
         )
         spent = self.proposal_seconds
         base_rate = expected / max(self.cost_model.predict(sums) + spent, 1e-9)
-        target = self.config.target_step_time
+        target = self._planning_target()
         best_rate = base_rate * (1 + MIN_SPECULATION_GAIN)
         best_length = 0
         counts = [0] * len(candidates)

@@ -12,7 +12,8 @@ RESIDUAL_MAX_TOKENS tokens, the ratio of the measured time to the line's is lear
 count, as a moving average, and scales the line (a ratio, not a difference: learned at one
 context it still scales the line at another, and never drives a forecast to nothing; and it
 follows this machine's drift from minute to minute, which a window of 512 steps refitted every
-16 does not). A larger step whose forecast missed by more than REFIT_ERROR refits the line at
+16 does not). A larger step with prompt tokens (not a large decode batch, whose jitter on a GPU
+would refit every step) whose forecast missed by more than REFIT_ERROR refits the line at
 once: such steps come in runs (a long prompt's chunks, each attending to more of its own
 prefix), and the scheduler sizes the next chunk of the run by the forecast. What is left of
 those steps' error is noise and what no line captures: their recent over-runs (how much later
@@ -34,9 +35,10 @@ from tandem.core.roofline import BatchSums, MachinePeaks, ModelShape, StepWork, 
 
 RESIDUAL_MAX_TOKENS = 64
 RESIDUAL_WEIGHT = 0.5  # of the newest step in a token count's moving average
+RATIO_MIN, RATIO_MAX = 0.25, 4.0  # a small step's ratio to the line (a tiny line's is wild)
 REFIT_ERROR = 0.1  # relative forecast error of a larger step that refits the line at once
-# headroom: this quantile of the over-runs of the last HEADROOM_STEPS larger steps (none until
-# HEADROOM_MIN_STEPS of them)
+# headroom: this quantile of the over-runs of the last HEADROOM_STEPS larger steps with prompt
+# tokens (none until HEADROOM_MIN_STEPS of them; kept until newer such steps replace them)
 HEADROOM_QUANTILE = 0.9
 HEADROOM_STEPS = 32
 HEADROOM_MIN_STEPS = 4
@@ -84,7 +86,7 @@ class StepCostModel:
         self.overhead: float | None = None  # least (measured - roofline) seen, >= 0
         # Small steps by token count: measured time / the fitted line's (moving average).
         self.residuals: dict[int, float] = {}
-        # Larger steps' measured / forecast time - 1 (negative: early), newest last.
+        # Larger steps with prompt tokens: measured / forecast time - 1 (negative: early).
         self._overruns: deque[float] = deque(maxlen=HEADROOM_STEPS)
         self.headroom = 0.0
         self.max_observed_tokens = 0  # the most new tokens of any step seen
@@ -120,16 +122,18 @@ class StepCostModel:
         else:
             line = self._line(row)
             predicted = line * self.residuals.get(num_new, 1.0)
-            if num_new > RESIDUAL_MAX_TOKENS:
+            if num_new <= RESIDUAL_MAX_TOKENS:
+                if line > 0:
+                    ratio = min(max(seconds / line, RATIO_MIN), RATIO_MAX)
+                    previous = self.residuals.get(num_new)
+                    self.residuals[num_new] = (
+                        ratio
+                        if previous is None
+                        else previous + RESIDUAL_WEIGHT * (ratio - previous)
+                    )
+            elif num_new > sums.num_sampled and predicted > 0:  # it computed prompt tokens
                 missed_far = abs(predicted - seconds) > REFIT_ERROR * seconds
-                if predicted > 0:
-                    self._note_overrun(seconds / predicted - 1)
-            elif line > 0:
-                ratio = seconds / line
-                previous = self.residuals.get(num_new)
-                self.residuals[num_new] = (
-                    ratio if previous is None else previous + RESIDUAL_WEIGHT * (ratio - previous)
-                )
+                self._note_overrun(seconds / predicted - 1)
         unexplained = max(0.0, seconds - roofline)
         self.overhead = unexplained if self.overhead is None else min(self.overhead, unexplained)
         slot = self._num_observed % len(self._times)

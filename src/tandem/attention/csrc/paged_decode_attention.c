@@ -68,12 +68,15 @@ static inline __m512 load16_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-/* One work item (a token's `group` query heads of one kv head) on the vector path. */
+/* One work item (a token's `group` query heads of one kv head) on the vector path, over the
+   positions [begin, context) of its context; `state` NULL: the normalized output to `out`,
+   else each head's unnormalized sums, running max and sum (head_dim + 2 floats) to `state`,
+   for split_items to merge. */
 #define DEFINE_ITEM(NAME, T, LOAD16, STORE, D)                                                  \
 static void NAME(const T *query, int64_t q_head_stride, const T *kv_cache,                      \
                  const T *value_cache, int64_t row, const int64_t *blocks, int64_t begin,       \
                  int64_t context, int64_t block_size, int64_t group, float scale, T *out,       \
-                 float *partial) {                                                              \
+                 float *state) {                                                                \
     enum { V = D / 16 };                                                                        \
     float keys[CHUNK][D] __attribute__((aligned(64)));                                          \
     float values[CHUNK][D] __attribute__((aligned(64)));                                        \
@@ -86,7 +89,7 @@ static void NAME(const T *query, int64_t q_head_stride, const T *kv_cache,      
         running_sum[g] = 0.0f;                                                                  \
     }                                                                                           \
     int64_t count; /* keys in this chunk: up to 16, within one block */                        \
-    for (int64_t start = begin; start < context; start += count) {                                  \
+    for (int64_t start = begin; start < context; start += count) {                              \
         const int64_t in_block = start % block_size;                                            \
         const int64_t block = blocks[start / block_size];                                       \
         count = context - start < CHUNK ? context - start : CHUNK;                              \
@@ -147,10 +150,10 @@ static void NAME(const T *query, int64_t q_head_stride, const T *kv_cache,      
         }                                                                                       \
     }                                                                                           \
     for (int64_t g = 0; g < group; g++) {                                                       \
-        if (partial) { /* a part of the context: its softmax state, merged by the caller */     \
-            memcpy(partial + g * (D + 2), acc[g], sizeof acc[g]);                               \
-            partial[g * (D + 2) + D] = running_max[g];                                          \
-            partial[g * (D + 2) + D + 1] = running_sum[g];                                      \
+        if (state) { /* a part of the context: its softmax state, merged by the caller */       \
+            memcpy(state + g * (D + 2), acc[g], sizeof acc[g]);                                 \
+            state[g * (D + 2) + D] = running_max[g];                                            \
+            state[g * (D + 2) + D + 1] = running_sum[g];                                        \
             continue;                                                                           \
         }                                                                                       \
         const float inverse = 1.0f / running_sum[g];                                            \
@@ -170,10 +173,12 @@ DEFINE_ITEM(item_bf16_128, uint16_t, load16_bf16, bf16_store, 128)
 /* Fewer (token, kv head) work items than twice the threads (batch 1: three items of the
    embedded model on two threads, one thread idle a third of the time): each item's context is
    cut into parts of whole chunks, every part attended to on its own (its softmax state in
-   fp32), and the parts of an item merged: out = Σ_p e^(max_p − M)·acc_p / Σ_p e^(max_p − M)·sum_p,
-   M the largest max_p. Returns 0 where the items are enough (or the scratch cannot be had):
-   the caller runs them whole. */
-#define SPLIT_MIN_POSITIONS 256 /* a part attends to at least this many positions */
+   fp32), and the parts of an item merged:
+     out = Σ_p e^(max_p − M)·acc_p / Σ_p e^(max_p − M)·sum_p, M the largest max_p.
+   Evaluates to 0 where the items are enough (or the scratch cannot be had): the caller runs
+   them whole. A statement-expression macro, as DEFINE_DECODE's element type varies: its
+   OpenMP pragma reads the caller's `num_threads`. */
+#define SPLIT_MIN_POSITIONS 256 /* a part of the longest context spans at least this many */
 #define MAX_SPLITS 8
 #define SPLIT_ALIGN 16 /* parts begin at multiples of this (the vector item's chunk) */
 #define split_items(ITEM_FN, query, q_token_stride, q_head_stride, kv_cache, value_cache, row,  \
@@ -183,10 +188,10 @@ DEFINE_ITEM(item_bf16_128, uint16_t, load16_bf16, bf16_store, 128)
     ({                                                                                          \
         const int64_t items_ = (num_tokens) * (num_kv_heads);                                   \
         const int64_t group_ = (num_heads) / (num_kv_heads);                                    \
-        int64_t longest_ = 0;                                                                   \
-        for (int64_t t_ = 0; t_ < (num_tokens); t_++)                                           \
-            if ((token_seq_lens)[t_] > longest_) longest_ = (token_seq_lens)[t_];               \
         int64_t splits_ = items_ > 0 ? (2 * (num_threads) + items_ - 1) / items_ : 1;           \
+        int64_t longest_ = 0;                                                                   \
+        for (int64_t t_ = 0; splits_ > 1 && t_ < (num_tokens); t_++)                            \
+            if ((token_seq_lens)[t_] > longest_) longest_ = (token_seq_lens)[t_];               \
         if (splits_ > MAX_SPLITS) splits_ = MAX_SPLITS;                                         \
         if (splits_ > longest_ / SPLIT_MIN_POSITIONS) splits_ = longest_ / SPLIT_MIN_POSITIONS; \
         const int64_t width_ = group_ * ((head_dim) + 2); /* one part's state */                \
@@ -198,16 +203,16 @@ DEFINE_ITEM(item_bf16_128, uint16_t, load16_bf16, bf16_store, 128)
                 const int64_t h_ = i_ / splits_ % (num_kv_heads), p_ = i_ % splits_;            \
                 const int64_t context_ = (token_seq_lens)[t_];                                  \
                 /* part p_: chunks [p_·n / splits, (p_ + 1)·n / splits) of the context's n */   \
-                const int64_t chunks_ = (context_ + SPLIT_ALIGN - 1) / SPLIT_ALIGN;                         \
-                int64_t begin_ = p_ * chunks_ / splits_ * SPLIT_ALIGN;                                \
-                int64_t end_ = (p_ + 1) * chunks_ / splits_ * SPLIT_ALIGN;                            \
+                const int64_t chunks_ = (context_ + SPLIT_ALIGN - 1) / SPLIT_ALIGN;             \
+                int64_t begin_ = p_ * chunks_ / splits_ * SPLIT_ALIGN;                          \
+                int64_t end_ = (p_ + 1) * chunks_ / splits_ * SPLIT_ALIGN;                      \
                 if (end_ > context_) end_ = context_;                                           \
                 float *state_ = parts_ + i_ * width_;                                           \
-                if (begin_ >= end_) { /* an empty part: weight 0 in the merge */                \
-                    for (int64_t g_ = 0; g_ < group_; g_++) {                                   \
+                if (begin_ >= end_) { /* an empty part: zeros (weight 0 times heap garbage      \
+                                         could be NaN), a max of -inf, a sum of 0 */            \
+                    memset(state_, 0, sizeof(float) * width_);                                  \
+                    for (int64_t g_ = 0; g_ < group_; g_++)                                     \
                         state_[g_ * ((head_dim) + 2) + (head_dim)] = -INFINITY;                 \
-                        state_[g_ * ((head_dim) + 2) + (head_dim) + 1] = 0.0f;                  \
-                    }                                                                           \
                     continue;                                                                   \
                 }                                                                               \
                 ITEM_FN((query) + (token_rows)[t_] * (q_token_stride) +                         \
@@ -220,7 +225,7 @@ DEFINE_ITEM(item_bf16_128, uint16_t, load16_bf16, bf16_store, 128)
             for (int64_t i_ = 0; i_ < items_; i_++) {                                           \
                 const int64_t t_ = i_ / (num_kv_heads), h_ = i_ % (num_kv_heads);               \
                 for (int64_t g_ = 0; g_ < group_; g_++) {                                       \
-                    const float *first_ = parts_ + i_ * splits_ * width_ + g_ * ((head_dim) + 2);\
+                    const float *first_ = parts_ + i_ * splits_ * width_ + g_ * ((head_dim) + 2); \
                     float largest_ = -INFINITY, total_ = 0.0f, weights_[MAX_SPLITS];            \
                     for (int64_t p_ = 0; p_ < splits_; p_++)                                    \
                         largest_ = fmaxf(largest_, first_[p_ * width_ + (head_dim)]);           \
@@ -232,7 +237,7 @@ DEFINE_ITEM(item_bf16_128, uint16_t, load16_bf16, bf16_store, 128)
                         total_ += weights_[p_] * part_[(head_dim) + 1];                         \
                     }                                                                           \
                     __typeof__(out) dst_ =                                                      \
-                        (out) + ((token_rows)[t_] * (num_heads) + h_ * group_ + g_) * (head_dim);\
+                        (out) + ((token_rows)[t_] * (num_heads) + h_ * group_ + g_) * (head_dim); \
                     for (int64_t d_ = 0; d_ < (head_dim); d_++) {                               \
                         float sum_ = 0.0f;                                                      \
                         for (int64_t p_ = 0; p_ < splits_; p_++)                                \
