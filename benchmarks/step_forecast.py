@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -31,7 +30,9 @@ from pathlib import Path
 from serve_workloads import KV_CACHE, SIZES, bench, serve
 from tandem.bench import workloads as w
 from tandem.bench.launch import tandem_serve_command
+from tandem.bench.report import percentile
 from tandem.bench.runner import machine
+from tandem.bench.step_plots import load_steps as read_step_log
 from tandem.core.roofline import BatchSums, MachinePeaks, ModelShape
 from tandem.core.step_cost import StepCostModel
 from tandem.engine.cpu_formats import cpu_formats
@@ -70,7 +71,7 @@ def write_logs(out: Path) -> list[Path]:
 
 
 def load_steps(path: Path) -> list[dict]:
-    steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    steps = read_step_log(path)
     missing = [s["step"] for s in steps if "num_context" not in s]
     if missing:
         raise SystemExit(f"{path}: steps without their composition (num_context): written "
@@ -105,15 +106,10 @@ def errors(steps: list[dict], forecasts: list[float]) -> dict[str, list[float]]:
     return by_phase
 
 
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def summary(by_phase: dict[str, list[float]]) -> str:
     return "; ".join(
         f"{phase} ({len(values)}): {100 * statistics.median(values):.1f}% / "
-        f"{100 * quantile(values, 0.9):.1f}%"
+        f"{100 * percentile(values, 90):.1f}%"
         for phase, values in by_phase.items()
         if values
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +13,16 @@ from tandem.attention import cpu_kernel
 from tandem.attention.metadata import build_batch, forward_context
 from tandem.worker.model_runner import ModelRunner
 
+
 # Tests of the C kernels (attention/csrc/): skipped where no C compiler builds them.
+def cpu_has(flag: str) -> bool:
+    """Whether this CPU reports `flag` (/proc/cpuinfo: Linux only; elsewhere no)."""
+    try:
+        return f" {flag} " in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 needs_cpu_kernels = pytest.mark.skipif(
     cpu_kernel.load_library() is None, reason="no C compiler: the CPU kernels are not built"
 )

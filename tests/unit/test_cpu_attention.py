@@ -6,7 +6,6 @@ and built."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import torch
 from tandem.attention import backends, cpu_backend, cpu_kernel, torch_backend
 from tandem.attention.metadata import build_batch
 
-from helpers import Slice, compare_attention_backends, needs_cpu_kernels
+from helpers import Slice, compare_attention_backends, cpu_has, needs_cpu_kernels
 from helpers import attention_tolerance as tolerance
 
 pytestmark = needs_cpu_kernels
@@ -70,15 +69,7 @@ def test_random_decode_layouts(seed):
     torch.testing.assert_close(got, expected, **tolerance(dtype))
 
 
-def _has_avx512() -> bool:
-    """The kernel's vector path, the one that splits contexts, is built for AVX-512 CPUs."""
-    try:
-        return " avx512f" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _has_avx512(), reason="contexts are split on the AVX-512 path only")
+@pytest.mark.skipif(not cpu_has("avx512f"), reason="contexts are split on the AVX-512 path only")
 @pytest.mark.parametrize("num_threads", [2, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_few_long_decodes_split_their_contexts(num_threads, dtype):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import ctypes
 import platform
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +20,7 @@ from tandem.models.layers import Linear, MergedLinear
 from tandem.models.loader import attach_packed_weights
 from tandem.models.packed import PackedWeight, QuantBlocks
 
-from helpers import needs_cpu_kernels
+from helpers import cpu_has, needs_cpu_kernels
 
 QUANT_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
 KERNELS = [
@@ -159,20 +158,13 @@ def test_a_layer_with_a_shard_in_another_format_stays_dense():
     assert qkv.packed is None
 
 
-def _cpu_has(flag: str) -> bool:
-    try:
-        return f" {flag} " in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
 @needs_cpu_kernels
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 instruction-set levels")
 @pytest.mark.parametrize("march", ["haswell", "x86-64"])  # AVX2 + FMA + F16C; SSE2 only
 def test_the_c_kernel_built_for_older_x86_gives_the_same_results(tmp_path, march):
     """The machines tandem runs on differ (AVX2 only, AVX-512): the kernel's AVX2 and plain-C
     paths give the native build's results."""
-    if march == "haswell" and not _cpu_has("avx2"):
+    if march == "haswell" and not cpu_has("avx2"):
         pytest.skip("this CPU has no AVX2")
     flags = [f"-march={march}" if flag == "-march=native" else flag for flag in cpu_kernel.FLAGS]
     target = tmp_path / "kernels.so"

@@ -188,11 +188,11 @@ class FakeCost:
         return 0.010 + 0.001 * sums.num_new_tokens + 0.00001 * sums.num_context
 
 
-def targeted(target: float) -> Scheduler:
+def targeted(target: float, cost: FakeCost | None = None) -> Scheduler:
     config = SchedulerConfig(
         max_num_batched_tokens=256, max_num_seqs=16, max_model_len=512, target_step_time=target
     )
-    return Scheduler(config, KVCacheManager(512, 4, False), cost_model=FakeCost())
+    return Scheduler(config, KVCacheManager(512, 4, False), cost_model=cost or FakeCost())
 
 
 def test_config_needs_a_cost_model_and_decode_first():
@@ -249,11 +249,7 @@ def test_target_plans_within_the_headroom_and_grows_chunks_gradually():
     model that has seen steps of at most 20 tokens, no step takes more than 40."""
     for cost, bound, most_tokens in ((FakeCost(headroom=0.25), 0.050 / 1.25, None),
                                      (FakeCost(max_observed_tokens=20), 0.050, 40)):  # fmt: skip
-        scheduler = Scheduler(
-            SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=16, max_model_len=512,
-                            target_step_time=0.050),
-            KVCacheManager(512, 4, False), cost_model=cost,
-        )  # fmt: skip
+        scheduler = targeted(0.050, cost)
         for index in range(4):
             add(scheduler, f"stream{index}", 8, max_tokens=40, ignore_eos=True)
         step(scheduler)
