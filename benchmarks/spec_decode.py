@@ -14,11 +14,13 @@ Nothing else may compute meanwhile (two OpenMP processes on 2 cores slow each ot
 
     .venv/bin/python benchmarks/spec_decode.py [--rounds 2] [--batches 1 8 32 64]
         [--groups auto float32]
-    .venv/bin/python benchmarks/spec_decode.py --step-times   # what verifying k drafts costs
+    .venv/bin/python benchmarks/spec_decode.py --step-times [--contexts 300] [--groups auto]
+        # what verifying k drafts costs
 
-`--step-times`: one request's step (ModelRunner.run) over a 300-token context with 1 to 10 new
-tokens (the last known token and 0 to 9 drafts), per dtype, best of 3 x 10 steps: what a
-verification step costs against a plain decode step on this machine.
+`--step-times`: one request's step (ModelRunner.run) over a context of 300 tokens (or each of
+`--contexts`) with 1 to 10 new tokens (the last known token and 0 to 9 drafts), per dtype (the
+groups' names), best of 3 x 10 steps: what a verification step costs against a plain decode
+step on this machine.
 """
 
 from __future__ import annotations
@@ -147,9 +149,10 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
     parser.add_argument("--step-times", action="store_true")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[300])
     args = parser.parse_args()
     if args.step_times:
-        step_times()
+        step_times(args.groups, args.contexts)
         return
     rows = []
     for group in args.groups:
@@ -171,24 +174,27 @@ def main() -> None:
     print(json.dumps(header))
 
 
-def step_times(context: int = 300, max_tokens: int = 10) -> None:
-    for dtype in ("auto", "float32"):
+def step_times(dtypes: list[str], contexts: list[int], max_tokens: int = 10) -> None:
+    for dtype in dtypes:
         runner = LLM("default", dtype=dtype).llm_engine.core.runner
-        token_ids = list(range(100, 100 + context + max_tokens))
-        block_ids = list(range(-(-(context + max_tokens) // runner.block_size)))
-        best: dict[int, float] = {}
-        for _ in range(3):
-            for num_new in range(1, max_tokens + 1):
-                request = ScheduledRequest("r", token_ids, context, num_new, block_ids, True, [])
-                drafts = [token_ids[context + 1 : context + num_new]]
-                runner.run([request], [True], None, 0, drafts)
-                start = time.perf_counter()
-                for _ in range(10):
+        for context in contexts:
+            token_ids = list(range(100, 100 + context + max_tokens))
+            block_ids = list(range(-(-(context + max_tokens) // runner.block_size)))
+            best: dict[int, float] = {}
+            for _ in range(3):
+                for num_new in range(1, max_tokens + 1):
+                    request = ScheduledRequest(
+                        "r", token_ids, context, num_new, block_ids, True, []
+                    )
+                    drafts = [token_ids[context + 1 : context + num_new]]
                     runner.run([request], [True], None, 0, drafts)
-                seconds = (time.perf_counter() - start) / 10
-                best[num_new] = min(best.get(num_new, seconds), seconds)
-        print(f"{dtype:8s} step ms by new tokens: "
-              + "  ".join(f"{n}: {1000 * s:.1f}" for n, s in best.items()), flush=True)  # fmt: skip
+                    start = time.perf_counter()
+                    for _ in range(10):
+                        runner.run([request], [True], None, 0, drafts)
+                    seconds = (time.perf_counter() - start) / 10
+                    best[num_new] = min(best.get(num_new, seconds), seconds)
+            times = "  ".join(f"{n}: {1000 * s:.1f}" for n, s in best.items())
+            print(f"{dtype:8s} context {context:5d} step ms by new tokens: {times}", flush=True)
 
 
 def run_group(group: str, batches: list[int], rounds: int) -> list[dict]:

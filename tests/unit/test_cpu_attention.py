@@ -5,7 +5,11 @@ and built."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import platform
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -75,24 +79,68 @@ def test_random_decode_layouts(seed):
 def test_few_long_decodes_split_their_contexts(num_threads, dtype):
     """Fewer work items than twice the threads (a batch-1 decode: one per kv head) cut each
     context into parts, attended to apart and merged: equal to the oracle, with parts of
-    uneven length, parts that begin inside a block (blocks of 7 and 32), and at 8 threads a
-    short decode beside a long one, whose context has fewer chunks than there are parts
-    (empty parts)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
-    try:
-        for shapes, num_heads, num_kv_heads, head_dim, block_size in [
-            ([(1000, 1)], 9, 3, 64, 16),
-            ([(3000, 1), (20, 1)], 8, 1, 128, 16),
-            ([(700, 1)], 4, 2, 64, 7),
-            ([(1500, 1)], 9, 3, 64, 32),
-        ]:
+    uneven length, parts that begin inside a block (blocks of 7 and 32), at 8 threads a short
+    decode beside a long one, whose context has fewer chunks than there are parts (empty
+    parts), and runs of verification tokens (whose earlier tokens end before the last part)."""
+    with torch_threads(num_threads):
+        for shapes, num_heads, num_kv_heads, head_dim, block_size in SPLIT_LAYOUTS:
             expected, _, got, _, _ = run_both(
                 shapes, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=len(shapes)
             )
             torch.testing.assert_close(got, expected, **tolerance(dtype))
+
+
+# (shapes, heads, kv heads, head size, block size) whose contexts are split at 2 and 8 threads.
+SPLIT_LAYOUTS = [
+    ([(1000, 1)], 9, 3, 64, 16),
+    ([(3000, 1), (20, 1)], 8, 1, 128, 16),
+    ([(700, 1)], 4, 2, 64, 7),
+    ([(1500, 1)], 9, 3, 64, 32),
+    ([(1000, 5)], 9, 3, 64, 16),
+    ([(900, 16)], 9, 3, 64, 16),  # runs of 10 and 6 tokens (32 query heads a work item)
+    ([(600, 4), (2000, 1)], 8, 1, 128, 16),
+]
+
+
+@contextlib.contextmanager
+def torch_threads(num_threads: int) -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
     finally:
         torch.set_num_threads(previous)
+
+
+@needs_cpu_kernels
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 instruction-set levels")
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])  # AVX2 + FMA; SSE2 only
+def test_the_kernel_built_for_older_x86_matches_the_torch_backend(monkeypatch, tmp_path, march):
+    """Without AVX-512 every head size takes the scalar item (64 and 128 compiled as
+    constants): runs, split contexts and mixed batches still equal the oracle."""
+    if march == "haswell" and not cpu_has("avx2"):
+        pytest.skip("this CPU has no AVX2")
+    flags = [f"-march={march}" if flag == "-march=native" else flag for flag in cpu_kernel.FLAGS]
+    target = tmp_path / "kernels.so"
+    cpu_kernel._build(cpu_kernel._compiler(), target, flags)
+    library = ctypes.CDLL(str(target))
+
+    def older_kernel(dtype: torch.dtype, head_dim: int) -> ctypes._CFuncPtr:
+        specialized = f"_{head_dim}" if head_dim in cpu_kernel.SPECIALIZED_HEAD_DIMS else ""
+        function = getattr(library, f"paged_decode_attention_{cpu_kernel.DTYPE_SUFFIXES[dtype]}"
+                                    f"{specialized}")  # fmt: skip
+        function.argtypes = cpu_kernel._ARGTYPES
+        return function
+
+    monkeypatch.setattr(cpu_kernel, "kernel", older_kernel)
+    layouts = [*SPLIT_LAYOUTS, ([(0, 9), (50, 1), (33, 4), (70, 2), (31, 1)], 14, 2, 80, 16)]
+    with torch_threads(2):
+        for dtype in (torch.float32, torch.bfloat16):
+            for shapes, num_heads, num_kv_heads, head_dim, block_size in layouts:
+                expected, _, got, _, _ = run_both(
+                    shapes, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=1
+                )
+                torch.testing.assert_close(got, expected, **tolerance(dtype))
 
 
 def test_large_scores_do_not_overflow():
@@ -119,10 +167,10 @@ def test_auto_picks_the_cpu_backend_on_cpu_and_vllm_names_map():
 
 
 def test_unsupported_shapes_run_on_the_torch_backend(caplog):
-    function = backends.attention_function("cpu", torch.float16, 8, 2, 64, 16)
+    function = backends.attention_function("cpu", torch.float16, 8, 2, 64)
     assert function is torch_backend.paged_attention
     assert "run on the torch backend" in caplog.text
-    assert backends.attention_function("cpu", torch.bfloat16, 8, 2, 64, 16) is (
+    assert backends.attention_function("cpu", torch.bfloat16, 8, 2, 64) is (
         cpu_backend.paged_attention
     )
 

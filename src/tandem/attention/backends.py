@@ -71,9 +71,8 @@ def resolve_attention_backend(name: str | None, device: str) -> str:
 
 
 def attention_function(
-    backend: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-    block_size: int,
-) -> AttentionFn:  # fmt: skip
+    backend: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> AttentionFn:
     """The backend's paged_attention for a model of this shape; the cpu backend's kernel takes
     fp32 and bf16 caches of bounded shapes, the torch backend the rest (with a warning)."""
     if backend == "triton":
@@ -83,14 +82,14 @@ def attention_function(
     if backend == "cpu":
         from tandem.attention import cpu_backend, cpu_kernel
 
-        if cpu_kernel.supports(dtype, num_heads, num_kv_heads, head_dim, block_size):
+        if cpu_kernel.supports(dtype, num_heads, num_kv_heads, head_dim):
             return cpu_backend.paged_attention
         logger.warning(
             "the cpu attention kernel takes float32 and bfloat16 caches, query groups of at "
-            "most %d heads, heads of at most %d and blocks of at most %d: %s, %d/%d heads of "
-            "%d, blocks of %d run on the torch backend",
-            cpu_kernel.MAX_GROUP, cpu_kernel.MAX_HEAD_DIM, cpu_kernel.MAX_BLOCK, dtype,
-            num_heads, num_kv_heads, head_dim, block_size,
+            "most %d heads and heads of at most %d: %s, %d/%d heads of %d run on the torch "
+            "backend",
+            cpu_kernel.MAX_GROUP, cpu_kernel.MAX_HEAD_DIM, dtype, num_heads, num_kv_heads,
+            head_dim,
         )  # fmt: skip
     from tandem.attention.torch_backend import paged_attention
 

@@ -51,8 +51,9 @@ FLAGS = [
     "-freciprocal-math",
     "-ffp-contract=off",  # no fused multiply-adds: RoPE stays bit-identical to torch's
 ]
-# The kernel's stack buffers (csrc: MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK).
-MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 32, 256, 256
+# The attention kernel's stack buffers: query heads per work item (csrc: MAX_QUERIES, at
+# least one token's GQA group) and the head size.
+MAX_GROUP, MAX_HEAD_DIM = 32, 256
 DTYPE_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 SPECIALIZED_HEAD_DIMS = (64, 128)
 
@@ -378,13 +379,11 @@ def kernel(dtype: torch.dtype, head_dim: int) -> ctypes._CFuncPtr:
     return getattr(library, f"paged_decode_attention_{DTYPE_SUFFIXES[dtype]}{specialized}")
 
 
-def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-             block_size: int) -> bool:  # fmt: skip
+def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Whether the kernel takes this shape and dtype (its buffers are fixed-size)."""
     return (
         dtype in DTYPE_SUFFIXES
         and num_heads % num_kv_heads == 0
         and num_heads // num_kv_heads <= MAX_GROUP
         and head_dim <= MAX_HEAD_DIM
-        and block_size <= MAX_BLOCK
     )

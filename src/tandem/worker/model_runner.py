@@ -236,7 +236,7 @@ class ModelRunner:
         caches = []
         attend = attention_function(
             self.config.attention_backend, self.dtype, cfg.num_attention_heads,
-            cfg.num_key_value_heads, cfg.head_dim, self.block_size,
+            cfg.num_key_value_heads, cfg.head_dim,
         )  # fmt: skip
         for layer in self.model.attention_layers():
             layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)

@@ -1,11 +1,15 @@
 /* Decode attention over the paged KV cache, read in place (no gathered copy of each context).
 
-   One work item is (decode token, kv head): the token's query heads of that kv head (a GQA
-   group) attend together to its context, block by block through its request's block table,
-   with an online softmax in fp32. Items are spread over OpenMP threads; the library links the
-   libgomp torch already loaded, so it shares torch's thread pool. Built by cpu_kernel.py for
-   the machine it runs on, with reassociation allowed (vectorized reductions) but not
-   -ffast-math, whose start-up code would set flush-to-zero for the whole process. */
+   A run is a request's consecutive query tokens in the step: its one decode token, or the
+   tokens verifying its drafts, each attending to the positions up to its own. One work item is
+   (run, kv head): all the run's query heads of that kv head (its tokens × the GQA group)
+   attend together, chunk by chunk through the request's block table, with an online softmax
+   in fp32, so each key and value is read from the cache and widened once for all of them (token
+   by token, a run of k tokens read its context k times). Items are spread over OpenMP
+   threads; the library links the libgomp torch already loaded, so it shares torch's thread
+   pool. Built by cpu_kernel.py for the machine it runs on, with reassociation allowed
+   (vectorized reductions) but not -ffast-math, whose start-up code would set flush-to-zero for
+   the whole process. */
 
 #include <stddef.h>
 #include <stdlib.h>
@@ -14,9 +18,146 @@
 #include "element_types.h"
 #include "vector_math.h"
 
-#define MAX_GROUP 32
+#define MAX_QUERIES 32 /* query heads in one work item: a run's tokens × the GQA group */
 #define MAX_HEAD_DIM 256
-#define MAX_BLOCK 256
+#define CHUNK 16 /* keys and values widened to fp32 at a time, all within one block */
+
+/* What every work item of a call shares (strides in elements). */
+typedef struct {
+    int64_t q_token_stride, q_head_stride, out_token_stride;
+    int64_t row; /* one cache position's keys, all kv heads: num_kv_heads × head_dim */
+    int64_t block_size, group, head_dim;
+    float scale;
+} Layout;
+
+/* One work item: a run's query heads of one kv head over the positions [begin, end) of its
+   context. `query` and `out` point at the kv head's first query head of token row 0, `keys`
+   and `values` at the kv head in the cache. `state` NULL: the normalized output to `out`;
+   else each query head's unnormalized sums, running max and sum (head_dim + 2 floats) to
+   `state`, for the caller to merge with the other parts. */
+typedef struct {
+    const void *query, *keys, *values;
+    const int64_t *blocks; /* the request's block table row */
+    const int64_t *rows;   /* the run's rows of query and out */
+    const int64_t *lens;   /* each one's context length */
+    int64_t num_rows, begin, end;
+    void *out;
+    float *state;
+} Item;
+
+typedef void (*ItemFn)(const Layout *, const Item *);
+
+/* The chunk at position `start`: up to CHUNK positions before `context`, within one block.
+   Returns its count; `slot` its first position's slot in the cache. */
+static inline int64_t chunk_at(const int64_t *blocks, int64_t start, int64_t context,
+                               int64_t block_size, int64_t *slot) {
+    const int64_t in_block = start % block_size;
+    *slot = blocks[start / block_size] * block_size + in_block;
+    const int64_t count = context - start < CHUNK ? context - start : CHUNK;
+    return count < block_size - in_block ? count : block_size - in_block;
+}
+
+/* A run's context limits per query head within [begin, end); returns the largest. */
+static inline int64_t query_limits(const Layout *L, const Item *it, int64_t limit[MAX_QUERIES]) {
+    int64_t context = it->begin;
+    for (int64_t j = 0; j < it->num_rows * L->group; j++) {
+        const int64_t len = it->lens[j / L->group];
+        limit[j] = len < it->end ? len : it->end;
+        if (limit[j] > context) context = limit[j];
+    }
+    return context;
+}
+
+/* A query head's softmax state, or its normalized output. */
+#define FINISH_QUERIES(T, STORE, D)                                                             \
+    for (int64_t j = 0; j < queries; j++) {                                                     \
+        if (it->state) {                                                                        \
+            float *state = it->state + j * (D + 2);                                             \
+            memcpy(state, acc[j], sizeof(float) * D);                                           \
+            state[D] = running_max[j];                                                          \
+            state[D + 1] = running_sum[j];                                                      \
+            continue;                                                                           \
+        }                                                                                       \
+        T *dst = (T *)it->out + it->rows[j / L->group] * L->out_token_stride +                  \
+                 j % L->group * D;                                                              \
+        const float inverse = 1.0f / running_sum[j];                                            \
+        for (int64_t d = 0; d < D; d++) dst[d] = STORE(acc[j][d] * inverse);                    \
+    }
+
+/* Fetches a cache position's key and value rows ahead of their use. */
+static inline void prefetch_position(const char *key, const char *value, int64_t bytes) {
+    for (int64_t byte = 0; byte < bytes; byte += 64) {
+        __builtin_prefetch(key + byte);
+        __builtin_prefetch(value + byte);
+    }
+}
+
+/* The scalar item, for any element type, and any head size (HEAD_DIM 0) or one compiled as a
+   constant: loops the compiler vectorizes. */
+#define DEFINE_SCALAR_ITEM(NAME, T, LOAD, STORE, HEAD_DIM)                                      \
+static void NAME(const Layout *L, const Item *it) {                                             \
+    enum { WIDTH = HEAD_DIM > 0 ? HEAD_DIM : MAX_HEAD_DIM };                                    \
+    const int64_t D = HEAD_DIM > 0 ? HEAD_DIM : L->head_dim;                                    \
+    const int64_t queries = it->num_rows * L->group;                                            \
+    float q[MAX_QUERIES][WIDTH], acc[MAX_QUERIES][WIDTH];                                       \
+    float keys[CHUNK][WIDTH], values[CHUNK][WIDTH], scores[CHUNK];                              \
+    float running_max[MAX_QUERIES], running_sum[MAX_QUERIES];                                   \
+    int64_t limit[MAX_QUERIES];                                                                 \
+    const int64_t context = query_limits(L, it, limit);                                         \
+    for (int64_t j = 0; j < queries; j++) {                                                     \
+        const T *src = (const T *)it->query + it->rows[j / L->group] * L->q_token_stride +      \
+                       j % L->group * L->q_head_stride;                                         \
+        for (int64_t d = 0; d < D; d++) q[j][d] = LOAD(src[d]) * L->scale;                      \
+        memset(acc[j], 0, sizeof(float) * D);                                                   \
+        running_max[j] = -INFINITY;                                                             \
+        running_sum[j] = 0.0f;                                                                  \
+    }                                                                                           \
+    int64_t count, slot, next_slot = 0;                                                         \
+    for (int64_t start = it->begin; start < context; start += count) {                          \
+        count = chunk_at(it->blocks, start, context, L->block_size, &slot);                     \
+        const int64_t ahead = start + count < context ? chunk_at(it->blocks, start + count,     \
+                                  context, L->block_size, &next_slot) : 0;                      \
+        for (int64_t p = 0; p < ahead; p++)                                                     \
+            prefetch_position((const char *)((const T *)it->keys + (next_slot + p) * L->row),   \
+                              (const char *)((const T *)it->values + (next_slot + p) * L->row), \
+                              D * (int64_t)sizeof(T));                                          \
+        for (int64_t p = 0; p < count; p++) {                                                   \
+            const T *key = (const T *)it->keys + (slot + p) * L->row;                           \
+            const T *value = (const T *)it->values + (slot + p) * L->row;                       \
+            for (int64_t d = 0; d < D; d++) {                                                   \
+                keys[p][d] = LOAD(key[d]);                                                      \
+                values[p][d] = LOAD(value[d]);                                                  \
+            }                                                                                   \
+        }                                                                                       \
+        for (int64_t j = 0; j < queries; j++) {                                                 \
+            if (start >= limit[j]) continue;                                                    \
+            const int64_t n = limit[j] - start < count ? limit[j] - start : count;              \
+            float block_max = running_max[j];                                                   \
+            for (int64_t p = 0; p < n; p++) {                                                   \
+                float dot = 0.0f;                                                               \
+                _Pragma("omp simd reduction(+:dot)")                                            \
+                for (int64_t d = 0; d < D; d++) dot += q[j][d] * keys[p][d];                    \
+                scores[p] = dot;                                                                \
+                block_max = dot > block_max ? dot : block_max;                                  \
+            }                                                                                   \
+            const float rescale = exp_nonpositive(running_max[j] - block_max);                  \
+            float block_sum = 0.0f;                                                             \
+            for (int64_t d = 0; d < D; d++) acc[j][d] *= rescale;                               \
+            for (int64_t p = 0; p < n; p++) {                                                   \
+                const float weight = exp_nonpositive(scores[p] - block_max);                    \
+                block_sum += weight;                                                            \
+                _Pragma("omp simd")                                                             \
+                for (int64_t d = 0; d < D; d++) acc[j][d] += weight * values[p][d];             \
+            }                                                                                   \
+            running_sum[j] = running_sum[j] * rescale + block_sum;                              \
+            running_max[j] = block_max;                                                         \
+        }                                                                                       \
+    }                                                                                           \
+    FINISH_QUERIES(T, STORE, D)                                                                 \
+}
+
+DEFINE_SCALAR_ITEM(scalar_item_f32, float, f32_load, f32_store, 0)
+DEFINE_SCALAR_ITEM(scalar_item_bf16, uint16_t, bf16_load, bf16_store, 0)
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -26,7 +167,6 @@
    vector of 16 scores at once (46 shuffles and adds, where 16 separate horizontal sums were
    the kernel's bottleneck), the softmax over the chunk's 16 lanes, and each head's output
    accumulated in registers. */
-#define CHUNK 16
 
 /* sums[p] = Σ lanes of v[p], p < 16: pairs of vectors folded a half, a quarter, ... at a time;
    the last step leaves the sum of v[4j + k] in lane 4k + j, hence the final permute. */
@@ -68,195 +208,226 @@ static inline __m512 load16_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-/* One work item (a token's `group` query heads of one kv head) on the vector path, over the
-   positions [begin, context) of its context; `state` NULL: the normalized output to `out`,
-   else each head's unnormalized sums, running max and sum (head_dim + 2 floats) to `state`,
-   for split_items to merge. */
-#define DEFINE_ITEM(NAME, T, LOAD16, STORE, D)                                                  \
-static void NAME(const T *query, int64_t q_head_stride, const T *kv_cache,                      \
-                 const T *value_cache, int64_t row, const int64_t *blocks, int64_t begin,       \
-                 int64_t context, int64_t block_size, int64_t group, float scale, T *out,       \
-                 float *state) {                                                                \
+#define DEFINE_VECTOR_ITEM(NAME, T, LOAD16, STORE, D)                                           \
+static void NAME(const Layout *L, const Item *it) {                                             \
     enum { V = D / 16 };                                                                        \
+    const int64_t queries = it->num_rows * L->group;                                            \
+    const T *key_cache = it->keys, *value_cache = it->values;                                   \
     float keys[CHUNK][D] __attribute__((aligned(64)));                                          \
     float values[CHUNK][D] __attribute__((aligned(64)));                                        \
-    float acc[MAX_GROUP][D] __attribute__((aligned(64)));                                       \
+    float q[MAX_QUERIES][D] __attribute__((aligned(64)));                                       \
+    float acc[MAX_QUERIES][D] __attribute__((aligned(64)));                                     \
     float weights[CHUNK] __attribute__((aligned(64)));                                          \
-    float running_max[MAX_GROUP], running_sum[MAX_GROUP];                                       \
-    for (int64_t g = 0; g < group; g++) {                                                       \
-        memset(acc[g], 0, sizeof acc[g]);                                                       \
-        running_max[g] = -INFINITY;                                                             \
-        running_sum[g] = 0.0f;                                                                  \
+    float running_max[MAX_QUERIES], running_sum[MAX_QUERIES];                                   \
+    int64_t limit[MAX_QUERIES];                                                                 \
+    const int64_t context = query_limits(L, it, limit);                                         \
+    for (int64_t j = 0; j < queries; j++) {                                                     \
+        const T *src = (const T *)it->query + it->rows[j / L->group] * L->q_token_stride +      \
+                       j % L->group * L->q_head_stride;                                         \
+        for (int c = 0; c < V; c++)                                                             \
+            _mm512_store_ps(q[j] + 16 * c,                                                      \
+                            _mm512_mul_ps(LOAD16(src + 16 * c), _mm512_set1_ps(L->scale)));     \
+        memset(acc[j], 0, sizeof acc[j]);                                                       \
+        running_max[j] = -INFINITY;                                                             \
+        running_sum[j] = 0.0f;                                                                  \
     }                                                                                           \
-    int64_t count; /* keys in this chunk: up to 16, within one block */                        \
-    for (int64_t start = begin; start < context; start += count) {                              \
-        const int64_t in_block = start % block_size;                                            \
-        const int64_t block = blocks[start / block_size];                                       \
-        count = context - start < CHUNK ? context - start : CHUNK;                              \
-        if (count > block_size - in_block) count = block_size - in_block;                       \
-        const int64_t first = (block * block_size + in_block) * row;                            \
-        /* The next chunk's rows are fetched while this one's are converted, a row each. */  \
-        const int64_t next = start + count;                                                     \
-        int64_t ahead = next < context ? context - next : 0;                                    \
-        if (ahead > CHUNK) ahead = CHUNK;                                                       \
-        if (ahead > block_size - next % block_size) ahead = block_size - next % block_size;     \
-        const int64_t from =                                                                    \
-            ahead ? (blocks[next / block_size] * block_size + next % block_size) * row : 0;     \
+    int64_t count, slot, next_slot = 0;                                                         \
+    for (int64_t start = it->begin; start < context; start += count) {                          \
+        count = chunk_at(it->blocks, start, context, L->block_size, &slot);                     \
+        /* The next chunk's rows are fetched while this one's are widened, a row each. */      \
+        const int64_t ahead = start + count < context ? chunk_at(it->blocks, start + count,     \
+                                  context, L->block_size, &next_slot) : 0;                      \
         for (int64_t p = 0; p < count || p < ahead; p++) {                                      \
             if (p < ahead)                                                                      \
-                for (int64_t byte = 0; byte < D * (int64_t)sizeof(T); byte += 64) {             \
-                    __builtin_prefetch((const char *)(kv_cache + from + p * row) + byte);       \
-                    __builtin_prefetch((const char *)(value_cache + from + p * row) + byte);    \
-                }                                                                               \
+                prefetch_position((const char *)(key_cache + (next_slot + p) * L->row),         \
+                                  (const char *)(value_cache + (next_slot + p) * L->row),       \
+                                  D * (int64_t)sizeof(T));                                      \
             if (p < count)                                                                      \
                 for (int c = 0; c < V; c++) {                                                   \
                     _mm512_store_ps(keys[p] + 16 * c,                                           \
-                                    LOAD16(kv_cache + first + p * row + 16 * c));               \
+                                    LOAD16(key_cache + (slot + p) * L->row + 16 * c));          \
                     _mm512_store_ps(values[p] + 16 * c,                                         \
-                                    LOAD16(value_cache + first + p * row + 16 * c));            \
+                                    LOAD16(value_cache + (slot + p) * L->row + 16 * c));        \
                 }                                                                               \
         }                                                                                       \
-        const __mmask16 valid = (__mmask16)((1u << count) - 1);                                 \
-        for (int64_t g = 0; g < group; g++) {                                                   \
-            const T *q_row = query + g * q_head_stride;                                         \
-            __m512 q[V], partial[CHUNK];                                                        \
-            for (int c = 0; c < V; c++)                                                         \
-                q[c] = _mm512_mul_ps(LOAD16(q_row + 16 * c), _mm512_set1_ps(scale));            \
+        for (int64_t j = 0; j < queries; j++) {                                                 \
+            if (start >= limit[j]) continue;                                                    \
+            const int64_t n = limit[j] - start < count ? limit[j] - start : count;              \
+            const __mmask16 valid = (__mmask16)((1u << n) - 1);                                 \
+            __m512 qj[V], partial[CHUNK];                                                       \
+            for (int c = 0; c < V; c++) qj[c] = _mm512_load_ps(q[j] + 16 * c);                  \
             for (int p = 0; p < CHUNK; p++) {                                                   \
                 partial[p] = _mm512_setzero_ps();                                               \
-                if (p < count)                                                                  \
+                if (p < n)                                                                      \
                     for (int c = 0; c < V; c++)                                                 \
-                        partial[p] = _mm512_fmadd_ps(q[c], _mm512_load_ps(keys[p] + 16 * c),    \
+                        partial[p] = _mm512_fmadd_ps(qj[c], _mm512_load_ps(keys[p] + 16 * c),   \
                                                      partial[p]);                               \
             }                                                                                   \
             const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid,          \
                                                      lane_sums16(partial));                     \
-            const float block_max = fmaxf(running_max[g], _mm512_reduce_max_ps(scores));        \
+            const float block_max = fmaxf(running_max[j], _mm512_reduce_max_ps(scores));        \
             const float rescale =                                                               \
-                _mm512_cvtss_f32(exp_nonpositive16(_mm512_set1_ps(running_max[g] - block_max)));\
+                _mm512_cvtss_f32(exp_nonpositive16(_mm512_set1_ps(running_max[j] - block_max)));\
             const __m512 w = _mm512_maskz_mov_ps(                                               \
                 valid, exp_nonpositive16(_mm512_sub_ps(scores, _mm512_set1_ps(block_max))));    \
-            running_sum[g] = running_sum[g] * rescale + _mm512_reduce_add_ps(w);                \
-            running_max[g] = block_max;                                                         \
+            running_sum[j] = running_sum[j] * rescale + _mm512_reduce_add_ps(w);                \
+            running_max[j] = block_max;                                                         \
             _mm512_store_ps(weights, w);                                                        \
             __m512 sum[V];                                                                      \
             for (int c = 0; c < V; c++)                                                         \
-                sum[c] = _mm512_mul_ps(_mm512_load_ps(acc[g] + 16 * c), _mm512_set1_ps(rescale));\
-            for (int64_t p = 0; p < count; p++)                                                 \
+                sum[c] = _mm512_mul_ps(_mm512_load_ps(acc[j] + 16 * c), _mm512_set1_ps(rescale));\
+            for (int64_t p = 0; p < n; p++)                                                     \
                 for (int c = 0; c < V; c++)                                                     \
                     sum[c] = _mm512_fmadd_ps(_mm512_set1_ps(weights[p]),                        \
                                              _mm512_load_ps(values[p] + 16 * c), sum[c]);       \
-            for (int c = 0; c < V; c++) _mm512_store_ps(acc[g] + 16 * c, sum[c]);               \
+            for (int c = 0; c < V; c++) _mm512_store_ps(acc[j] + 16 * c, sum[c]);               \
         }                                                                                       \
     }                                                                                           \
-    for (int64_t g = 0; g < group; g++) {                                                       \
-        if (state) { /* a part of the context: its softmax state, merged by the caller */       \
-            memcpy(state + g * (D + 2), acc[g], sizeof acc[g]);                                 \
-            state[g * (D + 2) + D] = running_max[g];                                            \
-            state[g * (D + 2) + D + 1] = running_sum[g];                                        \
-            continue;                                                                           \
-        }                                                                                       \
-        const float inverse = 1.0f / running_sum[g];                                            \
-        for (int d = 0; d < D; d++) out[g * D + d] = STORE(acc[g][d] * inverse);                \
-    }                                                                                           \
+    FINISH_QUERIES(T, STORE, D)                                                                 \
 }
 
-DEFINE_ITEM(item_f32_64, float, load16_f32, f32_store, 64)
-DEFINE_ITEM(item_bf16_64, uint16_t, load16_bf16, bf16_store, 64)
-DEFINE_ITEM(item_f32_128, float, load16_f32, f32_store, 128)
-DEFINE_ITEM(item_bf16_128, uint16_t, load16_bf16, bf16_store, 128)
-#define VECTOR_ITEM(NAME) NAME
+DEFINE_VECTOR_ITEM(vector_item_f32_64, float, load16_f32, f32_store, 64)
+DEFINE_VECTOR_ITEM(vector_item_bf16_64, uint16_t, load16_bf16, bf16_store, 64)
+DEFINE_VECTOR_ITEM(vector_item_f32_128, float, load16_f32, f32_store, 128)
+DEFINE_VECTOR_ITEM(vector_item_bf16_128, uint16_t, load16_bf16, bf16_store, 128)
+#define VECTOR_ITEM(NAME, FALLBACK) NAME
 #else
-#define VECTOR_ITEM(NAME) NULL
+DEFINE_SCALAR_ITEM(scalar_item_f32_64, float, f32_load, f32_store, 64)
+DEFINE_SCALAR_ITEM(scalar_item_bf16_64, uint16_t, bf16_load, bf16_store, 64)
+DEFINE_SCALAR_ITEM(scalar_item_f32_128, float, f32_load, f32_store, 128)
+DEFINE_SCALAR_ITEM(scalar_item_bf16_128, uint16_t, bf16_load, bf16_store, 128)
+#define VECTOR_ITEM(NAME, FALLBACK) FALLBACK
 #endif
 
-/* Fewer (token, kv head) work items than twice the threads (batch 1: three items of the
-   embedded model on two threads, one thread idle a third of the time): each item's context is
-   cut into parts of whole chunks, every part attended to on its own (its softmax state in
-   fp32), and the parts of an item merged:
+/* Runs of at most `max_rows` tokens: consecutive tokens of one request. `starts` gets each
+   run's first token and, last, num_tokens; returns the number of runs. */
+static int64_t plan_runs(const int64_t *token_requests, int64_t num_tokens, int64_t max_rows,
+                         int64_t *starts) {
+    int64_t runs = 0;
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (t == 0 || token_requests[t] != token_requests[t - 1] ||
+            t - starts[runs - 1] >= max_rows)
+            starts[runs++] = t;
+    starts[runs] = num_tokens;
+    return runs;
+}
+
+/* A run's first token: without the scratch for a plan (NULL), every token is a run. */
+static inline int64_t run_start(const int64_t *starts, int64_t run) {
+    return starts ? starts[run] : run;
+}
+
+/* Fewer work items than twice the threads (batch 1: one per kv head, three for the embedded
+   model on two threads, one thread idle a third of the time): each item's context is cut into
+   parts of whole chunks, every part attended to on its own (its softmax state in fp32), and
+   the parts of an item merged:
      out = Σ_p e^(max_p − M)·acc_p / Σ_p e^(max_p − M)·sum_p, M the largest max_p.
-   Evaluates to 0 where the items are enough (or the scratch cannot be had): the caller runs
-   them whole. A statement-expression macro, as DEFINE_DECODE's element type varies: its
-   OpenMP pragma reads the caller's `num_threads`. */
+   Returns how many parts (1: whole items). */
 #define SPLIT_MIN_POSITIONS 256 /* a part of the longest context spans at least this many */
 #define MAX_SPLITS 8
-#define SPLIT_ALIGN 16 /* parts begin at multiples of this (the vector item's chunk) */
-#define split_items(ITEM_FN, query, q_token_stride, q_head_stride, kv_cache, value_cache, row,  \
-                    block_table, bt_stride, token_rows, token_requests, token_seq_lens,         \
-                    num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale, out,      \
-                    num_threads, STORE)                                                         \
-    ({                                                                                          \
-        const int64_t items_ = (num_tokens) * (num_kv_heads);                                   \
-        const int64_t group_ = (num_heads) / (num_kv_heads);                                    \
-        int64_t splits_ = items_ > 0 ? (2 * (num_threads) + items_ - 1) / items_ : 1;           \
-        int64_t longest_ = 0;                                                                   \
-        for (int64_t t_ = 0; splits_ > 1 && t_ < (num_tokens); t_++)                            \
-            if ((token_seq_lens)[t_] > longest_) longest_ = (token_seq_lens)[t_];               \
-        if (splits_ > MAX_SPLITS) splits_ = MAX_SPLITS;                                         \
-        if (splits_ > longest_ / SPLIT_MIN_POSITIONS) splits_ = longest_ / SPLIT_MIN_POSITIONS; \
-        const int64_t width_ = group_ * ((head_dim) + 2); /* one part's state */                \
-        float *parts_ = splits_ > 1 ? malloc(sizeof(float) * items_ * splits_ * width_) : NULL; \
-        if (parts_) {                                                                           \
-            _Pragma("omp parallel for schedule(static) num_threads(num_threads)")               \
-            for (int64_t i_ = 0; i_ < items_ * splits_; i_++) {                                 \
-                const int64_t t_ = i_ / splits_ / (num_kv_heads);                               \
-                const int64_t h_ = i_ / splits_ % (num_kv_heads), p_ = i_ % splits_;            \
-                const int64_t context_ = (token_seq_lens)[t_];                                  \
-                /* part p_: chunks [p_·n / splits, (p_ + 1)·n / splits) of the context's n */   \
-                const int64_t chunks_ = (context_ + SPLIT_ALIGN - 1) / SPLIT_ALIGN;             \
-                int64_t begin_ = p_ * chunks_ / splits_ * SPLIT_ALIGN;                          \
-                int64_t end_ = (p_ + 1) * chunks_ / splits_ * SPLIT_ALIGN;                      \
-                if (end_ > context_) end_ = context_;                                           \
-                float *state_ = parts_ + i_ * width_;                                           \
-                if (begin_ >= end_) { /* an empty part: zeros (weight 0 times heap garbage      \
-                                         could be NaN), a max of -inf, a sum of 0 */            \
-                    memset(state_, 0, sizeof(float) * width_);                                  \
-                    for (int64_t g_ = 0; g_ < group_; g_++)                                     \
-                        state_[g_ * ((head_dim) + 2) + (head_dim)] = -INFINITY;                 \
-                    continue;                                                                   \
-                }                                                                               \
-                ITEM_FN((query) + (token_rows)[t_] * (q_token_stride) +                         \
-                            h_ * group_ * (q_head_stride),                                      \
-                        (q_head_stride), (kv_cache) + h_ * (head_dim),                          \
-                        (value_cache) + h_ * (head_dim), (row),                                 \
-                        (block_table) + (token_requests)[t_] * (bt_stride), begin_, end_,       \
-                        (block_size), group_, (scale), NULL, state_);                           \
-            }                                                                                   \
-            for (int64_t i_ = 0; i_ < items_; i_++) {                                           \
-                const int64_t t_ = i_ / (num_kv_heads), h_ = i_ % (num_kv_heads);               \
-                for (int64_t g_ = 0; g_ < group_; g_++) {                                       \
-                    const float *first_ = parts_ + i_ * splits_ * width_ + g_ * ((head_dim) + 2); \
-                    float largest_ = -INFINITY, total_ = 0.0f, weights_[MAX_SPLITS];            \
-                    for (int64_t p_ = 0; p_ < splits_; p_++)                                    \
-                        largest_ = fmaxf(largest_, first_[p_ * width_ + (head_dim)]);           \
-                    for (int64_t p_ = 0; p_ < splits_; p_++) {                                  \
-                        const float *part_ = first_ + p_ * width_;                              \
-                        weights_[p_] = part_[(head_dim) + 1] > 0.0f                             \
-                                           ? exp_nonpositive(part_[(head_dim)] - largest_)      \
-                                           : 0.0f;                                              \
-                        total_ += weights_[p_] * part_[(head_dim) + 1];                         \
-                    }                                                                           \
-                    __typeof__(out) dst_ =                                                      \
-                        (out) + ((token_rows)[t_] * (num_heads) + h_ * group_ + g_) * (head_dim); \
-                    for (int64_t d_ = 0; d_ < (head_dim); d_++) {                               \
-                        float sum_ = 0.0f;                                                      \
-                        for (int64_t p_ = 0; p_ < splits_; p_++)                                \
-                            sum_ += weights_[p_] * first_[p_ * width_ + d_];                    \
-                        dst_[d_] = STORE(sum_ / total_);                                        \
-                    }                                                                           \
-                }                                                                               \
-            }                                                                                   \
-            free(parts_);                                                                       \
-        }                                                                                       \
-        parts_ != NULL;                                                                         \
-    })
+static int64_t split_count(int64_t items, int num_threads, const int64_t *token_seq_lens,
+                           int64_t num_tokens) {
+    if (items <= 0 || items >= 2 * (int64_t)num_threads) return 1;
+    int64_t splits = (2 * num_threads + items - 1) / items, longest = 0;
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (token_seq_lens[t] > longest) longest = token_seq_lens[t];
+    if (splits > MAX_SPLITS) splits = MAX_SPLITS;
+    if (splits > longest / SPLIT_MIN_POSITIONS) splits = longest / SPLIT_MIN_POSITIONS;
+    return splits > 1 ? splits : 1;
+}
 
-/* DEFINE_DECODE(name, element type, load, store): one kernel per cache dtype.
+/* Merges each query head's parts into its output row. */
+static void merge_parts(const Layout *L, const float *parts, int64_t splits, int64_t width,
+                        const int64_t *starts, int64_t num_kv_heads, int64_t items,
+                        const int64_t *token_rows, char *out, size_t element,
+                        void (*store)(char *, float)) {
+    const int64_t D = L->head_dim;
+    for (int64_t i = 0; i < items; i++) {
+        const int64_t run = i / num_kv_heads, h = i % num_kv_heads;
+        const int64_t first = run_start(starts, run);
+        const int64_t queries = (run_start(starts, run + 1) - first) * L->group;
+        for (int64_t j = 0; j < queries; j++) {
+            const float *head = parts + i * splits * width + j * (D + 2);
+            float largest = -INFINITY, total = 0.0f, weights[MAX_SPLITS];
+            for (int64_t p = 0; p < splits; p++) largest = fmaxf(largest, head[p * width + D]);
+            for (int64_t p = 0; p < splits; p++) {
+                const float *part = head + p * width;
+                weights[p] = part[D + 1] > 0.0f ? exp_nonpositive(part[D] - largest) : 0.0f;
+                total += weights[p] * part[D + 1];
+            }
+            char *dst = out + ((token_rows[first + j / L->group] * L->out_token_stride) +
+                               (h * L->group + j % L->group) * D) * (int64_t)element;
+            for (int64_t d = 0; d < D; d++) {
+                float sum = 0.0f;
+                for (int64_t p = 0; p < splits; p++) sum += weights[p] * head[p * width + d];
+                store(dst + d * (int64_t)element, sum / total);
+            }
+        }
+    }
+}
+
+static void store_f32(char *dst, float value) { memcpy(dst, &value, sizeof value); }
+static void store_bf16(char *dst, float value) {
+    const uint16_t bits = bf16_store(value);
+    memcpy(dst, &bits, sizeof bits);
+}
+
+/* Plans the runs and their parts, attends to them over the threads, merges split parts. */
+static void attend(const Layout *L, ItemFn item, size_t element, void (*store)(char *, float),
+                   const char *query, const char *kv_cache, const char *value_cache,
+                   const int64_t *block_table, int64_t bt_stride, const int64_t *token_rows,
+                   const int64_t *token_requests, const int64_t *token_seq_lens,
+                   int64_t num_tokens, int64_t num_kv_heads, char *out, int num_threads) {
+    const int64_t max_rows = MAX_QUERIES / L->group;
+    int64_t *starts = num_tokens > 0 ? malloc(sizeof(int64_t) * (num_tokens + 1)) : NULL;
+    const int64_t runs = starts ? plan_runs(token_requests, num_tokens, max_rows, starts)
+                                : num_tokens;
+    const int64_t items = runs * num_kv_heads, D = L->head_dim;
+    const int64_t width = (starts ? max_rows : 1) * L->group * (D + 2); /* one part's states */
+    int64_t splits = split_count(items, num_threads, token_seq_lens, num_tokens);
+    float *parts = splits > 1 ? malloc(sizeof(float) * items * splits * width) : NULL;
+    if (parts == NULL) splits = 1;
+    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t i = 0; i < items * splits; i++) {
+        const int64_t run = i / splits / num_kv_heads, h = i / splits % num_kv_heads;
+        const int64_t part = i % splits, first = run_start(starts, run);
+        const int64_t num_rows = run_start(starts, run + 1) - first;
+        int64_t longest = 0;
+        for (int64_t r = 0; r < num_rows; r++)
+            if (token_seq_lens[first + r] > longest) longest = token_seq_lens[first + r];
+        /* part p: chunks [p·n / splits, (p + 1)·n / splits) of the longest context's n */
+        const int64_t chunks = (longest + CHUNK - 1) / CHUNK;
+        const int64_t begin = part * chunks / splits * CHUNK;
+        const int64_t end = (part + 1) * chunks / splits * CHUNK;
+        const Item work = {
+            .query = query + h * L->group * L->q_head_stride * (int64_t)element,
+            .keys = kv_cache + h * D * (int64_t)element,
+            .values = value_cache + h * D * (int64_t)element,
+            .blocks = block_table + token_requests[first] * bt_stride,
+            .rows = token_rows + first,
+            .lens = token_seq_lens + first,
+            .num_rows = num_rows,
+            .begin = begin,
+            .end = end < longest ? end : longest,
+            .out = out + h * L->group * D * (int64_t)element,
+            .state = parts ? parts + i * width : NULL,
+        };
+        item(L, &work);
+    }
+    if (parts)
+        merge_parts(L, parts, splits, width, starts, num_kv_heads, items, token_rows, out,
+                    element, store);
+    free(parts);
+    free(starts);
+}
+
+/* DEFINE_DECODE(name, element type, head size or 0, item, store): one kernel per cache dtype.
    query [tokens, heads, head_dim] with strides (q_token_stride, q_head_stride, 1);
    kv_cache [2, num_blocks, block_size, kv_heads, head_dim] contiguous;
    block_table [requests, bt_stride] int64; per decode token: its row of query/out, its
-   request, its context length; out [tokens, heads, head_dim] contiguous. */
-#define DEFINE_DECODE(NAME, T, LOAD, STORE, HEAD_DIM, ITEM)                                      \
+   request, its context length (a request's consecutive tokens form a run); out [tokens,
+   heads, head_dim] contiguous. */
+#define DEFINE_DECODE(NAME, T, HEAD_DIM, ITEM, STORE)                                           \
 void NAME(const T *query, int64_t q_token_stride, int64_t q_head_stride,                        \
           const T *kv_cache, int64_t num_blocks, const int64_t *block_table,                    \
           int64_t bt_stride, const int64_t *token_rows, const int64_t *token_requests,          \
@@ -264,109 +435,26 @@ void NAME(const T *query, int64_t q_token_stride, int64_t q_head_stride,        
           int64_t num_kv_heads, int64_t head_dim_arg, int64_t block_size, float scale, T *out,  \
           int num_threads) {                                                                    \
     const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim_arg;                            \
-    const int64_t group = num_heads / num_kv_heads;                                             \
-    const int64_t row = num_kv_heads * head_dim; /* one position's keys, all kv heads */        \
-    const T *value_cache = kv_cache + num_blocks * block_size * row;                            \
-    void (*item)(const T *, int64_t, const T *, const T *, int64_t, const int64_t *, int64_t,   \
-                 int64_t, int64_t, int64_t, float, T *, float *) = ITEM;                        \
-    if (item && split_items(item, query, q_token_stride, q_head_stride, kv_cache, value_cache,  \
-                            row, block_table, bt_stride, token_rows, token_requests,            \
-                            token_seq_lens, num_tokens, num_heads, num_kv_heads, head_dim,      \
-                            block_size, scale, out, num_threads, STORE))                        \
-        return;                                                                                 \
-    _Pragma("omp parallel for collapse(2) schedule(static) num_threads(num_threads)")           \
-    for (int64_t t = 0; t < num_tokens; t++) {                                                  \
-        for (int64_t h = 0; h < num_kv_heads; h++) {                                            \
-            if (item) {                                                                         \
-                item(query + token_rows[t] * q_token_stride + h * group * q_head_stride,        \
-                     q_head_stride, kv_cache + h * head_dim, value_cache + h * head_dim, row,   \
-                     block_table + token_requests[t] * bt_stride, 0, token_seq_lens[t],         \
-                     block_size, group, scale,                                                  \
-                     out + (token_rows[t] * num_heads + h * group) * head_dim, NULL);           \
-                continue;                                                                       \
-            }                                                                                   \
-            float q[MAX_GROUP][MAX_HEAD_DIM];                                                   \
-            float acc[MAX_GROUP][MAX_HEAD_DIM];                                                 \
-            float scores[MAX_GROUP][MAX_BLOCK];                                                 \
-            float running_max[MAX_GROUP], running_sum[MAX_GROUP];                               \
-            const int64_t token = token_rows[t];                                                \
-            const int64_t context = token_seq_lens[t];                                          \
-            const int64_t *blocks = block_table + token_requests[t] * bt_stride;                \
-            for (int64_t g = 0; g < group; g++) {                                               \
-                const T *src = query + token * q_token_stride + (h * group + g) * q_head_stride; \
-                for (int64_t d = 0; d < head_dim; d++) q[g][d] = LOAD(src[d]) * scale;          \
-                memset(acc[g], 0, sizeof(float) * head_dim);                                    \
-                running_max[g] = -INFINITY;                                                     \
-                running_sum[g] = 0.0f;                                                          \
-            }                                                                                   \
-            for (int64_t start = 0; start < context; start += block_size) {                     \
-                const int64_t block = blocks[start / block_size];                               \
-                const int64_t count = context - start < block_size ? context - start : block_size; \
-                const T *keys = kv_cache + block * block_size * row + h * head_dim;             \
-                const T *values = value_cache + block * block_size * row + h * head_dim;        \
-                if (start + block_size < context) { /* the next block is elsewhere: fetch it */ \
-                    const int64_t next = blocks[start / block_size + 1] * block_size * row;     \
-                    for (int64_t p = 0; p < block_size; p++)                                    \
-                        for (int64_t byte = 0; byte < head_dim * (int64_t)sizeof(T); byte += 64) { \
-                            __builtin_prefetch((const char *)(kv_cache + next + p * row + h * head_dim) + byte); \
-                            __builtin_prefetch((const char *)(value_cache + next + p * row + h * head_dim) + byte); \
-                        }                                                                       \
-                }                                                                               \
-                for (int64_t p = 0; p < count; p++) {                                           \
-                    const T *key = keys + p * row;                                              \
-                    float k[MAX_HEAD_DIM];                                                      \
-                    for (int64_t d = 0; d < head_dim; d++) k[d] = LOAD(key[d]);                 \
-                    for (int64_t g = 0; g < group; g++) {                                       \
-                        float dot = 0.0f;                                                       \
-                        _Pragma("omp simd reduction(+:dot)")                                    \
-                        for (int64_t d = 0; d < head_dim; d++) dot += q[g][d] * k[d];           \
-                        scores[g][p] = dot;                                                     \
-                    }                                                                           \
-                }                                                                               \
-                for (int64_t g = 0; g < group; g++) {                                           \
-                    float block_max = running_max[g];                                           \
-                    for (int64_t p = 0; p < count; p++)                                         \
-                        block_max = scores[g][p] > block_max ? scores[g][p] : block_max;        \
-                    const float rescale = exp_nonpositive(running_max[g] - block_max);                     \
-                    running_sum[g] *= rescale;                                                  \
-                    for (int64_t d = 0; d < head_dim; d++) acc[g][d] *= rescale;                \
-                    float block_sum = 0.0f;                                                     \
-                    _Pragma("omp simd reduction(+:block_sum)")                                  \
-                    for (int64_t p = 0; p < count; p++) {                                       \
-                        scores[g][p] = exp_nonpositive(scores[g][p] - block_max);               \
-                        block_sum += scores[g][p];                                              \
-                    }                                                                           \
-                    running_sum[g] += block_sum;                                                \
-                    running_max[g] = block_max;                                                 \
-                }                                                                               \
-                for (int64_t p = 0; p < count; p++) {                                           \
-                    const T *value = values + p * row;                                          \
-                    float v[MAX_HEAD_DIM];                                                      \
-                    for (int64_t d = 0; d < head_dim; d++) v[d] = LOAD(value[d]);               \
-                    for (int64_t g = 0; g < group; g++) {                                       \
-                        const float weight = scores[g][p];                                      \
-                        _Pragma("omp simd")                                                     \
-                        for (int64_t d = 0; d < head_dim; d++) acc[g][d] += weight * v[d];      \
-                    }                                                                           \
-                }                                                                               \
-            }                                                                                   \
-            for (int64_t g = 0; g < group; g++) {                                               \
-                T *dst = out + (token * num_heads + h * group + g) * head_dim;                  \
-                const float inverse = 1.0f / running_sum[g];                                    \
-                for (int64_t d = 0; d < head_dim; d++) dst[d] = STORE(acc[g][d] * inverse);     \
-            }                                                                                   \
-        }                                                                                       \
-    }                                                                                           \
+    const Layout layout = {                                                                     \
+        .q_token_stride = q_token_stride, .q_head_stride = q_head_stride,                       \
+        .out_token_stride = num_heads * head_dim, .row = num_kv_heads * head_dim,               \
+        .block_size = block_size, .group = num_heads / num_kv_heads, .head_dim = head_dim,      \
+        .scale = scale,                                                                         \
+    };                                                                                          \
+    attend(&layout, ITEM, sizeof(T), STORE, (const char *)query, (const char *)kv_cache,        \
+           (const char *)(kv_cache + num_blocks * block_size * layout.row), block_table,        \
+           bt_stride, token_rows, token_requests, token_seq_lens, num_tokens, num_kv_heads,     \
+           (char *)out, num_threads);                                                           \
 }
 
 /* Any head size, and the common ones as constants (fully unrolled dot products). */
-DEFINE_DECODE(paged_decode_attention_f32, float, f32_load, f32_store, 0, NULL)
-DEFINE_DECODE(paged_decode_attention_bf16, uint16_t, bf16_load, bf16_store, 0, NULL)
-DEFINE_DECODE(paged_decode_attention_f32_64, float, f32_load, f32_store, 64,
-              VECTOR_ITEM(item_f32_64))
-DEFINE_DECODE(paged_decode_attention_bf16_64, uint16_t, bf16_load, bf16_store, 64,
-              VECTOR_ITEM(item_bf16_64))
-DEFINE_DECODE(paged_decode_attention_f32_128, float, f32_load, f32_store, 128,
-              VECTOR_ITEM(item_f32_128))
-DEFINE_DECODE(paged_decode_attention_bf16_128, uint16_t, bf16_load, bf16_store, 128,
-              VECTOR_ITEM(item_bf16_128))
+DEFINE_DECODE(paged_decode_attention_f32, float, 0, scalar_item_f32, store_f32)
+DEFINE_DECODE(paged_decode_attention_bf16, uint16_t, 0, scalar_item_bf16, store_bf16)
+DEFINE_DECODE(paged_decode_attention_f32_64, float, 64,
+              VECTOR_ITEM(vector_item_f32_64, scalar_item_f32_64), store_f32)
+DEFINE_DECODE(paged_decode_attention_bf16_64, uint16_t, 64,
+              VECTOR_ITEM(vector_item_bf16_64, scalar_item_bf16_64), store_bf16)
+DEFINE_DECODE(paged_decode_attention_f32_128, float, 128,
+              VECTOR_ITEM(vector_item_f32_128, scalar_item_f32_128), store_f32)
+DEFINE_DECODE(paged_decode_attention_bf16_128, uint16_t, 128,
+              VECTOR_ITEM(vector_item_bf16_128, scalar_item_bf16_128), store_bf16)
