@@ -113,12 +113,13 @@ def probe_cpu_formats(config: ModelConfig, packable: bool) -> CpuFormats:
     num_layers = max(1, min(config.num_hidden_layers, -(-DECODE_PROBE_BYTES // layer_bytes)))
     fp32 = [torch.zeros(shape) for _ in range(num_layers) for shape in shapes]
     one_layer = fp32[: len(shapes)]
-    prefill_ms = {
-        "float32": _matmul_ms(one_layer, PREFILL_PROBE_TOKENS, torch.float32, _dense),
-        "bfloat16": _matmul_ms(
-            [w.bfloat16() for w in one_layer], PREFILL_PROBE_TOKENS, torch.bfloat16, _dense
-        ),
-    }
+    prefill_ms = _interleaved_ms(
+        {
+            "float32": (one_layer, _dense, torch.float32),
+            "bfloat16": ([w.bfloat16() for w in one_layer], _dense, torch.bfloat16),
+        },
+        PREFILL_PROBE_TOKENS,
+    )
     dtype = min(prefill_ms, key=prefill_ms.__getitem__)
     dense = fp32 if dtype == "float32" else [w.bfloat16() for w in fp32]
     del fp32
@@ -130,10 +131,17 @@ def probe_cpu_formats(config: ModelConfig, packable: bool) -> CpuFormats:
         if packed[0].codes is not None and cpu_kernel.int8_matmul_vectorized():
             running["packed int8"] = [replace(weight, int8_min_tokens=1) for weight in packed]
         decode_ms.update({name: {} for name in running})
+        activations = getattr(torch, dtype)
         for rows in DECODE_PROBE_TOKENS:
-            decode_ms[dtype][rows] = _matmul_ms(dense, rows, getattr(torch, dtype), _dense)
-            for name, weights in running.items():
-                decode_ms[name][rows] = _matmul_ms(weights, rows, getattr(torch, dtype), _packed)
+            measured = _interleaved_ms(
+                {
+                    dtype: (dense, _dense, activations),
+                    **{name: (weights, _packed, activations) for name, weights in running.items()},
+                },
+                rows,
+            )
+            for name, ms in measured.items():
+                decode_ms[name][rows] = ms
             best = min(decode_ms[name][rows] for name in running)
             if best >= decode_ms[dtype][rows]:
                 break
@@ -168,24 +176,37 @@ def _packed_zeros(shape: tuple[int, int]) -> PackedWeight:
     return PackedWeight.from_blocks(QuantBlocks(blocks, "Q4_1", cols), max_tokens=0)
 
 
-def _matmul_ms(weights: list, rows: int, dtype: torch.dtype, matmul: Callable) -> float:
-    """Best of a few passes of `rows` activations through every weight in `weights`."""
+# A candidate format: its weights, how to multiply by one of them, the activations' dtype.
+Candidate = tuple[list, Callable, torch.dtype]
+
+
+def _interleaved_ms(candidates: dict[str, Candidate], rows: int) -> dict[str, float]:
+    """Each candidate's best of a few passes of `rows` activations through all its weights,
+    the candidates taking turns pass by pass: a moment when the machine is slow slows every
+    candidate, where timing one after the other let it decide the comparison (a probe timed so
+    on a noisy day chose fp32 activations for steps of up to 7 tokens, where int8 is faster)."""
     inputs = {
-        in_features: torch.randn(rows, in_features).to(dtype)
-        for in_features in {_in_features(weight) for weight in weights}
+        name: {
+            in_features: torch.randn(rows, in_features).to(dtype)
+            for in_features in {_in_features(weight) for weight in weights}
+        }
+        for name, (weights, _, dtype) in candidates.items()
     }
 
-    def one_pass() -> None:
-        for weight in weights:
-            matmul(inputs[_in_features(weight)], weight)
-
-    one_pass()  # warm-up: first touch, kernel selection
-    best = float("inf")
-    for _ in range(PROBE_REPEATS):
+    def one_pass(name: str) -> float:
+        weights, matmul, _ = candidates[name]
         start = time.perf_counter()
-        one_pass()
-        best = min(best, time.perf_counter() - start)
-    return round(best * 1e3, 3)
+        for weight in weights:
+            matmul(inputs[name][_in_features(weight)], weight)
+        return time.perf_counter() - start
+
+    for name in candidates:  # warm-up: first touch, kernel selection
+        one_pass(name)
+    best = dict.fromkeys(candidates, float("inf"))
+    for _ in range(PROBE_REPEATS):
+        for name in candidates:
+            best[name] = min(best[name], one_pass(name))
+    return {name: round(seconds * 1e3, 3) for name, seconds in best.items()}
 
 
 def _in_features(weight: torch.Tensor | PackedWeight) -> int:
