@@ -372,6 +372,70 @@ static void store_bf16(char *dst, float value) {
     memcpy(dst, &bits, sizeof bits);
 }
 
+/* What the work items of one call read and write. */
+typedef struct {
+    const Layout *layout;
+    ItemFn item;
+    int64_t element; /* bytes per element */
+    const char *query, *kv_cache, *value_cache;
+    const int64_t *block_table, *token_rows, *token_requests, *token_seq_lens;
+    int64_t bt_stride, num_kv_heads;
+    const int64_t *starts; /* the runs (NULL: a run per token) */
+    const int64_t *order;  /* the runs in the order attended (NULL: as planned) */
+    int64_t splits, width; /* parts per item; floats of one part's states */
+    char *out;
+    float *parts; /* the parts' states (NULL: items whole) */
+} Call;
+
+/* Piece i: part i % splits of the kv head i / splits % num_kv_heads of a run. */
+static void attend_piece(const Call *c, int64_t i) {
+    const Layout *L = c->layout;
+    const int64_t item = i / c->splits, part = i % c->splits, h = item % c->num_kv_heads;
+    const int64_t run = c->order ? c->order[item / c->num_kv_heads] : item / c->num_kv_heads;
+    const int64_t first = run_start(c->starts, run);
+    const int64_t num_rows = run_start(c->starts, run + 1) - first;
+    int64_t longest = 0;
+    for (int64_t r = 0; r < num_rows; r++)
+        if (c->token_seq_lens[first + r] > longest) longest = c->token_seq_lens[first + r];
+    /* part p: chunks [p·n / splits, (p + 1)·n / splits) of the longest context's n */
+    const int64_t chunks = (longest + CHUNK - 1) / CHUNK;
+    const int64_t begin = part * chunks / c->splits * CHUNK;
+    const int64_t end = (part + 1) * chunks / c->splits * CHUNK;
+    const Item work = {
+        .query = c->query + h * L->group * L->q_head_stride * c->element,
+        .keys = c->kv_cache + h * L->head_dim * c->element,
+        .values = c->value_cache + h * L->head_dim * c->element,
+        .blocks = c->block_table + c->token_requests[first] * c->bt_stride,
+        .rows = c->token_rows + first,
+        .lens = c->token_seq_lens + first,
+        .num_rows = num_rows,
+        .begin = begin,
+        .end = end < longest ? end : longest,
+        .out = c->out + h * L->group * L->head_dim * c->element,
+        .state = c->parts ? c->parts + i * c->width : NULL,
+    };
+    c->item(L, &work);
+}
+
+/* The runs by their number of tokens, most first (a counting sort), into `order`; 0 where
+   every run has as many (then the planned order is kept). Static scheduling gives each thread
+   a contiguous range of items, so a step's few long runs (tokens verifying drafts, short
+   prompt chunks) beside many single decodes landed on one thread together. */
+static int uneven_runs(const int64_t *starts, int64_t runs, int64_t max_rows, int64_t *order) {
+    int64_t counts[MAX_QUERIES + 1] = {0};
+    for (int64_t run = 0; run < runs; run++) counts[starts[run + 1] - starts[run]]++;
+    int64_t kinds = 0;
+    for (int64_t rows = 1; rows <= max_rows; rows++) kinds += counts[rows] > 0;
+    if (kinds < 2) return 0;
+    int64_t next[MAX_QUERIES + 1];
+    for (int64_t rows = max_rows, at = 0; rows >= 1; rows--) {
+        next[rows] = at;
+        at += counts[rows];
+    }
+    for (int64_t run = 0; run < runs; run++) order[next[starts[run + 1] - starts[run]]++] = run;
+    return 1;
+}
+
 /* Plans the runs and their parts, attends to them over the threads, merges split parts. */
 static void attend(const Layout *L, ItemFn item, size_t element, void (*store)(char *, float),
                    const char *query, const char *kv_cache, const char *value_cache,
@@ -379,45 +443,37 @@ static void attend(const Layout *L, ItemFn item, size_t element, void (*store)(c
                    const int64_t *token_requests, const int64_t *token_seq_lens,
                    int64_t num_tokens, int64_t num_kv_heads, char *out, int num_threads) {
     const int64_t max_rows = MAX_QUERIES / L->group;
-    int64_t *starts = num_tokens > 0 ? malloc(sizeof(int64_t) * (num_tokens + 1)) : NULL;
+    /* the runs' starts, then room for their order */
+    int64_t *starts = num_tokens > 0 ? malloc(sizeof(int64_t) * (2 * num_tokens + 1)) : NULL;
     const int64_t runs = starts ? plan_runs(token_requests, num_tokens, max_rows, starts)
                                 : num_tokens;
-    const int64_t items = runs * num_kv_heads, D = L->head_dim;
-    const int64_t width = (starts ? max_rows : 1) * L->group * (D + 2); /* one part's states */
-    int64_t splits = split_count(items, num_threads, token_seq_lens, num_tokens);
-    float *parts = splits > 1 ? malloc(sizeof(float) * items * splits * width) : NULL;
-    if (parts == NULL) splits = 1;
-    #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t i = 0; i < items * splits; i++) {
-        const int64_t run = i / splits / num_kv_heads, h = i / splits % num_kv_heads;
-        const int64_t part = i % splits, first = run_start(starts, run);
-        const int64_t num_rows = run_start(starts, run + 1) - first;
-        int64_t longest = 0;
-        for (int64_t r = 0; r < num_rows; r++)
-            if (token_seq_lens[first + r] > longest) longest = token_seq_lens[first + r];
-        /* part p: chunks [p·n / splits, (p + 1)·n / splits) of the longest context's n */
-        const int64_t chunks = (longest + CHUNK - 1) / CHUNK;
-        const int64_t begin = part * chunks / splits * CHUNK;
-        const int64_t end = (part + 1) * chunks / splits * CHUNK;
-        const Item work = {
-            .query = query + h * L->group * L->q_head_stride * (int64_t)element,
-            .keys = kv_cache + h * D * (int64_t)element,
-            .values = value_cache + h * D * (int64_t)element,
-            .blocks = block_table + token_requests[first] * bt_stride,
-            .rows = token_rows + first,
-            .lens = token_seq_lens + first,
-            .num_rows = num_rows,
-            .begin = begin,
-            .end = end < longest ? end : longest,
-            .out = out + h * L->group * D * (int64_t)element,
-            .state = parts ? parts + i * width : NULL,
-        };
-        item(L, &work);
+    const int64_t items = runs * num_kv_heads;
+    Call call = {
+        .layout = L, .item = item, .element = (int64_t)element, .query = query,
+        .kv_cache = kv_cache, .value_cache = value_cache, .block_table = block_table,
+        .token_rows = token_rows, .token_requests = token_requests,
+        .token_seq_lens = token_seq_lens, .bt_stride = bt_stride, .num_kv_heads = num_kv_heads,
+        .starts = starts, .out = out,
+        .splits = split_count(items, num_threads, token_seq_lens, num_tokens),
+        .width = (starts ? max_rows : 1) * L->group * (L->head_dim + 2),
+    };
+    if (call.splits > 1) {
+        call.parts = malloc(sizeof(float) * items * call.splits * call.width);
+        if (call.parts == NULL) call.splits = 1;
     }
-    if (parts)
-        merge_parts(L, parts, splits, width, starts, num_kv_heads, items, token_rows, out,
-                    element, store);
-    free(parts);
+    const int64_t pieces = items * call.splits;
+    if (starts && call.splits == 1 && uneven_runs(starts, runs, max_rows, starts + runs + 1)) {
+        call.order = starts + runs + 1; /* the longest runs first, taken as threads free up */
+        #pragma omp parallel for schedule(dynamic) num_threads(num_threads)
+        for (int64_t i = 0; i < pieces; i++) attend_piece(&call, i);
+    } else {
+        #pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t i = 0; i < pieces; i++) attend_piece(&call, i);
+    }
+    if (call.parts)
+        merge_parts(L, call.parts, call.splits, call.width, starts, num_kv_heads, items,
+                    token_rows, out, element, store);
+    free(call.parts);
     free(starts);
 }
 
