@@ -89,11 +89,17 @@ def test_build_batch_positions_and_slots():
     ]  # fmt: skip
     assert batch.attn_metadata.seq_lens_cpu.tolist() == [30, 5]
     assert batch.logits_indices.tolist() == [7]
-    # A request with a few new tokens after its first step is attended to token by token.
+    # A request with a few new tokens (after its first step or not) is attended to in the
+    # batched decode calls, each token over the positions up to its own.
     metadata = batch.attn_metadata
-    assert metadata.decode_token_indices_cpu.tolist() == [0, 1, 2]
-    assert metadata.decode_token_requests_cpu.tolist() == [0, 0, 0]
-    assert metadata.decode_token_seq_lens_cpu.tolist() == [28, 29, 30]
+    assert metadata.decode_token_indices_cpu.tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert metadata.decode_token_requests_cpu.tolist() == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert metadata.decode_token_seq_lens_cpu.tolist() == [28, 29, 30, 1, 2, 3, 4, 5]
+    assert metadata.prefill_indices_cpu.tolist() == []
+    # More than MAX_DECODE_QUERY new tokens: a prefill chunk, attended to in one call.
+    longer = [Slice([1, 2], 1, 1, [0]), Slice(list(range(17)), 0, 17, [1, 2])]
+    metadata = build_batch(longer, 16, torch.device("cpu")).attn_metadata
+    assert metadata.decode_token_indices_cpu.tolist() == [0]
     assert metadata.prefill_indices_cpu.tolist() == [1]
 
 

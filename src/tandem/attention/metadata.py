@@ -77,8 +77,10 @@ class BatchInputs:
 _NONE = np.zeros(0, dtype=np.int64)
 _NONE.flags.writeable = False
 
-# A request with at most this many query tokens (after the first step) is attended to token by
-# token in the batched decode calls: draft verification, not worth a call of its own.
+# A request with at most this many query tokens (its decode token, the tokens verifying its
+# drafts, a short prompt chunk) is attended to in the batched decode calls, each token over the
+# positions up to its own (its keys are stored first): not worth a prefill call of its own, and
+# a step of nothing else runs the CPU's fused decode step (worker/cpu_decode.py).
 MAX_DECODE_QUERY = 16
 
 
@@ -235,7 +237,7 @@ def _mixed_arrays(
         logits_indices = (
             first + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
         )
-    is_decode = (num_new == 1) | ((num_computed > 0) & (num_new <= MAX_DECODE_QUERY))
+    is_decode = num_new <= MAX_DECODE_QUERY
     decode_tokens = np.flatnonzero(is_decode[req_of_token])
     prompt_logits = None
     if prompt_logits_ranges is not None:

@@ -3,7 +3,8 @@
 A batch-1 decode step of a small model is mostly Python and op dispatch: ~25 torch ops per
 layer, each costing more than its arithmetic. Where every linear layer's weight is packed for
 the C kernel (GGUF Q4_0 / Q4_1 / Q8_0) and attention runs on the cpu backend, the whole layer
-stack of a step whose tokens are all decode (or draft-verification) tokens runs in C, through
+stack of a step whose tokens are all decode tokens (attention/metadata.py's: a request's one
+new token, the tokens verifying its drafts, a short prompt chunk) runs in C, through
 the kernels the layer-by-layer path calls; the embedding and the LM head stay in torch, the
 final norm is one more kernel call. This is the CPU's counterpart of worker/cuda_graphs.py:
 the model runner asks `fits(batch)`, then `run(batch)` for the final hidden states.
@@ -120,8 +121,8 @@ class CpuDecode:
         )  # fmt: skip
 
     def fits(self, batch: BatchInputs) -> bool:
-        """Every token of the step is a decode (or draft-verification) token, few enough for
-        the packed weights, over the caches this was built for."""
+        """Every token of the step is a decode token (one of a request's few new tokens), few
+        enough for the packed weights, over the caches this was built for."""
         md = batch.attn_metadata
         num_tokens = batch.input_ids.shape[0]
         return (

@@ -7,8 +7,9 @@
    versions for the norms and RoPE; attention in the cache's element type). The residual
    stream stays fp32 across layers; the query, keys and values are rounded to the cache's
    element type, as they are layer by layer. Returns -1 where the scratch buffers cannot be
-   allocated, else 0. Used for steps whose every token is a decode
-   (or draft-verification) token and whose weights are all packed (worker/cpu_decode.py). */
+   allocated, else 0. Used for steps whose every token is a decode token (a request's one new
+   token, its draft-verification tokens, a short prompt chunk) and whose weights are all packed
+   (worker/cpu_decode.py). */
 
 #include <stdlib.h>
 #include <string.h>
