@@ -13,6 +13,10 @@ Each server starts alone; nothing else computes while one runs. Results (JSON, I
 Markdown summary) go to benchmarks/results/itl_target/.
 
     .venv/bin/python benchmarks/itl_target.py [--long-prompts 3]
+    .venv/bin/python benchmarks/itl_target.py --only-target MS   # that target's row alone
+
+`--only-target MS` runs the stutter scenario under that target only (no streams-alone run, no
+fixed budgets): for A/Bs of the scheduler at one target, runs of two trees alternated.
 """
 
 from __future__ import annotations
@@ -83,11 +87,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--long-prompts", type=int, default=3)
     parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks/results/itl_target")
+    parser.add_argument("--only-target", type=float, metavar="MS")
     args = parser.parse_args()
     out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
     flag = policy_flag()
     info = machine()
+    if args.only_target:
+        target_args = [flag, "decode-first", "--max-num-batched-tokens", "2048",
+                       "--target-itl-ms", f"{args.only_target:.1f}"]  # fmt: skip
+        label = f"target {args.only_target:.0f} ms"
+        f = stream_figures(run_server(target_args, label, stutter(args.long_prompts), out))
+        print(f"{label}: ITL p50 {f['itl_p50']:.0f} ms, p99 {f['itl_p99']:.0f} ms, max "
+              f"{f['itl_max']:.0f} ms ({f['itl_max'] / args.only_target:.2f}x), long TTFT "
+              f"{f['long_ttft']:.0f} ms", flush=True)  # fmt: skip
+        return
 
     alone = run_server([], "streams alone", stutter(0), out)
     decode_step_ms = stream_figures(alone)["itl_p50"]

@@ -272,8 +272,29 @@ def test_prompts_progress_when_decodes_alone_exceed_the_target():
     long_prompt = add(scheduler, "long", 100, max_tokens=1, ignore_eos=True)
     outputs = run_to_completion(scheduler)
     chunks = [s.num_new_tokens for o in outputs for s in o.scheduled if s.request_id == "long"]
-    assert sum(chunks) == 100 and max(chunks) <= MIN_PREFILL_TOKENS
+    assert chunks == [MIN_PREFILL_TOKENS] * 6 + [100 - 6 * MIN_PREFILL_TOKENS]
     assert long_prompt.num_output_tokens == 1
+
+
+def test_a_forced_chunk_takes_what_the_target_itself_allows():
+    """Decodes alone over the planning target (24 ms less a headroom of 0.5: 16 ms) but under
+    the target itself: the prompt still progresses every step, by as many tokens as keep the
+    step within the target (a few), not a fixed MIN_PREFILL_TOKENS that would overrun it."""
+    cost = FakeCost(headroom=0.5)
+    scheduler = targeted(0.024, cost)
+    for index in range(8):
+        add(scheduler, f"stream{index}", 8, max_tokens=100, ignore_eos=True)
+    step(scheduler)
+    long_prompt = add(scheduler, "long", 60, max_tokens=1, ignore_eos=True)
+    outputs = run_to_completion(scheduler)
+    chunks = []
+    for output in outputs:
+        for scheduled in output.scheduled:
+            if scheduled.request_id == "long" and scheduled.num_new_tokens > 0:
+                chunks.append(scheduled.num_new_tokens)
+                assert cost.predict(batch_sums(output.scheduled)) <= 0.024 + 1e-12
+    assert sum(chunks) == 60 and long_prompt.num_output_tokens == 1
+    assert max(chunks) < MIN_PREFILL_TOKENS and min(chunks[:-1]) > 1, chunks
 
 
 def test_target_changes_steps_not_outputs():

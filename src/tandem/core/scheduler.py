@@ -96,8 +96,9 @@ class StepCostPredictor(Protocol):
     def predict(self, sums: BatchSums) -> float: ...
 
 
-# With an ITL target, a step whose decodes alone reach it still takes this many prompt tokens,
-# so that prompts always progress (no starvation under heavy decode load).
+# With an ITL target, a step where no prompt tokens fit still takes up to this many (as many as
+# keep it within the target itself, at least one; all where its decodes alone pass the
+# target), so that prompts always progress (no starvation under heavy decode load).
 MIN_PREFILL_TOKENS = 16
 # Acceptance estimates: a request's own counts are blended with the engine-wide rate as if it
 # had this many verifications of that rate, and decay by this factor at each verification (and
@@ -641,32 +642,45 @@ class Scheduler:
         of them without a target. The prediction grows with the chunk, so a bisection finds
         it; it is held within the target less the cost model's headroom (its recent over-runs
         on such steps), and the chunk to what fills the step to twice the most tokens the
-        model has seen (but at least MIN_PREFILL_TOKENS). The step's first chunk gets at least
-        MIN_PREFILL_TOKENS, target or not."""
+        model has seen (but at least MIN_PREFILL_TOKENS). Prompts always progress: where no
+        token fits, the step's first chunk still gets as many of MIN_PREFILL_TOKENS as keep
+        the step within the target itself (its headroom aside), at least one; all of them
+        where the step's decodes alone already pass the target, which then cannot be met
+        anyway. (A fixed forced chunk overran targets the decodes left room for: in fp32, 16
+        prompt tokens beside 8 decodes made the streams' worst gaps, 1.4-1.7x the target.)"""
         target = self._planning_target()
         if target is None or num_tokens == 0:
             return num_tokens
         assert self.cost_model is not None
-        trusted = 2 * max(self.cost_model.max_observed_tokens, MIN_PREFILL_TOKENS)
+        cost_model = self.cost_model
+        trusted = 2 * max(cost_model.max_observed_tokens, MIN_PREFILL_TOKENS)
         num_tokens = min(num_tokens, max(trusted - plan.num_new_tokens, MIN_PREFILL_TOKENS))
 
-        def fits(num_new: int) -> bool:
-            sums = request_sums(num_computed, num_new, num_new == num_remaining)
-            return self.cost_model.predict(plan.sums + sums) <= target
+        def most_within(limit: float, most: int) -> int:
+            """The most of `most` tokens whose step is predicted within `limit` (0: none)."""
 
-        if fits(num_tokens):
-            chosen = num_tokens
-        else:
-            low, high = 0, num_tokens  # fits(low) or low == 0; never fits(high)
+            def fits(num_new: int) -> bool:
+                sums = request_sums(num_computed, num_new, num_new == num_remaining)
+                return cost_model.predict(plan.sums + sums) <= limit
+
+            if fits(most):
+                return most
+            low, high = 0, most  # fits(low) or low == 0; never fits(high)
             while high - low > 1:
                 middle = (low + high) // 2
                 if fits(middle):
                     low = middle
                 else:
                     high = middle
-            chosen = low
-            if chosen == 0 and not plan.has_prefill:
-                chosen = min(num_tokens, MIN_PREFILL_TOKENS)
+            return low
+
+        chosen = most_within(target, num_tokens)
+        if chosen == 0 and not plan.has_prefill:
+            forced = min(num_tokens, MIN_PREFILL_TOKENS)
+            limit = self.config.target_step_time
+            if cost_model.predict(plan.sums) <= limit:
+                forced = max(1, most_within(limit, forced))
+            chosen = forced
         plan.has_prefill = plan.has_prefill or chosen > 0
         return chosen
 
