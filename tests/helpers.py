@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,18 @@ def cpu_has(flag: str) -> bool:
         return f" {flag} " in Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
+
+
+def kernels_built_for(march: str, folder: Path) -> ctypes.CDLL:
+    """The kernel library built for an older x86 level (`-march=haswell`: AVX2; `x86-64`: SSE2
+    only) into `folder`: the machines tandem runs on differ. Skips where this CPU cannot run
+    that build's AVX2."""
+    if march == "haswell" and not cpu_has("avx2"):
+        pytest.skip("this CPU has no AVX2")
+    flags = [f"-march={march}" if flag == "-march=native" else flag for flag in cpu_kernel.FLAGS]
+    target = folder / "kernels.so"
+    cpu_kernel._build(cpu_kernel._compiler(), target, flags)
+    return ctypes.CDLL(str(target))
 
 
 needs_cpu_kernels = pytest.mark.skipif(

@@ -17,7 +17,7 @@ import torch
 from tandem.attention import backends, cpu_backend, cpu_kernel, torch_backend
 from tandem.attention.metadata import build_batch
 
-from helpers import Slice, compare_attention_backends, cpu_has, needs_cpu_kernels
+from helpers import Slice, compare_attention_backends, cpu_has, kernels_built_for, needs_cpu_kernels
 from helpers import attention_tolerance as tolerance
 
 pytestmark = needs_cpu_kernels
@@ -118,12 +118,7 @@ def torch_threads(num_threads: int) -> Iterator[None]:
 def test_the_kernel_built_for_older_x86_matches_the_torch_backend(monkeypatch, tmp_path, march):
     """Without AVX-512 every head size takes the scalar item (64 and 128 compiled as
     constants): runs, split contexts and mixed batches still equal the oracle."""
-    if march == "haswell" and not cpu_has("avx2"):
-        pytest.skip("this CPU has no AVX2")
-    flags = [f"-march={march}" if flag == "-march=native" else flag for flag in cpu_kernel.FLAGS]
-    target = tmp_path / "kernels.so"
-    cpu_kernel._build(cpu_kernel._compiler(), target, flags)
-    library = ctypes.CDLL(str(target))
+    library = kernels_built_for(march, tmp_path)
 
     def older_kernel(dtype: torch.dtype, head_dim: int) -> ctypes._CFuncPtr:
         specialized = f"_{head_dim}" if head_dim in cpu_kernel.SPECIALIZED_HEAD_DIMS else ""

@@ -5,7 +5,6 @@ kernel is not built) within bf16 rounding; a linear layer uses them only for ste
 
 from __future__ import annotations
 
-import ctypes
 import platform
 from dataclasses import replace
 
@@ -20,7 +19,7 @@ from tandem.models.layers import Linear, MergedLinear
 from tandem.models.loader import attach_packed_weights
 from tandem.models.packed import PackedWeight, QuantBlocks
 
-from helpers import cpu_has, needs_cpu_kernels
+from helpers import kernels_built_for, needs_cpu_kernels
 
 QUANT_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
 KERNELS = [
@@ -164,12 +163,7 @@ def test_a_layer_with_a_shard_in_another_format_stays_dense():
 def test_the_c_kernel_built_for_older_x86_gives_the_same_results(tmp_path, march):
     """The machines tandem runs on differ (AVX2 only, AVX-512): the kernel's AVX2 and plain-C
     paths give the native build's results."""
-    if march == "haswell" and not cpu_has("avx2"):
-        pytest.skip("this CPU has no AVX2")
-    flags = [f"-march={march}" if flag == "-march=native" else flag for flag in cpu_kernel.FLAGS]
-    target = tmp_path / "kernels.so"
-    cpu_kernel._build(cpu_kernel._compiler(), target, flags)
-    function = ctypes.CDLL(str(target)).packed_matmul_f32
+    function = kernels_built_for(march, tmp_path).packed_matmul_f32
     function.argtypes = cpu_kernel._PACKED_MATMUL_ARGTYPES
     torch.manual_seed(0)
     for quant_type in QUANT_TYPES:

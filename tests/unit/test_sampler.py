@@ -24,7 +24,7 @@ from tandem.worker.sampler import (
     token_logprobs,
 )
 
-from helpers import cpu_has, needs_cpu_kernels
+from helpers import kernels_built_for, needs_cpu_kernels
 
 # Distinct logits over a small vocab; sorted order 2, 7, 0, 4, 1, 6, 3, 5. Every truncation
 # boundary used below is at least 0.03 away from its threshold, far above float32 error.
@@ -769,12 +769,7 @@ def test_kernel_argmax_is_torchs_first_argmax():
 def test_the_sampling_kernel_built_for_older_x86_draws_the_same_tokens(tmp_path, march):
     """Without AVX-512 the kernel's max and candidate passes run as plain loops: the same
     tokens as the native build, for every mix, on ordinary rows."""
-    if march == "haswell" and not cpu_has("avx2"):
-        pytest.skip("this CPU has no AVX2")
-    flags = [f"-march={march}" if flag == "-march=native" else flag for flag in cpu_kernel.FLAGS]
-    target = tmp_path / "kernels.so"
-    cpu_kernel._build(cpu_kernel._compiler(), target, flags)
-    library = ctypes.CDLL(str(target))
+    library = kernels_built_for(march, tmp_path)
     library.sample_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                     *[ctypes.c_void_p] * 7, ctypes.c_int]  # fmt: skip
     library.sample_rows.restype = None
