@@ -1,7 +1,8 @@
 """The fused CPU decode step (worker/cpu_decode.py, csrc/decode_forward.c): a step whose every
-token is a decode or draft-verification token runs all the layers in one C call, and gives
-the layer-by-layer forward's hidden states and cache contents (within fp32 rounding in an
-fp32 model; in a bf16 one, within bf16 rounding: the fused residual stream stays fp32)."""
+token is a decode token (one of a request's few new tokens) runs all the layers in one C call,
+and gives the layer-by-layer forward's hidden states and cache contents (within fp32 rounding
+in an fp32 model; in a bf16 one, within bf16 rounding: the fused residual stream stays
+fp32)."""
 
 from __future__ import annotations
 

@@ -40,8 +40,9 @@ class AttentionMetadata:
     seq_lens_cpu: np.ndarray
     num_computed_tokens_cpu: np.ndarray
     # Query tokens attended to in batched calls, each over its own context (the positions up
-    # to its own): decode tokens, and the few tokens of a request verifying drafts. Every
-    # other request is a prefill chunk, attended to whole.
+    # to its own): the tokens of every request with at most MAX_DECODE_QUERY new ones (a decode
+    # token, the tokens verifying drafts, a short prompt chunk). Every other request is a
+    # prefill chunk, attended to whole.
     decode_token_indices_cpu: np.ndarray  # [D] rows of the batch
     decode_token_requests_cpu: np.ndarray  # [D] the request of each
     decode_token_seq_lens_cpu: np.ndarray  # [D] context length at each: position + 1

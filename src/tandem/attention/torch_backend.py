@@ -1,9 +1,10 @@
 """Reference paged attention in plain torch: the CPU path and the oracle for other backends.
 
-Decode tokens (a request's one query token, or each of the few tokens of a request verifying
-draft tokens) are attended to together in batched calls, each over its own context gathered
-through its request's block table; prefill chunks (few per step) go one request at a time
-through SDPA, with a causal mask offset by the tokens already in the cache.
+Decode tokens (the tokens of a request with at most 16 new ones: its one query token, the
+tokens verifying its drafts, a short prompt chunk) are attended to together in batched calls,
+each over its own context gathered through its request's block table; prefill chunks (few per
+step) go one request at a time through SDPA, with a causal mask offset by the tokens already in
+the cache.
 """
 
 from __future__ import annotations

@@ -443,6 +443,7 @@ static void attend(const Layout *L, ItemFn item, size_t element, void (*store)(c
                    const int64_t *token_requests, const int64_t *token_seq_lens,
                    int64_t num_tokens, int64_t num_kv_heads, char *out, int num_threads) {
     const int64_t max_rows = MAX_QUERIES / L->group;
+    if (max_rows < 1) return; /* cpu_kernel.supports() binds the torch backend to such groups */
     /* the runs' starts, then room for their order */
     int64_t *starts = num_tokens > 0 ? malloc(sizeof(int64_t) * (2 * num_tokens + 1)) : NULL;
     const int64_t runs = starts ? plan_runs(token_requests, num_tokens, max_rows, starts)
