@@ -57,6 +57,18 @@ static inline int64_t chunk_at(const int64_t *blocks, int64_t start, int64_t con
     return count < block_size - in_block ? count : block_size - in_block;
 }
 
+/* The chunk at `start` (returns its count, `slot` its first position's slot) and the next one,
+   to fetch while this one is read (`ahead` its count, 0 past `context`; `next_slot`). */
+static inline int64_t chunk_and_next(const int64_t *blocks, int64_t start, int64_t context,
+                                     int64_t block_size, int64_t *slot, int64_t *ahead,
+                                     int64_t *next_slot) {
+    const int64_t count = chunk_at(blocks, start, context, block_size, slot);
+    *ahead = start + count < context
+                 ? chunk_at(blocks, start + count, context, block_size, next_slot)
+                 : 0;
+    return count;
+}
+
 /* A run's context limits per query head within [begin, end); returns the largest. */
 static inline int64_t query_limits(const Layout *L, const Item *it, int64_t limit[MAX_QUERIES]) {
     int64_t context = it->begin;
@@ -112,11 +124,10 @@ static void NAME(const Layout *L, const Item *it) {                             
         running_max[j] = -INFINITY;                                                             \
         running_sum[j] = 0.0f;                                                                  \
     }                                                                                           \
-    int64_t count, slot, next_slot = 0;                                                         \
+    int64_t count, slot, ahead, next_slot = 0;                                                  \
     for (int64_t start = it->begin; start < context; start += count) {                          \
-        count = chunk_at(it->blocks, start, context, L->block_size, &slot);                     \
-        const int64_t ahead = start + count < context ? chunk_at(it->blocks, start + count,     \
-                                  context, L->block_size, &next_slot) : 0;                      \
+        count = chunk_and_next(it->blocks, start, context, L->block_size, &slot, &ahead,        \
+                               &next_slot);                                                     \
         for (int64_t p = 0; p < ahead; p++)                                                     \
             prefetch_position((const char *)((const T *)it->keys + (next_slot + p) * L->row),   \
                               (const char *)((const T *)it->values + (next_slot + p) * L->row), \
@@ -231,12 +242,11 @@ static void NAME(const Layout *L, const Item *it) {                             
         running_max[j] = -INFINITY;                                                             \
         running_sum[j] = 0.0f;                                                                  \
     }                                                                                           \
-    int64_t count, slot, next_slot = 0;                                                         \
+    int64_t count, slot, ahead, next_slot = 0;                                                  \
     for (int64_t start = it->begin; start < context; start += count) {                          \
-        count = chunk_at(it->blocks, start, context, L->block_size, &slot);                     \
         /* The next chunk's rows are fetched while this one's are widened, a row each. */      \
-        const int64_t ahead = start + count < context ? chunk_at(it->blocks, start + count,     \
-                                  context, L->block_size, &next_slot) : 0;                      \
+        count = chunk_and_next(it->blocks, start, context, L->block_size, &slot, &ahead,        \
+                               &next_slot);                                                     \
         for (int64_t p = 0; p < count || p < ahead; p++) {                                      \
             if (p < ahead)                                                                      \
                 prefetch_position((const char *)(key_cache + (next_slot + p) * L->row),         \
