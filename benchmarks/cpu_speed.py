@@ -320,6 +320,9 @@ def main() -> None:
                         help="only the speed rows (no breakdown, start-up or quality)")  # fmt: skip
     parser.add_argument("--breakdown-only", action="store_true",
                         help="only the batch-1 step's breakdown, tandem's engines")  # fmt: skip
+    parser.add_argument("--dtypes", nargs="+", choices=TANDEM_DTYPES, default=TANDEM_DTYPES,
+                        help="tandem's dtypes to run (bfloat16 is slow without native bf16 "
+                        "matmuls, e.g. on AVX2-only CPUs)")  # fmt: skip
     args = parser.parse_args()
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
@@ -336,9 +339,9 @@ def main() -> None:
     )
 
     if args.breakdown_only:
-        print_breakdown([Tandem(dtype) for dtype in TANDEM_DTYPES], args.rounds)
+        print_breakdown([Tandem(dtype) for dtype in args.dtypes], args.rounds)
         return
-    engines = [HF(), *(Tandem(dtype) for dtype in TANDEM_DTYPES)]
+    engines = [HF(), *(Tandem(dtype) for dtype in args.dtypes)]
     if args.compile:
         engines.append(Tandem("auto", compilation_level=3))
     if args.torch_attention:
@@ -371,7 +374,7 @@ def main() -> None:
     breakdown = print_breakdown(engines[1:], args.rounds)
     del engines
 
-    startup = {dtype: startup_seconds(dtype) for dtype in TANDEM_DTYPES}
+    startup = {dtype: startup_seconds(dtype) for dtype in args.dtypes}
     if args.compile:
         startup["auto compiled (to a first prefill and decode)"] = startup_seconds("auto", 3)
     print("\n## Start-up to a ready LLM (fresh process), s")

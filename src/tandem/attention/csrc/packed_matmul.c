@@ -3,8 +3,9 @@
    y = x·Wᵀ.
 
    The weights are laid out at load (models/packed.py) for this kernel: 16 output rows side by
-   side, so one vector holds the same input column of 16 rows. Per column the codes are widened
-   to fp32 once and multiplied into every token's 16 accumulators (a broadcast activation);
+   side, so one vector holds the same input column of 16 rows (of 8 where vectors are
+   narrower than AVX-512's: a group is then taken in two halves). Per column the codes are
+   widened to fp32 once and multiplied into every token's accumulators (a broadcast activation);
    per 32-column group the sums are scaled: Σ_g d·(q·x) + m·Σx. The weights are exactly the
    dequantized ones (d·q + m, d·(q − 8), d·q) and the sums fp32, so results equal the
    dequantized fp32 matrix's up to the order of the sums. Output row groups are spread over
@@ -34,102 +35,115 @@
 
 #define BLOCK 32
 #define LANES 16
-#define MAX_ROWS 8 /* token rows per pass over the weights; more rows take several passes */
 
 enum { Q4 = 0, Q8_0 = 1 }; /* Q4: w = d·q + m (a Q4_0 block arrives with m = −8d) */
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint8_t v16u8 __attribute__((vector_size(16)));
+/* The lanes of one vector. AVX-512 holds a row group's 16 rows in one register; elsewhere a
+   group is taken in two halves of 8 rows, so that AVX2's sixteen 256-bit registers hold four
+   token rows' sums (16-lane sums there are register pairs, and past one token row GCC spilled
+   them to the stack: two rows cost 5x one). */
+#if defined(__AVX512F__)
+#define WIDTH 16
+#define PASS_ROWS 8
+#else
+#define WIDTH 8
+#define PASS_ROWS 4
+#endif
 
-/* 16 bytes or 16 fp16 widened to 16 lanes (GCC scalarizes __builtin_convertvector's
+typedef float vf __attribute__((vector_size(4 * WIDTH)));
+typedef int32_t vi __attribute__((vector_size(4 * WIDTH)));
+typedef uint32_t vu __attribute__((vector_size(4 * WIDTH)));
+typedef uint8_t vu8 __attribute__((vector_size(WIDTH)));
+
+/* WIDTH bytes or fp16 widened to WIDTH lanes (GCC scalarizes __builtin_convertvector's
    widening, so the x86 instructions where there are any). */
-static inline v16i widen_u8(const uint8_t *p) {
-    v16u8 v;
+static inline vi widen_u8(const uint8_t *p) {
+    vu8 v;
     memcpy(&v, p, sizeof v);
 #if defined(__AVX512F__)
-    return (v16i)_mm512_cvtepu8_epi32((__m128i)v);
+    return (vi)_mm512_cvtepu8_epi32((__m128i)v);
 #elif defined(__AVX2__)
-    const __m256i halves[2] = {_mm256_cvtepu8_epi32((__m128i)v),
-                               _mm256_cvtepu8_epi32(_mm_srli_si128((__m128i)v, 8))};
-    v16i r;
-    memcpy(&r, halves, sizeof r);
-    return r;
+    return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
 #else
-    return __builtin_convertvector(v, v16i);
+    return __builtin_convertvector(v, vi);
 #endif
 }
 
-static inline v16f widen_f16(const uint16_t *p) {
+static inline vf widen_f16(const uint16_t *p) {
 #if defined(__AVX512F__)
-    return (v16f)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-#elif defined(__F16C__)
-    const __m256 halves[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)),
-                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)))};
-    v16f r;
-    memcpy(&r, halves, sizeof r);
-    return r;
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__F16C__) && defined(__AVX__)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 #else
-    v16f r;
-    for (int i = 0; i < LANES; i++) r[i] = f16_load(p[i]);
+    vf r;
+    for (int i = 0; i < WIDTH; i++) r[i] = f16_load(p[i]);
     return r;
 #endif
 }
 
-/* One row group (16 output rows) for TOKENS rows of x [TOKENS, k] (contiguous fp32), with
-   each column group's sum of x in sums [TOKENS, k / 32]; out[t * n_out + r] for the group's
-   `valid` rows. Called with constants, so the loops unroll into registers. */
-static inline __attribute__((always_inline)) void row_group(
+/* WIDTH of a row group's 16 output rows, from `lane` on, for TOKENS rows of x [TOKENS, k]
+   (contiguous fp32), with each column group's sum of x in sums [TOKENS, k / 32];
+   out[t * n_out + r] for the `valid` rows. Called with constants, so the loops unroll into
+   registers. */
+static inline __attribute__((always_inline)) void row_lanes(
     const uint8_t *codes, const uint16_t *scales, int64_t k, int quant_type, const float *x,
-    const float *sums, int tokens, float *out, int64_t n_out, int64_t valid) {
+    const float *sums, int tokens, float *out, int64_t n_out, int64_t valid, int lane) {
     const int64_t groups = k / BLOCK;
-    v16f acc[MAX_ROWS];
-    for (int t = 0; t < tokens; t++) acc[t] = (v16f){0};
+    vf acc[8];
+    for (int t = 0; t < tokens; t++) acc[t] = (vf){0};
     for (int64_t g = 0; g < groups; g++) {
-        v16f part[MAX_ROWS][2];
-        for (int t = 0; t < tokens; t++) part[t][0] = part[t][1] = (v16f){0};
+        vf part[8][2];
+        for (int t = 0; t < tokens; t++) part[t][0] = part[t][1] = (vf){0};
         if (quant_type == Q8_0) {
             /* Four columns a load: each row's int32 lane holds its codes of columns 4q..4q+3. */
-            const uint8_t *quads = codes + g * BLOCK * LANES;
+            const uint8_t *quads = codes + g * BLOCK * LANES + 4 * lane;
             for (int q = 0; q < BLOCK / 4; q++) {
-                v16u four;
+                vu four;
                 memcpy(&four, quads + q * 4 * LANES, sizeof four);
                 /* Shift the code to the top byte, then back down with its sign. */
-                const v16f w[4] = {__builtin_convertvector((v16i)(four << 24) >> 24, v16f),
-                                   __builtin_convertvector((v16i)(four << 16) >> 24, v16f),
-                                   __builtin_convertvector((v16i)(four << 8) >> 24, v16f),
-                                   __builtin_convertvector((v16i)four >> 24, v16f)};
+                const vf w[4] = {__builtin_convertvector((vi)(four << 24) >> 24, vf),
+                                 __builtin_convertvector((vi)(four << 16) >> 24, vf),
+                                 __builtin_convertvector((vi)(four << 8) >> 24, vf),
+                                 __builtin_convertvector((vi)four >> 24, vf)};
                 for (int c = 0; c < 4; c++)
                     for (int t = 0; t < tokens; t++)
                         part[t][c & 1] += w[c] * x[t * k + g * BLOCK + 4 * q + c];
             }
-            const v16f d = widen_f16(scales + g * LANES);
+            const vf d = widen_f16(scales + g * LANES + lane);
             for (int t = 0; t < tokens; t++) acc[t] += (part[t][0] + part[t][1]) * d;
         } else {
-            const uint8_t *column = codes + g * (BLOCK / 2) * LANES;
+            const uint8_t *column = codes + g * (BLOCK / 2) * LANES + lane;
             for (int j = 0; j < BLOCK / 2; j++) {
-                const v16i both = widen_u8(column + j * LANES);
-                const v16f low = __builtin_convertvector(both & 15, v16f);
-                const v16f high = __builtin_convertvector(both >> 4, v16f);
+                const vi both = widen_u8(column + j * LANES);
+                const vf low = __builtin_convertvector(both & 15, vf);
+                const vf high = __builtin_convertvector(both >> 4, vf);
                 for (int t = 0; t < tokens; t++) {
                     const float *xg = x + t * k + g * BLOCK;
                     part[t][0] += low * xg[j];
                     part[t][1] += high * xg[j + BLOCK / 2];
                 }
             }
-            const v16f d = widen_f16(scales + g * 2 * LANES);
-            const v16f m = widen_f16(scales + g * 2 * LANES + LANES);
+            const vf d = widen_f16(scales + g * 2 * LANES + lane);
+            const vf m = widen_f16(scales + g * 2 * LANES + LANES + lane);
             for (int t = 0; t < tokens; t++)
                 acc[t] += (part[t][0] + part[t][1]) * d + m * sums[t * groups + g];
         }
     }
     for (int t = 0; t < tokens; t++) {
-        if (valid == LANES)
+        if (valid == WIDTH)
             memcpy(out + t * n_out, &acc[t], sizeof acc[t]);
         else
             for (int64_t r = 0; r < valid; r++) out[t * n_out + r] = acc[t][r];
     }
+}
+
+/* One row group (16 output rows), its lanes a vector at a time; `valid` of them exist. */
+static inline __attribute__((always_inline)) void row_group(
+    const uint8_t *codes, const uint16_t *scales, int64_t k, int quant_type, const float *x,
+    const float *sums, int tokens, float *out, int64_t n_out, int64_t valid) {
+    for (int lane = 0; lane < LANES && lane < valid; lane += WIDTH)
+        row_lanes(codes, scales, k, quant_type, x, sums, tokens, out + lane, n_out,
+                  valid - lane < WIDTH ? valid - lane : WIDTH, lane);
 }
 
 static int64_t group_code_bytes(int64_t quant_type) {
@@ -156,7 +170,7 @@ DEFINE_1_TO_8(DEFINE_ROWS, rows_q8_0, Q8_0)
 typedef void (*rows_fn)(const uint8_t *, const uint16_t *, int64_t, int64_t, const float *,
                         const float *, float *, int);
 
-static const rows_fn ROWS_BY_TYPE[2][MAX_ROWS] = {TABLE_1_TO_8(rows_q4),
+static const rows_fn ROWS_BY_TYPE[2][8] = {TABLE_1_TO_8(rows_q4),
                                                   TABLE_1_TO_8(rows_q8_0)};
 
 /* out [num_tokens, n_out] = x [num_tokens, k] · Wᵀ, all fp32 and contiguous; k a multiple
@@ -165,9 +179,9 @@ void packed_matmul(const uint8_t *codes, const uint16_t *scales, int64_t quant_t
                    int64_t n_out, int64_t k, const float *x, int64_t num_tokens, float *out,
                    int num_threads) {
     const int64_t groups = k / BLOCK;
-    float sums[MAX_ROWS * groups];
-    for (int64_t t = 0; t < num_tokens; t += MAX_ROWS) {
-        const int64_t tokens = num_tokens - t < MAX_ROWS ? num_tokens - t : MAX_ROWS;
+    float sums[PASS_ROWS * groups];
+    for (int64_t t = 0; t < num_tokens; t += PASS_ROWS) {
+        const int64_t tokens = num_tokens - t < PASS_ROWS ? num_tokens - t : PASS_ROWS;
         for (int64_t i = 0; quant_type != Q8_0 && i < tokens * groups; i++) {
             float sum = 0.0f;
             for (int j = 0; j < BLOCK; j++) sum += x[t * k + i * BLOCK + j];
