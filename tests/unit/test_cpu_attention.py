@@ -116,8 +116,9 @@ def torch_threads(num_threads: int) -> Iterator[None]:
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 instruction-set levels")
 @pytest.mark.parametrize("march", ["haswell", "x86-64"])  # AVX2 + FMA; SSE2 only
 def test_the_kernel_built_for_older_x86_matches_the_torch_backend(monkeypatch, tmp_path, march):
-    """Without AVX-512 every head size takes the scalar item (64 and 128 compiled as
-    constants): runs, split contexts and mixed batches still equal the oracle."""
+    """Without AVX-512, heads of 64 and 128 take AVX2's 8-lane vector item (haswell) or the
+    scalar item compiled with them as constants (x86-64): runs, split contexts and mixed
+    batches still equal the oracle."""
     library = kernels_built_for(march, tmp_path)
 
     def older_kernel(dtype: torch.dtype, head_dim: int) -> ctypes._CFuncPtr:

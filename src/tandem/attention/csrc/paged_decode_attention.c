@@ -301,6 +301,147 @@ DEFINE_VECTOR_ITEM(vector_item_bf16_64, uint16_t, load16_bf16, bf16_store, 64)
 DEFINE_VECTOR_ITEM(vector_item_f32_128, float, load16_f32, f32_store, 128)
 DEFINE_VECTOR_ITEM(vector_item_bf16_128, uint16_t, load16_bf16, bf16_store, 128)
 #define VECTOR_ITEM(NAME, FALLBACK) NAME
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* AVX2's version of the vector item: 8 lanes, the chunk's 16 keys scored as two sets of 8
+   partial-sum vectors, each folded into 8 scores by horizontal adds (the scalar item's
+   vectorized dot product ends each position in a horizontal sum of its own: 1.4–2.0× slower
+   per call on an AVX2 EPYC). */
+
+/* sums[p] = Σ lanes of v[p], p < 8. */
+static inline __m256 lane_sums8(const __m256 v[8]) {
+    const __m256 pairs[4] = {_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]),
+                             _mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7])};
+    /* Each 128-bit half: the quads' sums of its half of v[0..3] (then v[4..7]). */
+    const __m256 low = _mm256_hadd_ps(pairs[0], pairs[1]);
+    const __m256 high = _mm256_hadd_ps(pairs[2], pairs[3]);
+    return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
+                         _mm256_permute2f128_ps(low, high, 0x31));
+}
+
+/* exp_nonpositive (vector_math.h) over 8 lanes: the same polynomial. */
+static inline __m256 exp_nonpositive8(__m256 x) {
+    const __m256 y = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)),
+                                   _mm256_set1_ps(1.44269504088896341f));
+    const __m256 n = _mm256_floor_ps(_mm256_add_ps(y, _mm256_set1_ps(0.5f)));
+    const __m256 f = _mm256_sub_ps(y, n);
+    __m256 p = _mm256_set1_ps(EXP2_POLYNOMIAL[0]);
+    for (int i = 1; i < EXP2_DEGREE + 1; i++)
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_POLYNOMIAL[i]));
+    const __m256i exponent = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+}
+
+static inline float reduce_max8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline float reduce_add8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8_bf16(const uint16_t *p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+#define DEFINE_VECTOR_ITEM(NAME, T, LOAD8, STORE, D)                                            \
+static void NAME(const Layout *L, const Item *it) {                                             \
+    enum { V = D / 8, HALF = CHUNK / 2 };                                                       \
+    const int64_t queries = it->num_rows * L->group;                                            \
+    const T *key_cache = it->keys, *value_cache = it->values;                                   \
+    float keys[CHUNK][D] __attribute__((aligned(32)));                                          \
+    float values[CHUNK][D] __attribute__((aligned(32)));                                        \
+    float q[MAX_QUERIES][D] __attribute__((aligned(32)));                                       \
+    float acc[MAX_QUERIES][D] __attribute__((aligned(32)));                                     \
+    float weights[CHUNK] __attribute__((aligned(32)));                                          \
+    float running_max[MAX_QUERIES], running_sum[MAX_QUERIES];                                   \
+    int64_t limit[MAX_QUERIES];                                                                 \
+    const int64_t context = query_limits(L, it, limit);                                         \
+    for (int64_t j = 0; j < queries; j++) {                                                     \
+        const T *src = (const T *)it->query + it->rows[j / L->group] * L->q_token_stride +      \
+                       j % L->group * L->q_head_stride;                                         \
+        for (int c = 0; c < V; c++)                                                             \
+            _mm256_store_ps(q[j] + 8 * c,                                                       \
+                            _mm256_mul_ps(LOAD8(src + 8 * c), _mm256_set1_ps(L->scale)));       \
+        memset(acc[j], 0, sizeof acc[j]);                                                       \
+        running_max[j] = -INFINITY;                                                             \
+        running_sum[j] = 0.0f;                                                                  \
+    }                                                                                           \
+    int64_t count, slot, ahead, next_slot = 0;                                                  \
+    for (int64_t start = it->begin; start < context; start += count) {                          \
+        count = chunk_and_next(it->blocks, start, context, L->block_size, &slot, &ahead,        \
+                               &next_slot);                                                     \
+        for (int64_t p = 0; p < count || p < ahead; p++) {                                      \
+            if (p < ahead)                                                                      \
+                prefetch_position((const char *)(key_cache + (next_slot + p) * L->row),         \
+                                  (const char *)(value_cache + (next_slot + p) * L->row),       \
+                                  D * (int64_t)sizeof(T));                                      \
+            if (p < count)                                                                      \
+                for (int c = 0; c < V; c++) {                                                   \
+                    _mm256_store_ps(keys[p] + 8 * c,                                            \
+                                    LOAD8(key_cache + (slot + p) * L->row + 8 * c));            \
+                    _mm256_store_ps(values[p] + 8 * c,                                          \
+                                    LOAD8(value_cache + (slot + p) * L->row + 8 * c));          \
+                }                                                                               \
+        }                                                                                       \
+        for (int64_t j = 0; j < queries; j++) {                                                 \
+            if (start >= limit[j]) continue;                                                    \
+            const int64_t n = limit[j] - start < count ? limit[j] - start : count;              \
+            __m256 scores[2], w[2], valid[2];                                                   \
+            for (int h = 0; h < 2; h++) {                                                       \
+                __m256 partial[HALF];                                                           \
+                for (int p = 0; p < HALF; p++) {                                                \
+                    partial[p] = _mm256_setzero_ps();                                           \
+                    if (h * HALF + p < n)                                                       \
+                        for (int c = 0; c < V; c++)                                             \
+                            partial[p] = _mm256_fmadd_ps(_mm256_load_ps(q[j] + 8 * c),          \
+                                                         _mm256_load_ps(keys[h * HALF + p] +    \
+                                                                        8 * c),                 \
+                                                         partial[p]);                           \
+                }                                                                               \
+                valid[h] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(                              \
+                    _mm256_set1_epi32((int)n - h * HALF),                                       \
+                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));                                \
+                scores[h] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), lane_sums8(partial),    \
+                                             valid[h]);                                         \
+            }                                                                                   \
+            const float block_max =                                                             \
+                fmaxf(running_max[j], reduce_max8(_mm256_max_ps(scores[0], scores[1])));        \
+            const float rescale = _mm256_cvtss_f32(                                             \
+                exp_nonpositive8(_mm256_set1_ps(running_max[j] - block_max)));                  \
+            for (int h = 0; h < 2; h++) {                                                       \
+                w[h] = _mm256_and_ps(valid[h], exp_nonpositive8(_mm256_sub_ps(                  \
+                                                   scores[h], _mm256_set1_ps(block_max))));     \
+                _mm256_store_ps(weights + h * HALF, w[h]);                                      \
+            }                                                                                   \
+            running_sum[j] = running_sum[j] * rescale + reduce_add8(_mm256_add_ps(w[0], w[1])); \
+            running_max[j] = block_max;                                                         \
+            __m256 sum[V];                                                                      \
+            for (int c = 0; c < V; c++)                                                         \
+                sum[c] = _mm256_mul_ps(_mm256_load_ps(acc[j] + 8 * c), _mm256_set1_ps(rescale));\
+            for (int64_t p = 0; p < n; p++)                                                     \
+                for (int c = 0; c < V; c++)                                                     \
+                    sum[c] = _mm256_fmadd_ps(_mm256_set1_ps(weights[p]),                        \
+                                             _mm256_load_ps(values[p] + 8 * c), sum[c]);        \
+            for (int c = 0; c < V; c++) _mm256_store_ps(acc[j] + 8 * c, sum[c]);                \
+        }                                                                                       \
+    }                                                                                           \
+    FINISH_QUERIES(T, STORE, D)                                                                 \
+}
+
+DEFINE_VECTOR_ITEM(vector_item_f32_64, float, load8_f32, f32_store, 64)
+DEFINE_VECTOR_ITEM(vector_item_bf16_64, uint16_t, load8_bf16, bf16_store, 64)
+DEFINE_VECTOR_ITEM(vector_item_f32_128, float, load8_f32, f32_store, 128)
+DEFINE_VECTOR_ITEM(vector_item_bf16_128, uint16_t, load8_bf16, bf16_store, 128)
+#define VECTOR_ITEM(NAME, FALLBACK) NAME
 #else
 DEFINE_SCALAR_ITEM(scalar_item_f32_64, float, f32_load, f32_store, 64)
 DEFINE_SCALAR_ITEM(scalar_item_bf16_64, uint16_t, bf16_load, bf16_store, 64)
