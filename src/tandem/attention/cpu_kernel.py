@@ -256,7 +256,8 @@ def sample_rows(
 
 
 def int8_matmul_vectorized() -> bool:
-    """Whether the int8-activation matmul has its vector path here (AVX-512 VNNI and VBMI)."""
+    """Whether the int8-activation matmul has a vector path here (AVX-512 VNNI and VBMI, or
+    AVX2 and FMA)."""
     library = load_library()
     return library is not None and bool(library.packed_matmul_int8_vectorized())
 

@@ -15,17 +15,19 @@
    rounding (≤ d_x / 2 per element); models/packed.py keeps this path for the step sizes the
    probe (engine/cpu_formats.py) found it fastest at.
 
-   On x86 with AVX-512 VNNI and VBMI (VBMI for the Q4 permute; a CPU with VNNI alone, such as
-   Cascade Lake, gets the plain C loop, and the probe does not offer int8 there): per 16-row
-   group and 32-column block the codes are put into VNNI order once (Q4: one byte permute per
-   64 bytes, then nibble masks; Q8_0 is stored in it) and reused by up to 8 token rows held in
-   registers. Elsewhere a plain C loop gives the same sums (tests build both). */
+   On x86 with AVX-512 VNNI and VBMI (VBMI for the Q4 permute): per 16-row group and 32-column
+   block the codes are put into VNNI order once (Q4: one byte permute per 64 bytes, then nibble
+   masks; Q8_0 is stored in it) and reused by up to 8 token rows held in registers. With AVX2
+   (and on a CPU with VNNI but not VBMI, such as Cascade Lake) the AVX2 path below gives the
+   same integer sums in 256-bit vectors. Elsewhere a plain C loop does (tests build all three);
+   the probe offers int8 only where a vector path is built. */
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "element_types.h"
 #include "kernels.h"
@@ -50,10 +52,15 @@ enum { Q4 = 0, Q8_0 = 1 };
 #else
 #define VNNI 0
 #endif
+#if !VNNI && defined(__AVX2__) && defined(__FMA__)
+#define AVX2_PATH 1
+#else
+#define AVX2_PATH 0
+#endif
 
-/* Whether this build has the vector path (elsewhere the plain C loop is far slower than the
+/* Whether this build has a vector path (elsewhere the plain C loop is far slower than the
    fp32-activation kernel, and the probe does not offer int8). */
-int packed_matmul_int8_vectorized(void) { return VNNI; }
+int packed_matmul_int8_vectorized(void) { return VNNI || AVX2_PATH; }
 
 /* x [k] to codes [k], per 8 columns d_x ([k / 8]) and per 32 Σ d_x·q_x ([k / 32]). Rounds to
    nearest even either way (the vector conversion under the default rounding mode,
@@ -180,6 +187,121 @@ static inline __attribute__((always_inline)) void row_group(
     }
     const __mmask16 rows = (__mmask16)((1u << valid) - 1);
     UNROLL for (int t = 0; t < tokens; t++) _mm512_mask_storeu_ps(out + t * n_out, rows, acc[t]);
+}
+#elif AVX2_PATH
+/* AVX2 without VNNI: a dot product of 4 code pairs is maddubs (unsigned codes times signed
+   activations, adjacent products summed to int16) then madd (adjacent int16 summed to int32).
+   Per 4 columns two vectors hold a group's 16 rows, one 32-bit lane per row: Q4 rows 0-3 and
+   8-11, then 4-7 and 12-15 (what in-lane byte shuffles of the column-major codes give; the
+   sums go back to row order at the end), Q8_0 rows 0-7, then 8-15 (stored that way). Q8_0's
+   signed codes go in as magnitudes with their signs moved onto the activations (maddubs's
+   first operand is unsigned; offset codes, as VNNI takes them, would overflow its int16). Each
+   product of a code and an activation scale d·d_x is formed once per 8 columns, so a row's
+   sum is Σ_s (d·d_xs)·Σ q·q_x: the integer sums equal VNNI's, the float steps differ in
+   order. */
+
+/* Byte i of each 128-bit lane of the result: the pairs (column c, c + 1) of rows 0-7 from
+   a lane holding 8 rows of column c, then the same rows of column c + 1. */
+static const uint8_t ROW_PAIRS[32] = {
+    0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+    0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+};
+
+/* Two Q4 columns c, c + 1 (16 rows each, contiguous) as pairs: rows 0-7 in the low lane,
+   8-15 in the high one. */
+static inline __m256i q4_pairs(const uint8_t *columns, __m256i row_pairs) {
+    const __m256i v = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i *)columns), 0xD8);
+    return _mm256_shuffle_epi8(v, row_pairs);
+}
+
+static inline __m256i dot4(__m256i codes, __m256i x4) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x4), _mm256_set1_epi16(1));
+}
+
+/* 8 fp16 scales of rows {a..a+3, b..b+3} as fp32. */
+static inline __m256 scales_of(const uint16_t *s, int a, int b) {
+    const __m128i four_a = _mm_loadl_epi64((const __m128i *)(s + a));
+    const __m128i four_b = _mm_loadl_epi64((const __m128i *)(s + b));
+    return _mm256_cvtph_ps(_mm_unpacklo_epi64(four_a, four_b));
+}
+
+static inline __attribute__((always_inline)) void row_group(
+    const uint8_t *codes, const uint16_t *scales, int64_t k, int quant_type, const int8_t *xq,
+    const float *xd, const float *xs, int tokens, float *out, int64_t n_out, int64_t valid) {
+    const int64_t groups = k / BLOCK;
+    const __m256i row_pairs = _mm256_loadu_si256((const __m256i *)ROW_PAIRS);
+    const __m256i nibble = _mm256_set1_epi8(15);
+    __m256 acc[MAX_ROWS][2];
+    for (int t = 0; t < tokens; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i w[8][2]; /* per 4 columns, the two vectors of rows */
+        __m256 d[2], m[2];
+        if (quant_type == Q8_0) {
+            const uint8_t *quads = codes + g * BLOCK * LANES;
+            for (int q = 0; q < 8; q++)
+                for (int h = 0; h < 2; h++)
+                    w[q][h] = _mm256_loadu_si256((const __m256i *)(quads + q * 4 * LANES + 32 * h));
+            d[0] = scales_of(scales + g * LANES, 0, 4);
+            d[1] = scales_of(scales + g * LANES, 8, 12);
+        } else {
+            const uint8_t *column = codes + g * (BLOCK / 2) * LANES;
+            for (int q = 0; q < 4; q++) {
+                const __m256i first = q4_pairs(column + 4 * q * LANES, row_pairs);
+                const __m256i second = q4_pairs(column + (4 * q + 2) * LANES, row_pairs);
+                const __m256i rows[2] = {_mm256_unpacklo_epi16(first, second),
+                                         _mm256_unpackhi_epi16(first, second)};
+                for (int h = 0; h < 2; h++) {
+                    w[q][h] = _mm256_and_si256(rows[h], nibble);          /* columns 4q.. */
+                    w[q + 4][h] = _mm256_and_si256(_mm256_srli_epi16(rows[h], 4), nibble);
+                }
+            }
+            const uint16_t *s = scales + g * 2 * LANES;
+            d[0] = scales_of(s, 0, 8);
+            d[1] = scales_of(s, 4, 12);
+            m[0] = scales_of(s + LANES, 0, 8);
+            m[1] = scales_of(s + LANES, 4, 12);
+        }
+        for (int s = 0; s < SUBS; s++)
+            for (int t = 0; t < tokens; t++) {
+                const int8_t *xt = xq + t * k + g * BLOCK + s * SUB;
+                int32_t four[2];
+                memcpy(four, xt, sizeof four);
+                const __m256i x4[2] = {_mm256_set1_epi32(four[0]), _mm256_set1_epi32(four[1])};
+                const __m256 x_scale = _mm256_set1_ps(xd[(t * groups + g) * SUBS + s]);
+                for (int h = 0; h < 2; h++) {
+                    __m256i dot;
+                    if (quant_type == Q8_0) {
+                        const __m256i a = w[2 * s][h], b = w[2 * s + 1][h];
+                        dot = _mm256_add_epi32(
+                            dot4(_mm256_abs_epi8(a), _mm256_sign_epi8(x4[0], a)),
+                            dot4(_mm256_abs_epi8(b), _mm256_sign_epi8(x4[1], b)));
+                    } else { /* two quads' int16 sums fit: 4 · 15 · 127 */
+                        dot = _mm256_madd_epi16(
+                            _mm256_add_epi16(_mm256_maddubs_epi16(w[2 * s][h], x4[0]),
+                                             _mm256_maddubs_epi16(w[2 * s + 1][h], x4[1])),
+                            _mm256_set1_epi16(1));
+                    }
+                    acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                                _mm256_mul_ps(d[h], x_scale), acc[t][h]);
+                }
+            }
+        if (quant_type == Q4)
+            for (int t = 0; t < tokens; t++)
+                for (int h = 0; h < 2; h++)
+                    acc[t][h] = _mm256_fmadd_ps(m[h], _mm256_set1_ps(xs[t * groups + g]),
+                                                acc[t][h]);
+    }
+    for (int t = 0; t < tokens; t++) {
+        float rows[LANES];
+        if (quant_type == Q8_0) {
+            _mm256_storeu_ps(rows, acc[t][0]);
+            _mm256_storeu_ps(rows + 8, acc[t][1]);
+        } else { /* rows {0-3, 8-11} and {4-7, 12-15} back in order */
+            _mm256_storeu_ps(rows, _mm256_permute2f128_ps(acc[t][0], acc[t][1], 0x20));
+            _mm256_storeu_ps(rows + 8, _mm256_permute2f128_ps(acc[t][0], acc[t][1], 0x31));
+        }
+        memcpy(out + t * n_out, rows, sizeof(float) * valid);
+    }
 }
 #else
 static inline void row_group(const uint8_t *codes, const uint16_t *scales, int64_t k,
