@@ -7,14 +7,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 from test_packed_weights import QUANT_TYPES, quantized
 
 from tandem.attention import cpu_kernel
 from tandem.models.layers import Linear
 from tandem.models.loader import attach_packed_weights
-from tandem.models.packed import PackedWeight
+from tandem.models.packed import PackedWeight, QuantBlocks
 
 from helpers import needs_cpu_kernels
 
@@ -65,6 +68,28 @@ def test_int8_matmul_equals_the_dequantized_product(quant_type, rows):
     # ... which is the fp32 product up to the activations' rounding.
     exact = x.double() @ weight.T
     assert (got.double() - exact).abs().max() <= 0.02 * exact.abs().max()
+
+
+def test_a_q8_0_code_of_minus_128_counts_as_minus_128():
+    """GGUF's quantizer writes codes within ±127, but a file may hold int8's −128; the AVX2
+    path takes Q8_0 codes as magnitudes, whose |−128| must read as 128."""
+    _, blocks = quantized(50, 160, "Q8_0")
+    data = blocks.data.copy()
+    data[3:40:3, 2:34:5] = 0x80  # codes of the first block of every third row (after fp16 d)
+    blocks = QuantBlocks(data, "Q8_0", 160)
+    weight = torch.from_numpy(dequantize(data, GGMLQuantizationType.Q8_0).reshape(50, 160)).double()
+    d = float(data[3, :2].view(np.float16)[0])
+    assert weight[3, 0] == -128 * d != 0
+    packed = PackedWeight.from_blocks(blocks, max_tokens=64, int8_min_tokens=1)
+    x = activations(5, 160)
+    codes, scales, _ = cpu_kernel.quantize_rows_int8(x)
+    x_int8 = (codes.reshape(5, 20, 8).double() * scales[..., None].double()).reshape(5, 160)
+    expected = x_int8 @ weight.T
+    got = packed.matmul(x).double()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max())
+    fp32 = replace(packed, int8_min_tokens=0).matmul(x).double()
+    exact = x.double() @ weight.T
+    torch.testing.assert_close(fp32, exact, rtol=1e-5, atol=1e-5 * exact.abs().max())
 
 
 @pytest.mark.parametrize("quant_type", QUANT_TYPES)

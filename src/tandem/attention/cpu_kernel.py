@@ -257,7 +257,7 @@ def sample_rows(
 
 def int8_matmul_vectorized() -> bool:
     """Whether the int8-activation matmul has a vector path here (AVX-512 VNNI and VBMI, or
-    AVX2 and FMA)."""
+    AVX2, FMA and F16C)."""
     library = load_library()
     return library is not None and bool(library.packed_matmul_int8_vectorized())
 

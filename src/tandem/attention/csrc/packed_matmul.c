@@ -58,13 +58,13 @@ typedef uint8_t vu8 __attribute__((vector_size(WIDTH)));
 /* WIDTH bytes or fp16 widened to WIDTH lanes (GCC scalarizes __builtin_convertvector's
    widening, so the x86 instructions where there are any). */
 static inline vi widen_u8(const uint8_t *p) {
-    vu8 v;
-    memcpy(&v, p, sizeof v);
 #if defined(__AVX512F__)
-    return (vi)_mm512_cvtepu8_epi32((__m128i)v);
+    return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
 #elif defined(__AVX2__)
     return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
 #else
+    vu8 v;
+    memcpy(&v, p, sizeof v);
     return __builtin_convertvector(v, vi);
 #endif
 }
@@ -170,8 +170,8 @@ DEFINE_1_TO_8(DEFINE_ROWS, rows_q8_0, Q8_0)
 typedef void (*rows_fn)(const uint8_t *, const uint16_t *, int64_t, int64_t, const float *,
                         const float *, float *, int);
 
-static const rows_fn ROWS_BY_TYPE[2][8] = {TABLE_1_TO_8(rows_q4),
-                                                  TABLE_1_TO_8(rows_q8_0)};
+/* Narrower builds call the first PASS_ROWS of each. */
+static const rows_fn ROWS_BY_TYPE[2][8] = {TABLE_1_TO_8(rows_q4), TABLE_1_TO_8(rows_q8_0)};
 
 /* out [num_tokens, n_out] = x [num_tokens, k] · Wᵀ, all fp32 and contiguous; k a multiple
    of 32. Also the fused decode forward's matmul. */

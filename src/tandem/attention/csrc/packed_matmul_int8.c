@@ -52,7 +52,7 @@ enum { Q4 = 0, Q8_0 = 1 };
 #else
 #define VNNI 0
 #endif
-#if !VNNI && defined(__AVX2__) && defined(__FMA__)
+#if !VNNI && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define AVX2_PATH 1
 #else
 #define AVX2_PATH 0

@@ -8,13 +8,13 @@
    whole kept mass (u in [0, 1) given per row, so seeded rows draw from their own generator).
 
    Per row: its max; with top-p, the whole row's mass (vectorized); then the candidates, the
-   tokens within DELTA of the max (a compare per 16 tokens with AVX-512), among which the cuts
-   are found: top-k's floor by a selection, top-p's by sorting only the bands of the candidates
-   its cut can fall in. The kept set must lie within the candidates: where it may not (top-k's
-   k-th token below them, or the mass top-p needs beyond them) the threshold goes lower and the
-   candidates are collected again, down to the whole row. So the kept set is the sort's (the
-   sampler's oracle) up to float rounding of the running mass right at p. A row with no cut
-   draws over the whole row, a block of exps at a time. */
+   tokens within DELTA of the max (a compare per 16 tokens with AVX-512, per 8 with AVX2),
+   among which the cuts are found: top-k's floor by a selection, top-p's by sorting only the
+   bands of the candidates its cut can fall in. The kept set must lie within the candidates:
+   where it may not (top-k's k-th token below them, or the mass top-p needs beyond them) the
+   threshold goes lower and the candidates are collected again, down to the whole row. So the
+   kept set is the sort's (the sampler's oracle) up to float rounding of the running mass right
+   at p. A row with no cut draws over the whole row, a block of exps at a time. */
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -51,6 +51,14 @@ static float row_max(const float *x, int64_t vocab) {
     __m512 vector_max = _mm512_set1_ps(-INFINITY);
     for (; i + 16 <= vocab; i += 16) vector_max = _mm512_max_ps(vector_max, _mm512_loadu_ps(x + i));
     max = _mm512_reduce_max_ps(vector_max);
+#elif defined(__AVX2__)
+    __m256 vector_max[2] = {_mm256_set1_ps(-INFINITY), _mm256_set1_ps(-INFINITY)};
+    for (; i + 16 <= vocab; i += 16)
+        for (int h = 0; h < 2; h++)
+            vector_max[h] = _mm256_max_ps(vector_max[h], _mm256_loadu_ps(x + i + 8 * h));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_max_ps(vector_max[0], vector_max[1]));
+    for (int lane = 0; lane < 8; lane++) max = lanes[lane] > max ? lanes[lane] : max;
 #endif
     for (; i < vocab; i++) max = x[i] > max ? x[i] : max;
     return max;
@@ -75,6 +83,20 @@ static int64_t collect(const float *x, int64_t vocab, float inverse_t, float thr
         unsigned mask = _mm512_cmp_ps_mask(_mm512_mul_ps(raw, scale), limit, _CMP_GE_OQ) &
                         _mm512_cmp_ps_mask(raw, minus_infinity, _CMP_GT_OQ);
         for (; mask; mask &= mask - 1) {
+            const int64_t j = i + __builtin_ctz(mask);
+            out[count].value = x[j] * inverse_t;
+            out[count++].index = (int32_t)j;
+        }
+    }
+#elif defined(__AVX2__)
+    const __m256 scale = _mm256_set1_ps(inverse_t), limit = _mm256_set1_ps(threshold);
+    const __m256 minus_infinity = _mm256_set1_ps(-INFINITY);
+    for (; i + 8 <= vocab; i += 8) {
+        const __m256 raw = _mm256_loadu_ps(x + i);
+        const __m256 kept =
+            _mm256_and_ps(_mm256_cmp_ps(_mm256_mul_ps(raw, scale), limit, _CMP_GE_OQ),
+                          _mm256_cmp_ps(raw, minus_infinity, _CMP_GT_OQ));
+        for (unsigned mask = (unsigned)_mm256_movemask_ps(kept); mask; mask &= mask - 1) {
             const int64_t j = i + __builtin_ctz(mask);
             out[count].value = x[j] * inverse_t;
             out[count++].index = (int32_t)j;
