@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 
+import gguf
+import numpy as np
 from transformers import AutoTokenizer
 
 from tandem.cache import cache_root
 from tandem.config import model_config_from_hf
 from tandem.engine.tokenizer import load_tokenizer
+from tandem.models import gguf_loader
 from tandem.models.gguf_cache import cached_json, entry_dir
 from tandem.models.gguf_loader import _hf_config, gguf_model_config
 from tandem.models.loader import resolve_model_path
@@ -66,3 +69,27 @@ def test_broken_entry_is_rebuilt(tmp_path, monkeypatch):
     assert cached_json(path, "config", lambda: {"a": 1}) == {"a": 1}
     (entry_dir(path, "config") / "data.json").write_text("{not json")
     assert cached_json(path, "config", lambda: {"a": 2}) == {"a": 2}
+
+
+def test_tensors_come_from_the_cached_index_without_parsing_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    path = resolve_model_path("default")
+    gguf_loader._tensors.cache_clear()
+    architecture, first = gguf_loader._tensors(path)
+    reader = gguf.GGUFReader(path)
+    assert architecture == "llama" and len(first) == len(reader.tensors) > 0
+    for ours, theirs in zip(first, reader.tensors, strict=True):
+        assert (ours.name, ours.type_name) == (theirs.name, theirs.tensor_type.name)
+        assert ours.shape == tuple(int(d) for d in reversed(theirs.shape))
+        assert ours.data.dtype == theirs.data.dtype and np.array_equal(ours.data, theirs.data)
+
+    def parse(*args, **kwargs):
+        raise AssertionError("the file was parsed again")
+
+    gguf_loader._tensors.cache_clear()
+    gguf_loader._reader.cache_clear()
+    monkeypatch.setattr(gguf, "GGUFReader", parse)
+    _, second = gguf_loader._tensors(path)
+    for ours, again in zip(first, second, strict=True):
+        assert ours.shape == again.shape and np.array_equal(ours.data, again.data)
+    gguf_loader._tensors.cache_clear()

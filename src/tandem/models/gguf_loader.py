@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +65,55 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-def _hf_architecture(reader: Any) -> tuple[str, str, bool]:
-    arch = _field(reader, "general.architecture")
+@dataclass(frozen=True)
+class GgufTensor:
+    name: str
+    type_name: str  # gguf.GGMLQuantizationType's name
+    shape: tuple[int, ...]  # rows first, as torch has it (GGUF lists the dimensions reversed)
+    data: np.ndarray  # the file's bytes of it, as GGUFReader views them (read-only)
+
+
+@functools.lru_cache(maxsize=2)
+def _tensors(path: Path) -> tuple[str, list[GgufTensor]]:
+    """The file's architecture and tensors. GGUFReader parses every metadata field to list them
+    (the vocabulary above all: 5 s on a slow 2-core machine), so their places in the file are
+    kept in the cache, and a later start views them there without the reader."""
+    index = cached_json(path, "tensors", lambda: _tensor_index(path))
+    file = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors = [
+        GgufTensor(
+            entry["name"],
+            entry["type"],
+            tuple(entry["shape"]),
+            file[entry["offset"] : entry["offset"] + entry["bytes"]]
+            .view(entry["dtype"])
+            .reshape(entry["data_shape"]),
+        )
+        for entry in index["tensors"]
+    ]
+    return index["architecture"], tensors
+
+
+def _tensor_index(path: Path) -> dict[str, Any]:
+    reader = _reader(path)
+    return {
+        "architecture": _field(reader, "general.architecture"),
+        "tensors": [
+            {
+                "name": tensor.name,
+                "type": tensor.tensor_type.name,
+                "shape": [int(d) for d in reversed(tensor.shape)],
+                "offset": int(tensor.data_offset),
+                "bytes": int(tensor.data.nbytes),
+                "dtype": tensor.data.dtype.str,
+                "data_shape": list(tensor.data.shape),
+            }
+            for tensor in reader.tensors
+        ],
+    }
+
+
+def _hf_architecture(arch: str) -> tuple[str, str, bool]:
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; supported: "
@@ -80,18 +128,13 @@ def gguf_model_config(path: Path) -> ModelConfig:
 
 def gguf_has_packable_weights(path: Path) -> bool:
     """Whether any matrix of the file is Q4_0 / Q4_1 / Q8_0 (kept packed under dtype="auto")."""
-    types = cached_json(
-        path,
-        "tensor-types",
-        lambda: {"types": sorted({t.tensor_type.name for t in _reader(path).tensors})},
-    )["types"]
-    return any(t in PACKED_QUANT_TYPES for t in types)
+    return any(tensor.type_name in PACKED_QUANT_TYPES for tensor in _tensors(path)[1])
 
 
 def _hf_config(path: Path) -> dict[str, Any]:
     """The metadata as an HF config.json would say it."""
     reader = _reader(path)
-    arch, hf_arch, _ = _hf_architecture(reader)
+    arch, hf_arch, _ = _hf_architecture(_field(reader, "general.architecture"))
     tensor_names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in tensor_names:
         raise UnsupportedModelError(
@@ -160,15 +203,15 @@ def _rope_row_heads(name: str, config: ModelConfig, permuted_qk: bool) -> int | 
 def iter_gguf_packable(path: Path, config: ModelConfig) -> Iterator[tuple[str, QuantBlocks]]:
     """The Q4_0 / Q4_1 / Q8_0 matrices of the file, by HF name, as their blocks
     (models/packed.py), Q and K rows in HF's order."""
-    reader = _reader(path)
-    _, _, permuted_qk = _hf_architecture(reader)
-    for tensor in reader.tensors:
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        if tensor.tensor_type.name not in PACKED_QUANT_TYPES or len(shape) != 2:
+    architecture, tensors = _tensors(path)
+    _, _, permuted_qk = _hf_architecture(architecture)
+    for tensor in tensors:
+        shape = tensor.shape
+        if tensor.type_name not in PACKED_QUANT_TYPES or len(shape) != 2:
             continue
         name = hf_tensor_name(tensor.name)
         data = np.asarray(tensor.data).view(np.uint8).reshape(shape[0], -1)
-        blocks = QuantBlocks(data, tensor.tensor_type.name, shape[1])
+        blocks = QuantBlocks(data, tensor.type_name, shape[1])
         heads = _rope_row_heads(name, config, permuted_qk)
         if heads is not None:
             blocks = blocks.permute_rows(lambda rows, h=heads: unpermute_rope_rows(rows, h))
@@ -176,20 +219,20 @@ def iter_gguf_packable(path: Path, config: ModelConfig) -> Iterator[tuple[str, Q
 
 
 def iter_gguf_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    reader = _reader(path)
-    _, _, permuted_qk = _hf_architecture(reader)
-    for tensor in reader.tensors:
-        qtype = tensor.tensor_type.name
-        if qtype not in SUPPORTED_QUANT_TYPES:
+    architecture, tensors = _tensors(path)
+    _, _, permuted_qk = _hf_architecture(architecture)
+    for tensor in tensors:
+        if tensor.type_name not in SUPPORTED_QUANT_TYPES:
             raise UnsupportedModelError(
-                f"GGUF tensor {tensor.name!r} is stored as {qtype}, which tandem cannot "
-                f"dequantize; supported: {', '.join(SUPPORTED_QUANT_TYPES)}"
+                f"GGUF tensor {tensor.name!r} is stored as {tensor.type_name}, which tandem "
+                f"cannot dequantize; supported: {', '.join(SUPPORTED_QUANT_TYPES)}"
             )
         name = hf_tensor_name(tensor.name)
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        array = dequantize(tensor.data, GGMLQuantizationType[tensor.type_name])
+        array = array.reshape(tensor.shape)
         heads = _rope_row_heads(name, config, permuted_qk)
         if heads is not None:
             array = unpermute_rope_rows(array, heads)
