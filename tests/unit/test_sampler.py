@@ -832,3 +832,18 @@ def test_the_kernel_draws_from_extreme_logits_without_hanging():
         assert drawn is not None and bool(((drawn >= 0) & (drawn < vocab)).all())
         assert int(drawn[0]) == int(rows[0].argmax())  # at T = 1e-5 the max takes it all
         assert int(drawn[1]) == 7
+
+
+@needs_cpu_kernels
+def test_a_nan_after_the_max_does_not_hide_it():
+    """The row max skips NaN, as the kernel's scalar loop does, in every vector lane: a NaN in
+    the max's lane of a later vector (16 and 8 tokens on) must not reset that lane's max."""
+    logits = torch.full((3, 1000), -5.0)
+    logits[:, 40] = 9.0
+    for row, nan_at in enumerate((56, 48, 999)):
+        logits[row, nan_at] = math.nan
+    assert cpu_kernel.argmax_rows(logits).tolist() == [40, 40, 40]
+    drawn = cpu_kernel.sample_rows(
+        logits, [1e-3] * 3, [5] * 3, [1.0] * 3, [0.0] * 3, torch.full((3,), 0.5)
+    )
+    assert drawn.tolist() == [40, 40, 40]

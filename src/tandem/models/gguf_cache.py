@@ -1,8 +1,10 @@
 """What takes seconds to read out of a GGUF file's metadata (its config, the tokenizer that
-transformers builds from its vocabulary), kept on disk so that later starts read small files.
-An entry is keyed by the file's path, size and modification time and by the versions of the
-readers that built it; it is written to a temporary folder and renamed into place, so two
-processes starting at once never see half of one. An unwritable cache only costs the time."""
+transformers builds from its vocabulary, the index of its tensors), kept on disk so that later
+starts read small files. An entry is keyed by the file's path, size, inode, modification and
+change times (a copy that kept the modification time is still another file: the tensor
+index's offsets must not outlive it) and by the versions of the readers that built it; it is
+written to a temporary folder and renamed into place, so two processes starting at once never
+see half of one. An unwritable cache only costs the time."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def entry_dir(gguf_path: Path, kind: str) -> Path:
     stat = gguf_path.stat()
     key = "|".join(
         [str(FORMAT), str(gguf_path.resolve()), str(stat.st_size), str(stat.st_mtime_ns),
-         version("gguf"), version("transformers")]
+         str(stat.st_ino), str(stat.st_ctime_ns), version("gguf"), version("transformers")]
     )  # fmt: skip
     return cache_root() / "gguf" / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:24]}"
 

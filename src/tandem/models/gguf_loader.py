@@ -65,7 +65,7 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class GgufTensor:
     name: str
     type_name: str  # gguf.GGMLQuantizationType's name

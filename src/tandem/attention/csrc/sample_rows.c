@@ -49,13 +49,15 @@ static float row_max(const float *x, int64_t vocab) {
     float max = -INFINITY;
 #if defined(__AVX512F__)
     __m512 vector_max = _mm512_set1_ps(-INFINITY);
-    for (; i + 16 <= vocab; i += 16) vector_max = _mm512_max_ps(vector_max, _mm512_loadu_ps(x + i));
+    /* max_ps returns its second operand where either is NaN: NaN logits are skipped, as the
+       scalar loop below skips them. */
+    for (; i + 16 <= vocab; i += 16) vector_max = _mm512_max_ps(_mm512_loadu_ps(x + i), vector_max);
     max = _mm512_reduce_max_ps(vector_max);
 #elif defined(__AVX2__)
     __m256 vector_max[2] = {_mm256_set1_ps(-INFINITY), _mm256_set1_ps(-INFINITY)};
     for (; i + 16 <= vocab; i += 16)
         for (int h = 0; h < 2; h++)
-            vector_max[h] = _mm256_max_ps(vector_max[h], _mm256_loadu_ps(x + i + 8 * h));
+            vector_max[h] = _mm256_max_ps(_mm256_loadu_ps(x + i + 8 * h), vector_max[h]);
     float lanes[8];
     _mm256_storeu_ps(lanes, _mm256_max_ps(vector_max[0], vector_max[1]));
     for (int lane = 0; lane < 8; lane++) max = lanes[lane] > max ? lanes[lane] : max;
