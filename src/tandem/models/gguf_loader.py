@@ -206,12 +206,11 @@ def iter_gguf_packable(path: Path, config: ModelConfig) -> Iterator[tuple[str, Q
     architecture, tensors = _tensors(path)
     _, _, permuted_qk = _hf_architecture(architecture)
     for tensor in tensors:
-        shape = tensor.shape
-        if tensor.type_name not in PACKED_QUANT_TYPES or len(shape) != 2:
+        if tensor.type_name not in PACKED_QUANT_TYPES or len(tensor.shape) != 2:
             continue
+        rows, cols = tensor.shape
         name = hf_tensor_name(tensor.name)
-        data = np.asarray(tensor.data).view(np.uint8).reshape(shape[0], -1)
-        blocks = QuantBlocks(data, tensor.type_name, shape[1])
+        blocks = QuantBlocks(tensor.data.view(np.uint8).reshape(rows, -1), tensor.type_name, cols)
         heads = _rope_row_heads(name, config, permuted_qk)
         if heads is not None:
             blocks = blocks.permute_rows(lambda rows, h=heads: unpermute_rope_rows(rows, h))
