@@ -51,6 +51,15 @@ def test_codes_dequantize_to_ggufs_weights(quant_type):
 
 
 @pytest.mark.parametrize("quant_type", QUANT_TYPES)
+def test_blocks_dequantize_to_ggufs_weights_bit_for_bit(quant_type):
+    """The loader's own dequantization (torch ops) forms gguf's products exactly."""
+    reference, blocks = quantized(48, 96, quant_type, seed=3)
+    weights = blocks.dequantize()
+    assert weights.dtype == torch.float32 and weights.shape == (48, 96)
+    np.testing.assert_array_equal(weights.numpy().view(np.uint32), reference.view(np.uint32))
+
+
+@pytest.mark.parametrize("quant_type", QUANT_TYPES)
 @pytest.mark.parametrize("rows", [1, 3, 8, 11])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("use_kernel", KERNELS)

@@ -230,9 +230,14 @@ def iter_gguf_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, to
                 f"cannot dequantize; supported: {', '.join(SUPPORTED_QUANT_TYPES)}"
             )
         name = hf_tensor_name(tensor.name)
-        array = dequantize(tensor.data, GGMLQuantizationType[tensor.type_name])
-        array = array.reshape(tensor.shape)
+        if tensor.type_name in PACKED_QUANT_TYPES and len(tensor.shape) == 2:
+            rows, cols = tensor.shape
+            raw = tensor.data.view(np.uint8).reshape(rows, -1)
+            array = QuantBlocks(raw, tensor.type_name, cols).dequantize().numpy()
+        else:  # a copy: the memmap is read-only
+            array = np.array(dequantize(tensor.data, GGMLQuantizationType[tensor.type_name]))
+            array = array.reshape(tensor.shape)
         heads = _rope_row_heads(name, config, permuted_qk)
         if heads is not None:
             array = unpermute_rope_rows(array, heads)
-        yield name, torch.from_numpy(np.array(array))  # a copy: the memmap is read-only
+        yield name, torch.from_numpy(array)

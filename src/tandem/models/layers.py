@@ -39,6 +39,19 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
+class Embedding(nn.Module):
+    """A token embedding table, filled by the loader. Not nn.Embedding: its random init runs
+    even on the meta device, where `normal_` imports torch._dynamo (2.8 s of every start on a
+    slow CPU, for a table the checkpoint overwrites)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
 class Linear(nn.Module):
     """x·Wᵀ + b. The weight may also be kept packed (models/packed.py): steps of at most
     `packed.max_tokens` rows (decodes) multiply that instead, reading a fraction of the bytes."""

@@ -17,6 +17,7 @@ from tandem.attention import torch_backend
 from tandem.attention.metadata import get_attn_metadata
 from tandem.config import ModelConfig
 from tandem.models.layers import (
+    Embedding,
     Linear,
     MergedLinear,
     RMSNorm,
@@ -115,7 +116,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -87,7 +87,8 @@ def load_model(
     config = load_model_config(path)
     with torch.device("meta"):
         net = model_class_for(config)(config).to(dtype)
-    net.to_empty(device=torch.device(device))
+    # Module.to_empty's empty_like of a meta tensor imports sympy (0.9 s): plain allocations.
+    net._apply(lambda meta: torch.empty(meta.shape, dtype=meta.dtype, device=device))
     net.model.rotary.build_table()
     if path.suffix == ".gguf":
         from tandem.models.gguf_loader import iter_gguf_tensors
