@@ -44,6 +44,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto",
                         help="auto, float32 (float), bfloat16 or float16 (half); auto: "
                              "float32 on CPU, the checkpoint's on CUDA (fp32 as bf16)")  # fmt: skip
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"],
+                        help="the KV cache's element type; auto: the model's dtype")  # fmt: skip
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     parser.add_argument("--seed", type=int, default=0,
                         help="global seed: requests without their own draw from it")  # fmt: skip
@@ -143,6 +145,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         trust_remote_code=args.trust_remote_code,
         tensor_parallel_size=args.tensor_parallel_size,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         seed=args.seed,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -46,3 +46,21 @@ def assert_same_greedy(
         )
         if agreed == len(reference.token_ids):
             assert token_ids == reference.token_ids, what
+
+
+def equal_until_near_tie(
+    token_ids: list[int], reference: CompletionOutput, near_tie: float, what: str = ""
+) -> int:
+    """Greedy tokens of a model run with different rounding (packed weights, a bf16 cache)
+    equal the reference's until they part, and where they part the reference's own top two
+    were within `near_tie` nats (its logprobs hold the top 2); returns how many agreed."""
+    expected = reference.token_ids
+    pairs = enumerate(zip(token_ids, expected, strict=True))
+    diverged = next((i for i, (a, b) in pairs if a != b), None)
+    if diverged is None:
+        return len(expected)
+    top = reference.logprobs[diverged]
+    assert token_ids[diverged] in top, f"{what}: token {diverged} not the reference's top 2"
+    margin = top[expected[diverged]].logprob - top[token_ids[diverged]].logprob
+    assert margin <= near_tie, f"{what}: diverged at token {diverged}, reference margin {margin}"
+    return diverged

@@ -103,6 +103,12 @@ def paged_attention(
     store_kv(key, value, kv_cache, plan.store)
     output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if len(plan.decode_rows):
-        decode_attention(query, kv_cache, metadata.block_table, plan, scale, output)
+        if kv_cache.dtype == query.dtype:
+            decode_attention(query, kv_cache, metadata.block_table, plan, scale, output)
+        else:  # the kernel reads queries and writes rows in the cache's type, as the fused step
+            rounded = torch.empty(query.shape, dtype=kv_cache.dtype, device=query.device)
+            decode_attention(query.to(kv_cache.dtype), kv_cache, metadata.block_table, plan,
+                             scale, rounded)  # fmt: skip
+            output.copy_(rounded)
     attend_prefills(query, key, value, kv_cache, plan.prefills, scale, output)
     return output

@@ -134,8 +134,17 @@ def store_kv(
     value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
     if store.token_indices is not None:
         key, value = key[store.token_indices], value[store.token_indices]
-    key_cache.index_copy_(0, store.slots, key)
-    value_cache.index_copy_(0, store.slots, value)
+    key_cache.index_copy_(0, store.slots, key.to(key_cache.dtype))
+    value_cache.index_copy_(0, store.slots, value.to(value_cache.dtype))
+
+
+def as_cached(x: torch.Tensor, kv_cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` as the cache holds it (rounded to its element type, e.g. a bfloat16 cache of a
+    float32 model), in `dtype`: the step's own keys and values attended to as a later step
+    reads them back, so a prompt gives the same results in one chunk or several."""
+    if kv_cache.dtype == dtype == x.dtype:
+        return x
+    return x.to(kv_cache.dtype).to(dtype)
 
 
 def paged_attention(
@@ -201,6 +210,7 @@ def _decode_attention(
     num_kv_heads = kv_cache.shape[3]
     # Keys/values stay [B, keys, KVH, D] in memory; SDPA reads the transposed view in place.
     keys, values = gather_context(kv_cache, group.block_table)
+    keys, values = keys.to(query.dtype), values.to(query.dtype)
     # GQA: each kv head's query heads become its "query tokens", so its keys are read once.
     grouped = query.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(
@@ -242,12 +252,12 @@ def _prefill_attention(
     rows = slice(chunk.query_start, chunk.query_end)
     q = query[rows].transpose(0, 1).unsqueeze(0)
     if chunk.context_block_ids is None:
-        k = key[rows].transpose(0, 1).unsqueeze(0)
-        v = value[rows].transpose(0, 1).unsqueeze(0)
+        k = as_cached(key[rows], kv_cache, q.dtype).transpose(0, 1).unsqueeze(0)
+        v = as_cached(value[rows], kv_cache, q.dtype).transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
     k, v = gather_context(kv_cache, chunk.context_block_ids)
-    k, v = k[: chunk.context_len], v[: chunk.context_len]
+    k, v = k[: chunk.context_len].to(q.dtype), v[: chunk.context_len].to(q.dtype)
     out = F.scaled_dot_product_attention(
         q,
         k.transpose(0, 1).unsqueeze(0),

@@ -26,7 +26,12 @@ from tandem.models.gguf_loader import gguf_has_packable_weights
 from tandem.models.loader import DEFAULT_MODEL, load_model_config, resolve_model_path
 from tandem.sampling_params import LOGPROBS_MODES, SamplingParams, num_top_logprobs
 from tandem.spec_decode.config import SpeculativeConfig
-from tandem.worker.model_runner import DEFAULT_KV_CACHE_MEMORY, DTYPES, RunnerConfig
+from tandem.worker.model_runner import (
+    DEFAULT_KV_CACHE_MEMORY,
+    DTYPES,
+    RunnerConfig,
+    check_kv_cache_dtype,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +87,7 @@ class EngineConfig:
         trust_remote_code: bool = False,
         tensor_parallel_size: int = 1,
         dtype: str | torch.dtype = "auto",
+        kv_cache_dtype: str = "auto",
         device: str | None = None,
         seed: int | None = 0,
         max_model_len: int | None = None,
@@ -151,6 +157,7 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be >= 0 or -1 (no limit), got {max_logprobs}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
+        check_kv_cache_dtype(kv_cache_dtype)
         speculative = SpeculativeConfig.parse(speculative_config)
         if async_scheduling and speculative is not None:
             raise ValueError(
@@ -187,6 +194,7 @@ class EngineConfig:
             compile_layers=compile_layers(compilation_config, device),
             model=model_path,
             dtype=dtype_name,
+            kv_cache_dtype=kv_cache_dtype,
             packed_max_tokens=packed_max_tokens,
             packed_int8_min_tokens=packed_int8_min_tokens,
             device=device,

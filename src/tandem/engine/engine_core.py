@@ -224,8 +224,9 @@ class EngineCore:
         """The model's shape and the machine's peaks for each step's roofline, and the step
         log."""
         element_bytes = torch.empty((), dtype=self.runner.dtype).element_size()
+        kv_bytes = torch.empty((), dtype=self.runner.kv_cache_dtype).element_size()
         self.model_shape = ModelShape.of(
-            self.runner.model_config, element_bytes, element_bytes, element_bytes,
+            self.runner.model_config, element_bytes, kv_bytes, element_bytes,
             self.runner.packed_weights(),
         )  # fmt: skip
         self.peaks = machine_peaks(

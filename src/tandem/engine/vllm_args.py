@@ -34,7 +34,6 @@ NOOP_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
         "GGUF files are read as they are (dense, and Q4 matrices packed for small steps under "
         "dtype='auto' on CPU); other quantized checkpoints are not read yet",
     ),
-    "kv_cache_dtype": (("auto",), "the KV cache holds the model's dtype"),
     "revision": ((None,), _LOCAL_ONLY),
     "tokenizer_revision": ((None,), _LOCAL_ONLY),
     "code_revision": ((None,), _LOCAL_ONLY),

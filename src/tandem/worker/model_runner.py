@@ -67,6 +67,24 @@ def keep_freed_memory_in_heap() -> None:
     libc.mallopt(m_trim_threshold, 1 << 30)
 
 
+# vLLM's kv_cache_dtype values tandem stores: "auto" (the model's dtype) or bfloat16. fp8 is not
+# built: no CPU kernel reads it, and the CUDA path has not been measured.
+KV_CACHE_DTYPES = ("auto", "bfloat16")
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype!r} is not supported; choose one of "
+            f"{', '.join(KV_CACHE_DTYPES)} (auto: the model's dtype)"
+        )
+
+
+def parse_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    check_kv_cache_dtype(kv_cache_dtype)
+    return model_dtype if kv_cache_dtype == "auto" else DTYPES[kv_cache_dtype]
+
+
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers (keys and values)."""
     element_size = torch.empty(0, dtype=dtype).element_size()
@@ -78,6 +96,9 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.
 class RunnerConfig:
     model: str | Path = "default"
     dtype: str | torch.dtype = "float32"
+    # The cache's element type: "auto" (the model's) or "bfloat16" (half an fp32 model's bytes;
+    # keys and values rounded as they are stored, queries rounded to it in decode kernels).
+    kv_cache_dtype: str = "auto"
     device: str = "cpu"
     # Steps of at most this many tokens multiply the GGUF's 4-bit weights packed (CPU; 0: never).
     packed_max_tokens: int = 0
@@ -136,6 +157,13 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
+        self.kv_cache_dtype = parse_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        if self.kv_cache_dtype != self.dtype and config.attention_backend == "triton":
+            raise ValueError(
+                f"kv_cache_dtype={config.kv_cache_dtype!r} with a {self.dtype} model: the triton "
+                "attention backend reads a cache of the model's dtype; leave kv_cache_dtype "
+                "'auto' (CUDA runs bfloat16 models by default) or pick the torch backend"
+            )
         self.block_size = config.block_size
         self.block_tables = BlockTables()  # every request's, kept between steps
         if self.device.type == "cpu":
@@ -156,7 +184,9 @@ class ModelRunner:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
             self.model.compile_layers(min_tokens=config.packed_max_tokens + 1)
         self.model_config: ModelConfig = self.model.config
-        bytes_per_block = kv_cache_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        bytes_per_block = kv_cache_bytes_per_block(
+            self.model_config, self.block_size, self.kv_cache_dtype
+        )
         cache_bytes = config.kv_cache_memory
         if profile is not None:
             cache_bytes = self._profile(profile, bytes_per_block)
@@ -235,11 +265,11 @@ class ModelRunner:
         shape = (2, self.num_kv_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         caches = []
         attend = attention_function(
-            self.config.attention_backend, self.dtype, cfg.num_attention_heads,
+            self.config.attention_backend, self.kv_cache_dtype, cfg.num_attention_heads,
             cfg.num_key_value_heads, cfg.head_dim,
         )  # fmt: skip
         for layer in self.model.attention_layers():
-            layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
             layer.paged_attention = attend
             caches.append(layer.kv_cache)
         return caches
