@@ -56,15 +56,22 @@ def random_tokens(count: int, length: int, seed: int) -> list[list[int]]:
 
 class Tandem:
     def __init__(
-        self, dtype: str, compilation_level: int = 0, attention_backend: str = "auto"
+        self,
+        dtype: str,
+        compilation_level: int = 0,
+        attention_backend: str = "auto",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.name = f"tandem {dtype}" + (" compiled" if compilation_level else "")
         if attention_backend != "auto":
             self.name += f" ({attention_backend} attention)"
+        if kv_cache_dtype != "auto":
+            self.name += f" ({kv_cache_dtype} KV cache)"
         # No prefix caching: the same prompts run every round.
         self.llm = LLM(
             "default", dtype=dtype, kv_cache_memory=KV_CACHE, enable_prefix_caching=False,
             compilation_config=compilation_level, attention_backend=attention_backend,
+            kv_cache_dtype=kv_cache_dtype,
         )  # fmt: skip
 
     def _generate(self, prompts: list[list[int]], max_tokens: int) -> float:
@@ -316,6 +323,8 @@ def main() -> None:
     parser.add_argument("--torch-attention", action="store_true",
                         help="also dtype='auto' and 'float32' on the torch attention backend "
                         "(the gather + SDPA reference) beside the default")  # fmt: skip
+    parser.add_argument("--bf16-kv-cache", action="store_true",
+                        help="also dtype='auto' with kv_cache_dtype='bfloat16'")  # fmt: skip
     parser.add_argument("--speed-only", action="store_true",
                         help="only the speed rows (no breakdown, start-up or quality)")  # fmt: skip
     parser.add_argument("--breakdown-only", action="store_true",
@@ -346,6 +355,8 @@ def main() -> None:
         engines.append(Tandem("auto", compilation_level=3))
     if args.torch_attention:
         engines += [Tandem(dtype, attention_backend="torch") for dtype in ("auto", "float32")]
+    if args.bf16_kv_cache:
+        engines.append(Tandem("auto", kv_cache_dtype="bfloat16"))
     speed = speed_rows(engines, args.rounds)
     hf = speed[HF.name]
     print(f"\n## Speed (best of {args.rounds} alternated rounds)")

@@ -44,6 +44,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto",
                         help="auto, float32 (float), bfloat16 or float16 (half); auto: "
                              "float32 on CPU, the checkpoint's on CUDA (fp32 as bf16)")  # fmt: skip
+    # model_runner.KV_CACHE_DTYPES, written out: the CLI's parser loads without torch.
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"],
                         help="the KV cache's element type; auto: the model's dtype")  # fmt: skip
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")

@@ -6,6 +6,7 @@ own keys and values as the cache holds them."""
 
 from __future__ import annotations
 
+import importlib.util
 import random
 
 import pytest
@@ -17,7 +18,9 @@ from tandem.attention import torch_backend
 from tandem.attention.metadata import build_batch
 from tandem.engine import cpu_formats as formats_module
 from tandem.engine.cpu_formats import CpuFormats
-from tandem.worker.model_runner import ModelRunner, RunnerConfig
+from tandem.models.loader import load_model_config, resolve_model_path
+from tandem.worker import model_runner as model_runner_module
+from tandem.worker.model_runner import ModelRunner, RunnerConfig, kv_cache_bytes_per_block
 
 from greedy_reference import equal_until_near_tie
 from helpers import Slice, all_token_logits, needs_cpu_kernels, relative_error
@@ -55,13 +58,14 @@ def _in_chunks(runner: ModelRunner, prompt: list[int], chunks: list[int]) -> tor
 
 
 def test_the_cache_is_bfloat16_and_holds_twice_the_blocks():
-    memory = 8 << 20
+    config = load_model_config(resolve_model_path("default"))
+    memory = 11 * kv_cache_bytes_per_block(config, BLOCK, torch.float32)
     fp32 = ModelRunner(RunnerConfig(dtype="float32", kv_cache_memory=memory))
     bf16 = ModelRunner(RunnerConfig(dtype="float32", kv_cache_dtype="bfloat16",
                                     kv_cache_memory=memory))  # fmt: skip
     assert bf16.dtype == torch.float32 and bf16.kv_caches[0].dtype == torch.bfloat16
     assert fp32.kv_caches[0].dtype == torch.float32
-    assert bf16.num_kv_blocks == 2 * fp32.num_kv_blocks
+    assert (fp32.num_kv_blocks, bf16.num_kv_blocks) == (11, 22)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -106,8 +110,9 @@ def test_cpu_kernel_equals_the_torch_backend_over_a_bfloat16_cache():
     chunks = [32, 1, 1, 1, 1]
     torch_logits = _in_chunks(_runner("bfloat16", "torch"), prompt, chunks)
     cpu_logits = _in_chunks(_runner("bfloat16", "cpu"), prompt, chunks)
-    # The kernel also rounds the queries and its output rows to bf16, as the fused step does.
-    assert relative_error(cpu_logits, torch_logits) <= ROUNDING
+    # The kernel also rounds the queries and its output rows to bf16, as the fused step does:
+    # 1.9e-3 here, against 1.1e-2 between the bf16 and fp32 caches.
+    assert relative_error(cpu_logits, torch_logits) <= 5e-3
 
 
 @needs_cpu_kernels
@@ -135,9 +140,16 @@ def test_fused_decode_steps_over_a_bfloat16_cache_generate_the_fp32_caches_token
     assert agreed >= len(prompts) * 24 // 4
 
 
-def test_unsupported_cache_types_are_refused_before_loading():
+def test_unsupported_cache_types_are_refused_before_loading(monkeypatch):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr(model_runner_module, "load_model", no_loading)
     with pytest.raises(ValueError, match="auto, bfloat16"):
         LLM("default", kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match="triton attention backend"):
-        ModelRunner(RunnerConfig(model="/nonexistent", kv_cache_dtype="bfloat16",
-                                 attention_backend="triton"))  # fmt: skip
+    with pytest.raises(ValueError, match="saves no memory"):
+        LLM("default", dtype="float16", kv_cache_dtype="bfloat16")
+    if importlib.util.find_spec("triton") is not None:
+        with pytest.raises(ValueError, match="triton attention backend"):
+            LLM("default", dtype="float32", kv_cache_dtype="bfloat16",
+                attention_backend="triton")  # fmt: skip

@@ -203,14 +203,24 @@ def gather_context(
     return keys.view(shape), values.view(shape)
 
 
+def widen(
+    keys: torch.Tensor, values: torch.Tensor, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gathered keys and values in `like`'s dtype (a bfloat16 cache under a float32 model),
+    in a reused buffer as the gather's own (valid until the next call)."""
+    if keys.dtype == like.dtype:
+        return keys, values
+    key_out, value_out = _workspace(like, keys.numel())
+    return key_out.view(keys.shape).copy_(keys), value_out.view(values.shape).copy_(values)
+
+
 def _decode_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeGroup, scale: float
 ) -> torch.Tensor:
     num_decodes, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     # Keys/values stay [B, keys, KVH, D] in memory; SDPA reads the transposed view in place.
-    keys, values = gather_context(kv_cache, group.block_table)
-    keys, values = keys.to(query.dtype), values.to(query.dtype)
+    keys, values = widen(*gather_context(kv_cache, group.block_table), query)
     # GQA: each kv head's query heads become its "query tokens", so its keys are read once.
     grouped = query.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(
@@ -257,7 +267,7 @@ def _prefill_attention(
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
     k, v = gather_context(kv_cache, chunk.context_block_ids)
-    k, v = k[: chunk.context_len].to(q.dtype), v[: chunk.context_len].to(q.dtype)
+    k, v = widen(k[: chunk.context_len], v[: chunk.context_len], q)
     out = F.scaled_dot_product_attention(
         q,
         k.transpose(0, 1).unsqueeze(0),

@@ -31,6 +31,7 @@ from tandem.worker.model_runner import (
     DTYPES,
     RunnerConfig,
     check_kv_cache_dtype,
+    parse_kv_cache_dtype,
 )
 
 logger = logging.getLogger(__name__)
@@ -186,6 +187,7 @@ class EngineConfig:
             dtype, device, model_config, model_path
         )
         attention = resolve_attention_backend(attention_backend, device)
+        parse_kv_cache_dtype(kv_cache_dtype, DTYPES[dtype_name], attention)
         decode_graphs = device.startswith("cuda") and not enforce_eager
         if decode_graphs and attention != "triton":
             logger.info("decode steps run eagerly: CUDA graphs need the triton attention backend")
@@ -374,6 +376,9 @@ def _draft_runner(
     return RunnerConfig(
         model=path,
         dtype=dtype,
+        # The target's cache type where it applies (a float32 draft): the draft's cache has
+        # the target's block count.
+        kv_cache_dtype=target.kv_cache_dtype if DTYPES[dtype] == torch.float32 else "auto",
         packed_max_tokens=packed_max_tokens,
         packed_int8_min_tokens=int8_min_tokens,
         device=target.device,

@@ -293,7 +293,7 @@ class KVSender:
         if hello.layout != self.layout:
             return Welcome(
                 error=f"KV cache layouts differ: prefill {self.layout}, decode {hello.layout} "
-                "(serve the same model, block size and dtype on both)"
+                "(serve the same model, block size, dtype and kv cache dtype on both)"
             )
         pair_name = f"{hello.peer_id}/{next(self._pair_ids)}"
         pair = _Pair()

@@ -76,13 +76,32 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(
             f"kv_cache_dtype {kv_cache_dtype!r} is not supported; choose one of "
-            f"{', '.join(KV_CACHE_DTYPES)} (auto: the model's dtype)"
+            f"{', '.join(KV_CACHE_DTYPES)} (a string; auto: the model's dtype)"
         )
 
 
-def parse_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+def parse_kv_cache_dtype(
+    kv_cache_dtype: str, model_dtype: torch.dtype, attention_backend: str
+) -> torch.dtype:
+    """The cache's element type; refuses a cache no backend reads, or one that saves nothing
+    (bfloat16 halves a float32 model's cache; a float16 model's would only lose precision)."""
     check_kv_cache_dtype(kv_cache_dtype)
-    return model_dtype if kv_cache_dtype == "auto" else DTYPES[kv_cache_dtype]
+    dtype = model_dtype if kv_cache_dtype == "auto" else DTYPES[kv_cache_dtype]
+    if dtype == model_dtype:
+        return dtype
+    model = str(model_dtype).removeprefix("torch.")
+    if model_dtype != torch.float32:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} with a {model} model saves no memory: a "
+            f"bfloat16 cache is for float32 models; leave kv_cache_dtype 'auto'"
+        )
+    if attention_backend == "triton":
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} with a {model} model: the triton attention "
+            "backend reads a cache of the model's dtype; leave kv_cache_dtype 'auto' (CUDA "
+            "runs bfloat16 models by default) or pick the torch backend"
+        )
+    return dtype
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -157,13 +176,9 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
-        self.kv_cache_dtype = parse_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        if self.kv_cache_dtype != self.dtype and config.attention_backend == "triton":
-            raise ValueError(
-                f"kv_cache_dtype={config.kv_cache_dtype!r} with a {self.dtype} model: the triton "
-                "attention backend reads a cache of the model's dtype; leave kv_cache_dtype "
-                "'auto' (CUDA runs bfloat16 models by default) or pick the torch backend"
-            )
+        self.kv_cache_dtype = parse_kv_cache_dtype(
+            config.kv_cache_dtype, self.dtype, config.attention_backend
+        )
         self.block_size = config.block_size
         self.block_tables = BlockTables()  # every request's, kept between steps
         if self.device.type == "cpu":
