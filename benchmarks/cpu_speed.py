@@ -26,6 +26,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -269,36 +270,41 @@ def teacher_forced(runner: ModelRunner, tokens: list[int], chunk: int) -> tuple:
     return torch.cat(logprobs), torch.cat(argmax)
 
 
-def quality_rows(num_tokens: int) -> tuple[dict[str, dict[str, float]], dict]:
-    """Top-1 agreement with fp32 and perplexity of the auto mode (and of plain bf16), with
-    prefill-sized steps (512 tokens) and decode-sized ones (16 tokens, or fewer where packed
-    weights stop sooner)."""
+def quality_rows(
+    num_tokens: int, bf16_kv_cache: bool = False
+) -> tuple[dict[str, dict[str, float]], dict]:
+    """Top-1 agreement with fp32 and perplexity of the auto mode (and of plain bf16, and of
+    auto over a bf16 KV cache if asked), with prefill-sized steps (512 tokens) and
+    decode-sized ones (16 tokens, or fewer where packed weights stop sooner)."""
     auto = EngineConfig.create("default", device="cpu").runner
     tokens = reference_text_tokens(num_tokens)
     blocks = -(-len(tokens) // 16) + 1
+    auto_config = RunnerConfig(
+        model="default",
+        dtype=auto.dtype,
+        num_kv_blocks=blocks,
+        packed_max_tokens=auto.packed_max_tokens,
+        packed_int8_min_tokens=auto.packed_int8_min_tokens,
+        attention_backend=auto.attention_backend,
+    )
     runners = {
         "float32": ModelRunner(RunnerConfig(model="default", num_kv_blocks=blocks)),
         "bfloat16": ModelRunner(
             RunnerConfig(model="default", dtype="bfloat16", num_kv_blocks=blocks)
         ),
-        "auto": ModelRunner(
-            RunnerConfig(
-                model="default",
-                dtype=auto.dtype,
-                num_kv_blocks=blocks,
-                packed_max_tokens=auto.packed_max_tokens,
-                packed_int8_min_tokens=auto.packed_int8_min_tokens,
-                attention_backend=auto.attention_backend,
-            )
-        ),
+        "auto": ModelRunner(auto_config),
     }
+    if bf16_kv_cache:
+        runners["auto (bfloat16 KV cache)"] = ModelRunner(
+            replace(auto_config, kv_cache_dtype="bfloat16")
+        )
     # Decode-sized steps: 16 tokens of one request after its first step run on the fused decode
     # path as verification tokens, through the kernels a decode step uses, row by row.
     decode_chunk = min(auto.packed_max_tokens, 16) or 1
     reference_logprobs, reference_argmax = teacher_forced(runners["float32"], tokens, 512)
     reference_ppl = math.exp(-reference_logprobs.double().mean().item())
     rows = {"float32, 512-token steps": {"top1_same": 1.0, "perplexity": reference_ppl}}
-    for name in ("bfloat16", "auto"):
+    for name in list(runners)[1:]:
         for chunk in (512, decode_chunk):
             logprobs, argmax = teacher_forced(runners[name], tokens, chunk)
             rows[f"{name}, {chunk}-token steps"] = {
@@ -394,7 +400,7 @@ def main() -> None:
     for dtype, (first, second) in startup.items():
         print(f"| {dtype} | {first:.1f} | {second:.1f} |")
 
-    quality, quality_setup = quality_rows(args.quality_tokens)
+    quality, quality_setup = quality_rows(args.quality_tokens, args.bf16_kv_cache)
     print(
         f"\n## Quality beside fp32, teacher-forced over {quality_setup['num_tokens']} tokens of "
         "the Python license"
