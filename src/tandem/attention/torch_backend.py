@@ -140,8 +140,8 @@ def store_kv(
 
 def as_cached(x: torch.Tensor, kv_cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`x` as the cache holds it (rounded to its element type, e.g. a bfloat16 cache of a
-    float32 model), in `dtype`: the step's own keys and values attended to as a later step
-    reads them back, so a prompt gives the same results in one chunk or several."""
+    float32 model), in `dtype`: a chunk's own keys and values attended to as every later step
+    reads them back (as vLLM's kernels read a chunk back from the cache)."""
     if kv_cache.dtype == dtype == x.dtype:
         return x
     return x.to(kv_cache.dtype).to(dtype)

@@ -93,7 +93,7 @@ def parse_kv_cache_dtype(
     if model_dtype != torch.float32:
         raise ValueError(
             f"kv_cache_dtype={kv_cache_dtype!r} with a {model} model saves no memory: a "
-            f"bfloat16 cache is for float32 models; leave kv_cache_dtype 'auto'"
+            "bfloat16 cache is for float32 models; leave kv_cache_dtype 'auto'"
         )
     if attention_backend == "triton":
         raise ValueError(
