@@ -138,13 +138,13 @@ def store_kv(
     value_cache.index_copy_(0, store.slots, value.to(value_cache.dtype))
 
 
-def as_cached(x: torch.Tensor, kv_cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def as_cached(x: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
     """`x` as the cache holds it (rounded to its element type, e.g. a bfloat16 cache of a
-    float32 model), in `dtype`: a chunk's own keys and values attended to as every later step
-    reads them back (as vLLM's kernels read a chunk back from the cache)."""
-    if kv_cache.dtype == dtype == x.dtype:
+    float32 model), in its own dtype: a chunk's own keys and values attended to as every later
+    step reads them back (as vLLM's kernels read a chunk back from the cache)."""
+    if kv_cache.dtype == x.dtype:
         return x
-    return x.to(kv_cache.dtype).to(dtype)
+    return x.to(kv_cache.dtype).to(x.dtype)
 
 
 def paged_attention(
@@ -262,8 +262,8 @@ def _prefill_attention(
     rows = slice(chunk.query_start, chunk.query_end)
     q = query[rows].transpose(0, 1).unsqueeze(0)
     if chunk.context_block_ids is None:
-        k = as_cached(key[rows], kv_cache, q.dtype).transpose(0, 1).unsqueeze(0)
-        v = as_cached(value[rows], kv_cache, q.dtype).transpose(0, 1).unsqueeze(0)
+        k = as_cached(key[rows], kv_cache).transpose(0, 1).unsqueeze(0)
+        v = as_cached(value[rows], kv_cache).transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
     k, v = gather_context(kv_cache, chunk.context_block_ids)

@@ -72,6 +72,13 @@ class GgufTensor:
     shape: tuple[int, ...]  # rows first, as torch has it (GGUF lists the dimensions reversed)
     data: np.ndarray  # the file's bytes of it, as GGUFReader views them (read-only)
 
+    def blocks(self) -> QuantBlocks | None:
+        """A Q4_0 / Q4_1 / Q8_0 matrix as its blocks (models/packed.py); None for the rest."""
+        if self.type_name not in PACKED_QUANT_TYPES or len(self.shape) != 2:
+            return None
+        rows, cols = self.shape
+        return QuantBlocks(self.data.view(np.uint8).reshape(rows, -1), self.type_name, cols)
+
 
 @functools.lru_cache(maxsize=2)
 def _tensors(path: Path) -> tuple[str, list[GgufTensor]]:
@@ -206,11 +213,10 @@ def iter_gguf_packable(path: Path, config: ModelConfig) -> Iterator[tuple[str, Q
     architecture, tensors = _tensors(path)
     _, _, permuted_qk = _hf_architecture(architecture)
     for tensor in tensors:
-        if tensor.type_name not in PACKED_QUANT_TYPES or len(tensor.shape) != 2:
+        blocks = tensor.blocks()
+        if blocks is None:
             continue
-        rows, cols = tensor.shape
         name = hf_tensor_name(tensor.name)
-        blocks = QuantBlocks(tensor.data.view(np.uint8).reshape(rows, -1), tensor.type_name, cols)
         heads = _rope_row_heads(name, config, permuted_qk)
         if heads is not None:
             blocks = blocks.permute_rows(lambda rows, h=heads: unpermute_rope_rows(rows, h))
@@ -230,10 +236,9 @@ def iter_gguf_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, to
                 f"cannot dequantize; supported: {', '.join(SUPPORTED_QUANT_TYPES)}"
             )
         name = hf_tensor_name(tensor.name)
-        if tensor.type_name in PACKED_QUANT_TYPES and len(tensor.shape) == 2:
-            rows, cols = tensor.shape
-            raw = tensor.data.view(np.uint8).reshape(rows, -1)
-            array = QuantBlocks(raw, tensor.type_name, cols).dequantize().numpy()
+        blocks = tensor.blocks()
+        if blocks is not None:
+            array = blocks.dequantize().numpy()
         else:  # a copy: the memmap is read-only
             array = np.array(dequantize(tensor.data, GGMLQuantizationType[tensor.type_name]))
             array = array.reshape(tensor.shape)
