@@ -57,6 +57,21 @@ def offline_llm():
     return LLM("default", dtype="float32", kv_cache_memory=KV_CACHE_MEMORY_BYTES)
 
 
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """HF transformers' own reading of the embedded GGUF (fp32): the reference for the embedded
+    model's outputs. Loaded once: its GGUF dequantization takes seconds on two cores."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tandem.models.loader import resolve_model_path
+
+    path = resolve_model_path("default")
+    return AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+
+
 def _servers(item: pytest.Item) -> list[ServerProcess]:
     servers = []
     for value in getattr(item, "funcargs", {}).values():

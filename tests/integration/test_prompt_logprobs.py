@@ -269,21 +269,14 @@ def test_logits_are_scored_in_slices_of_rows(folder, reference, monkeypatch):
 
 
 @pytest.mark.slow
-def test_smollm2_equal_hf_with_decoded_tokens():
-    from transformers import AutoModelForCausalLM
-
-    from tandem.models.loader import resolve_model_path
-
+def test_smollm2_equal_hf_with_decoded_tokens(smollm2_hf):
     llm = LLM("default", dtype="float32", max_num_batched_tokens=64, max_num_seqs=4)
     text = "The capital of France is Paris. The capital of Italy is Rome, and of Spain"
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
     (output,) = llm.generate([text], params, use_tqdm=False)
     prompt = output.prompt_token_ids
     assert len(prompt) > 16  # several chunks of 32
-    path = resolve_model_path("default")
-    hf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                    dtype=torch.float32).eval()  # fmt: skip
-    assert_matches_hf(output.prompt_logprobs, prompt, hf_prompt_logprobs(hf_model, prompt), 2)
+    assert_matches_hf(output.prompt_logprobs, prompt, hf_prompt_logprobs(smollm2_hf, prompt), 2)
     tokenizer = llm.get_tokenizer()
     for entry in output.prompt_logprobs[1:]:
         for token, logprob in entry.items():

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from tandem.engine.tokenizer import load_tokenizer
-from tandem.models.loader import resolve_model_path
 from tandem.worker.model_runner import ModelRunner, RunnerConfig
 
 from helpers import Slice, all_token_logits, hf_logits, relative_error
@@ -23,16 +22,6 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer("default")
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    path = resolve_model_path("default")
-    return AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +49,7 @@ def test_config_read_from_gguf_metadata(runner):
     assert config.tie_word_embeddings
 
 
-def test_prompt_logits_match_hf(runner, hf_model, tokenizer):
+def test_prompt_logits_match_hf(runner, smollm2_hf, tokenizer):
     prompts = [_chat_ids(tokenizer, text) for text in PROMPTS]
     slices, next_block = [], 0
     for ids in prompts:
@@ -70,15 +59,15 @@ def test_prompt_logits_match_hf(runner, hf_model, tokenizer):
     logits = all_token_logits(runner, slices)
     offset = 0
     for ids in prompts:
-        expected = hf_logits(hf_model, ids)
+        expected = hf_logits(smollm2_hf, ids)
         assert relative_error(logits[offset : offset + len(ids)], expected) <= 1e-4
         offset += len(ids)
 
 
-def test_greedy_decode_through_cache_matches_hf_generate(runner, hf_model, tokenizer):
+def test_greedy_decode_through_cache_matches_hf_generate(runner, smollm2_hf, tokenizer):
     ids = _chat_ids(tokenizer, PROMPTS[0])
     with torch.inference_mode():
-        reference = hf_model.generate(
+        reference = smollm2_hf.generate(
             torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None
         )[0, len(ids) :].tolist()
     request = Slice(list(ids), 0, len(ids), list(range(8)))
