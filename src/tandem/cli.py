@@ -189,14 +189,23 @@ def build_llm(args: argparse.Namespace):
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from tandem.engine.config import EngineConfig
-    from tandem.server.launcher import run_server
+    from tandem.engine.core_client import EngineCoreClient
 
     model = args.model_tag or args.model
     config = EngineConfig.create(
         model, **engine_kwargs(args), kv_transfer_config=kv_transfer_config(args)
     )
+    # The engine core starts loading the model before this process imports the server
+    # (FastAPI, uvicorn, transformers: 2-3 s that overlap the core's start on another core).
+    client = EngineCoreClient(config)
+    try:
+        from tandem.server.launcher import run_server
+    except BaseException:
+        client.shutdown()
+        raise
     run_server(
         config,
+        client=client,
         host=args.host,
         port=args.port,
         served_model_names=args.served_model_name or [str(model)],

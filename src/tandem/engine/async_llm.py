@@ -132,10 +132,16 @@ class AsyncLLM:
     """Create with `await AsyncLLM.create(config)`; `generate` is an async iterator of
     RequestOutputs; leaving it early (break, cancellation, a client gone) aborts the request."""
 
-    def __init__(self, config: EngineConfig, stat_loggers: Sequence[StatLogger] = ()) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        stat_loggers: Sequence[StatLogger] = (),
+        client: EngineCoreClient | None = None,
+    ) -> None:
         self.config = config
-        # The core loads the model while this process loads the tokenizer.
-        self.client = EngineCoreClient(config)
+        # The core loads the model while this process loads the tokenizer (`client`: a core
+        # started earlier still, to load while this process imported the server).
+        self.client = client if client is not None else EngineCoreClient(config)
         try:
             self.tokenizer = (
                 None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer_source)
@@ -170,9 +176,10 @@ class AsyncLLM:
         config: EngineConfig,
         stat_loggers: Sequence[StatLogger] = (),
         ready_timeout: float = 600.0,
+        client: EngineCoreClient | None = None,
     ) -> AsyncLLM:
-        """Start the engine core; return once it has loaded the model."""
-        engine = cls(config, stat_loggers)
+        """Start the engine core (or take `client`'s); return once it has loaded the model."""
+        engine = cls(config, stat_loggers, client)
         try:
             engine.ready = await engine.client.wait_ready(ready_timeout)
         except BaseException:

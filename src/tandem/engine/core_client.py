@@ -56,6 +56,7 @@ class EngineCoreClient:
             daemon=True,
         )
         self.process.start()
+        self.started_at = time.perf_counter()
 
     async def wait_ready(self, timeout: float) -> CoreReady:
         """The core's start-up report; raises EngineDeadError if it failed or died loading."""

@@ -16,6 +16,7 @@ import uvicorn
 
 from tandem.engine.async_llm import AsyncLLM
 from tandem.engine.config import EngineConfig
+from tandem.engine.core_client import EngineCoreClient
 from tandem.engine.stats import FinishedRequestStats, SchedulerStats, StepStats
 from tandem.server.app import ServerSettings, build_app
 from tandem.server.metrics import PrometheusStatLogger
@@ -75,13 +76,15 @@ async def serve(
     shutdown_timeout: float,
     trust_request_chat_template: bool = False,
     log_requests: bool = True,
+    client: EngineCoreClient | None = None,
 ) -> int:
-    """Serve until SIGTERM/SIGINT (exit code 0) or the engine core's death (1)."""
-    start = time.perf_counter()
+    """Serve until SIGTERM/SIGINT (exit code 0) or the engine core's death (1); `client`: an
+    engine core already started."""
+    start = time.perf_counter() if client is None else client.started_at
     stat_loggers = [PrometheusStatLogger(served_model_names[0])]
     if log_requests:
         stat_loggers.append(RequestLogger())
-    engine = await AsyncLLM.create(config, stat_loggers)
+    engine = await AsyncLLM.create(config, stat_loggers, client=client)
     settings = ServerSettings(
         served_model_names=served_model_names,
         model_root=str(config.model_path),
