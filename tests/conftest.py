@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import kernels_built_for
 from hf_models import make_hf_model
 
 
@@ -16,6 +17,20 @@ def _tandem_cache_dir(tmp_path_factory) -> None:
     """GGUF metadata caches of this session (its temporary GGUF files above all) go to a
     folder of its own, not the user's ~/.cache; server processes inherit it."""
     os.environ["TANDEM_CACHE_DIR"] = str(tmp_path_factory.mktemp("tandem-cache"))
+
+
+@pytest.fixture(scope="session")
+def older_x86_kernels(tmp_path_factory):
+    """`build(march)`: the kernel library built for an older x86 level, once per session
+    (a build takes ~6 s on two cores; three test modules check their kernels in it)."""
+    built = {}
+
+    def build(march: str):
+        if march not in built:
+            built[march] = kernels_built_for(march, tmp_path_factory.mktemp(march))
+        return built[march]
+
+    return build
 
 
 # (name, HF config class, kwargs): odd shapes on purpose (GQA 1/3/6, head_dim 32/64/128,

@@ -15,10 +15,17 @@ from helpers import Slice, all_token_logits, hf_logits, relative_error
 TOLERANCE = 1e-4
 
 
-def _runner(folder, block_size: int = 16, num_kv_blocks: int = 64) -> ModelRunner:
+def _runner(
+    folder, block_size: int = 16, num_kv_blocks: int = 64, dense_max_tokens: int = 0
+) -> ModelRunner:
     return ModelRunner(
-        RunnerConfig(model=folder, block_size=block_size, num_kv_blocks=num_kv_blocks)
-    )
+        RunnerConfig(model=folder, block_size=block_size, num_kv_blocks=num_kv_blocks,
+                     dense_max_tokens=dense_max_tokens)
+    )  # fmt: skip
+
+
+# Steps of up to 64 tokens multiplied by the C dense kernel (csrc/dense_matmul.c), or none.
+DENSE_KERNEL = pytest.mark.parametrize("dense_max_tokens", [0, 64], ids=["torch-gemm", "kernel"])
 
 
 def _prompts(vocab_size: int, lengths: list[int], seed: int = 1) -> list[list[int]]:
@@ -32,10 +39,11 @@ def _shuffled_blocks(num_blocks: int, seed: int = 2) -> list[int]:
     return blocks
 
 
-def test_prefill_logits_match_hf(family_checkpoint):
+@DENSE_KERNEL
+def test_prefill_logits_match_hf(family_checkpoint, dense_max_tokens):
     """Several prompts in one batch, each over non-contiguous blocks: every position matches."""
     folder, hf_model = family_checkpoint
-    runner = _runner(folder, block_size=4)
+    runner = _runner(folder, block_size=4, dense_max_tokens=dense_max_tokens)
     prompts = _prompts(hf_model.config.vocab_size, [7, 19, 33])
     free = _shuffled_blocks(runner.num_kv_blocks)
     slices = []
@@ -84,10 +92,11 @@ def test_mixed_chunks_and_decodes_equal_one_shot(family_checkpoint):
         assert relative_error(row, expected) <= TOLERANCE
 
 
-def test_decode_steps_match_hf(family_checkpoint):
+@DENSE_KERNEL
+def test_decode_steps_match_hf(family_checkpoint, dense_max_tokens):
     """Greedy decode token by token through the cache matches HF on the grown sequence."""
     folder, hf_model = family_checkpoint
-    runner = _runner(folder, block_size=8)
+    runner = _runner(folder, block_size=8, dense_max_tokens=dense_max_tokens)
     (prompt,) = _prompts(hf_model.config.vocab_size, [11], seed=5)
     request = Slice(list(prompt), 0, len(prompt), list(range(8)))
     for _ in range(6):

@@ -17,7 +17,7 @@ import torch
 from tandem.attention import backends, cpu_backend, cpu_kernel, torch_backend
 from tandem.attention.metadata import build_batch
 
-from helpers import Slice, compare_attention_backends, kernels_built_for, needs_cpu_kernels
+from helpers import Slice, compare_attention_backends, needs_cpu_kernels
 from helpers import attention_tolerance as tolerance
 
 pytestmark = needs_cpu_kernels
@@ -115,11 +115,13 @@ def torch_threads(num_threads: int) -> Iterator[None]:
 @needs_cpu_kernels
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 instruction-set levels")
 @pytest.mark.parametrize("march", ["haswell", "x86-64"])  # AVX2 + FMA; SSE2 only
-def test_the_kernel_built_for_older_x86_matches_the_torch_backend(monkeypatch, tmp_path, march):
+def test_the_kernel_built_for_older_x86_matches_the_torch_backend(
+    monkeypatch, older_x86_kernels, march
+):
     """Without AVX-512, heads of 64 and 128 take AVX2's 8-lane vector item (haswell) or the
     scalar item compiled with them as constants (x86-64): runs, split contexts and mixed
     batches still equal the oracle."""
-    library = kernels_built_for(march, tmp_path)
+    library = older_x86_kernels(march)
 
     def older_kernel(dtype: torch.dtype, head_dim: int) -> ctypes._CFuncPtr:
         specialized = f"_{head_dim}" if head_dim in cpu_kernel.SPECIALIZED_HEAD_DIMS else ""

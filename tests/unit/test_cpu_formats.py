@@ -12,8 +12,15 @@ from tandem.attention import cpu_kernel
 from tandem.cache import cache_root
 from tandem.config import model_config_from_hf
 from tandem.engine import cpu_formats as formats_module
-from tandem.engine.config import EngineConfig, resolve_dtype
-from tandem.engine.cpu_formats import DECODE_PROBE_TOKENS, CpuFormats, cpu_formats
+from tandem.engine.config import EngineConfig, dense_max_tokens, resolve_dtype
+from tandem.engine.cpu_formats import (
+    DECODE_PROBE_TOKENS,
+    CpuFormats,
+    cpu_formats,
+    dense_kernel_max_tokens,
+)
+
+from helpers import needs_cpu_kernels
 
 TINY = model_config_from_hf(
     {
@@ -108,3 +115,37 @@ def test_engine_config_carries_the_choice_to_the_runner(monkeypatch, tiny_llama)
     )  # fmt: skip
     pinned = EngineConfig.create(tiny_llama[0], device="cpu", dtype="float32")
     assert (pinned.runner.dtype, pinned.runner.packed_max_tokens) == ("float32", 0)
+
+
+@needs_cpu_kernels
+def test_the_dense_kernel_probe_is_measured_cached_and_logged(fresh_cache, monkeypatch, caplog):
+    with caplog.at_level(logging.INFO, logger="tandem.engine.cpu_formats"):
+        max_tokens = dense_kernel_max_tokens(TINY)
+    assert f"dense float32 kernel for steps of at most {max_tokens} tokens" in caplog.text
+    (entry,) = (
+        value
+        for key, value in json.loads((fresh_cache / "cpu-formats.json").read_text()).items()
+        if key.startswith("dense float32 kernel")
+    )
+    assert entry["max_tokens"] == max_tokens
+    torch_ms, kernel_ms = (
+        {int(rows): ms for rows, ms in entry["decode_ms"][name].items()}
+        for name in ("torch", "kernel")
+    )
+    # The kernel at every size up to its cut, where it measured faster; not at the next one.
+    for rows, ms in torch_ms.items():
+        assert (kernel_ms[rows] < ms) == (rows <= max_tokens)
+    monkeypatch.setattr(formats_module, "_interleaved_ms", None)  # a second probe would fail
+    assert dense_kernel_max_tokens(TINY) == max_tokens
+
+
+def test_only_float32_models_without_packed_weights_on_cpu_use_the_dense_kernel(
+    monkeypatch, tiny_llama
+):
+    monkeypatch.setattr(formats_module, "dense_kernel_max_tokens", lambda config: 16)
+    assert dense_max_tokens("float32", 0, "cpu", TINY) == 16
+    assert dense_max_tokens("bfloat16", 0, "cpu", TINY) == 0
+    assert dense_max_tokens("float32", 8, "cpu", TINY) == 0  # packed weights take small steps
+    assert dense_max_tokens("float32", 0, "cuda:0", TINY) == 0
+    config = EngineConfig.create(tiny_llama[0], device="cpu", dtype="float32")
+    assert config.runner.dense_max_tokens == 16

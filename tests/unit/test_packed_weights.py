@@ -19,7 +19,7 @@ from tandem.models.layers import Linear, MergedLinear
 from tandem.models.loader import attach_packed_weights
 from tandem.models.packed import PackedWeight, QuantBlocks
 
-from helpers import kernels_built_for, needs_cpu_kernels
+from helpers import needs_cpu_kernels
 
 QUANT_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
 KERNELS = [
@@ -169,10 +169,10 @@ def test_a_layer_with_a_shard_in_another_format_stays_dense():
 @needs_cpu_kernels
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 instruction-set levels")
 @pytest.mark.parametrize("march", ["haswell", "x86-64"])  # AVX2 + FMA + F16C; SSE2 only
-def test_the_c_kernel_built_for_older_x86_gives_the_same_results(tmp_path, march):
+def test_the_c_kernel_built_for_older_x86_gives_the_same_results(older_x86_kernels, march):
     """The machines tandem runs on differ (AVX2 only, AVX-512): the kernel's AVX2 and plain-C
     paths give the native build's results."""
-    function = kernels_built_for(march, tmp_path).packed_matmul_f32
+    function = older_x86_kernels(march).packed_matmul_f32
     function.argtypes = cpu_kernel._PACKED_MATMUL_ARGTYPES
     torch.manual_seed(0)
     for quant_type in QUANT_TYPES:

@@ -24,7 +24,7 @@ from tandem.worker.sampler import (
     token_logprobs,
 )
 
-from helpers import kernels_built_for, needs_cpu_kernels
+from helpers import needs_cpu_kernels
 
 # Distinct logits over a small vocab; sorted order 2, 7, 0, 4, 1, 6, 3, 5. Every truncation
 # boundary used below is at least 0.03 away from its threshold, far above float32 error.
@@ -766,10 +766,10 @@ def test_kernel_argmax_is_torchs_first_argmax():
 @needs_cpu_kernels
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 instruction-set levels")
 @pytest.mark.parametrize("march", ["haswell", "x86-64"])  # AVX2; SSE2 only
-def test_the_sampling_kernel_built_for_older_x86_draws_the_same_tokens(tmp_path, march):
+def test_the_sampling_kernel_built_for_older_x86_draws_the_same_tokens(older_x86_kernels, march):
     """Without AVX-512 the kernel's max and candidate passes run as plain loops: the same
     tokens as the native build, for every mix, on ordinary rows."""
-    library = kernels_built_for(march, tmp_path)
+    library = older_x86_kernels(march)
     library.sample_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                     *[ctypes.c_void_p] * 7, ctypes.c_int]  # fmt: skip
     library.sample_rows.restype = None

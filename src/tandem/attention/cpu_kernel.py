@@ -1,7 +1,7 @@
 """The CPU kernels (csrc/): decode attention over the paged cache, a layer's RMSNorm and RoPE
 in one call each, GGUF-quantized matmuls for decode steps (with fp32 or int8 activations),
-and a decode step's whole layer stack in one call (worker/cpu_decode.py); compiled for this
-machine on first use, cached, loaded with ctypes.
+dense fp32 matmuls for decode steps, and a decode step's whole layer stack in one call
+(worker/cpu_decode.py); compiled for this machine on first use, cached, loaded with ctypes.
 
 Plain C files (no torch headers) build in a few seconds, one compiler process each, with the
 C compiler torch's own CPU compilation already needs, so there is nothing to install and
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_decode_attention.c", "layer_ops.c", "packed_matmul.c",
                                      "packed_matmul_int8.c", "decode_forward.c",
-                                     "sample_rows.c")]  # fmt: skip
+                                     "sample_rows.c", "dense_matmul.c")]  # fmt: skip
 # Hashed with the sources: a change rebuilds.
 HEADERS = [CSRC / name for name in ("element_types.h", "kernels.h", "vector_math.h")]
 # -ffast-math's parts that vectorize reductions and the exp polynomial; -ffast-math itself
@@ -195,6 +195,9 @@ def load_library() -> ctypes.CDLL | None:
     library.sample_rows.restype = None
     library.argmax_rows.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int]
     library.argmax_rows.restype = None
+    library.dense_matmul_f32.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr,
+                                         ctypes.c_int]  # fmt: skip
+    library.dense_matmul_f32.restype = None
     return library
 
 
@@ -273,6 +276,39 @@ def _layer_op_library(x: torch.Tensor) -> ctypes.CDLL | None:
     ):
         return None
     return load_library()
+
+
+def dense_matmul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """F.linear(x, weight, bias) of fp32 `x` [T, K] in one call (csrc/dense_matmul.c: a few
+    rows by a dense fp32 matrix at memory speed), or None where the kernel does not take it."""
+    library = _layer_op_library(x)
+    tensors = (weight,) if bias is None else (weight, bias)
+    if (
+        library is None
+        or x.dtype != torch.float32
+        or x.dim() != 2
+        or x.stride(1) != 1
+        or weight.dim() != 2
+        or weight.shape[1] != x.shape[1]
+        or (bias is not None and bias.shape != weight.shape[:1])
+        or any(
+            t.dtype != torch.float32
+            or t.device != x.device
+            or not t.is_contiguous()
+            or (torch.is_grad_enabled() and t.requires_grad)
+            for t in tensors
+        )
+    ):
+        return None
+    out = torch.empty(x.shape[0], weight.shape[0])
+    library.dense_matmul_f32(
+        weight.data_ptr(), None if bias is None else bias.data_ptr(), weight.shape[0],
+        weight.shape[1], x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

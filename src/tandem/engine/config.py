@@ -199,6 +199,7 @@ class EngineConfig:
             kv_cache_dtype=kv_cache_dtype,
             packed_max_tokens=packed_max_tokens,
             packed_int8_min_tokens=packed_int8_min_tokens,
+            dense_max_tokens=dense_max_tokens(dtype_name, packed_max_tokens, device, model_config),
             device=device,
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
@@ -349,6 +350,19 @@ def resolve_dtype(
     return chosen, 0, 0
 
 
+def dense_max_tokens(
+    dtype: str, packed_max_tokens: int, device: str, model_config: ModelConfig
+) -> int:
+    """Up to how many tokens the steps of a float32 model without packed weights multiply in
+    the C dense kernel on CPU, as measured here (engine/cpu_formats.py); 0 elsewhere. Packed
+    weights take the small steps where the kernel would win."""
+    if torch.device(device).type != "cpu" or DTYPES[dtype] != torch.float32 or packed_max_tokens:
+        return 0
+    from tandem.engine.cpu_formats import dense_kernel_max_tokens
+
+    return dense_kernel_max_tokens(model_config)
+
+
 def _draft_runner(
     speculative: SpeculativeConfig,
     target: RunnerConfig,
@@ -381,6 +395,7 @@ def _draft_runner(
         kv_cache_dtype=target.kv_cache_dtype if DTYPES[dtype] == torch.float32 else "auto",
         packed_max_tokens=packed_max_tokens,
         packed_int8_min_tokens=int8_min_tokens,
+        dense_max_tokens=dense_max_tokens(dtype, packed_max_tokens, target.device, config),
         device=target.device,
         block_size=target.block_size,
         attention_backend=target.attention_backend,

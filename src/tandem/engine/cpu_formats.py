@@ -9,6 +9,10 @@ model shape (cached), a prefill-sized matmul in fp32 and bf16, and decode-sized 
 GGUF Q4_0 / Q4_1 / Q8_0 weights) with fp32 and with int8 activations. The result: the model's
 dtype, up to how many tokens a step uses the packed weights, and from how many tokens up those
 steps quantize their activations to int8.
+
+A float32 model without packed weights (an explicit dtype="float32", or "auto" on a
+checkpoint with no 4-bit weights where fp32 won) gets a second, smaller decision the same way:
+up to how many tokens its steps multiply in the C dense kernel instead of torch's GEMM.
 """
 
 from __future__ import annotations
@@ -89,6 +93,52 @@ def cpu_formats(config: ModelConfig, packable: bool) -> CpuFormats:
     return CpuFormats(**entry)
 
 
+def dense_kernel_max_tokens(config: ModelConfig) -> int:
+    """Up to how many tokens a step of a float32 model multiplies its weights in the C kernel
+    (csrc/dense_matmul.c) rather than through torch's GEMM: the largest step size the kernel
+    was faster at here (0: none, or no kernel), timed over the model's layer shapes once per
+    machine and model shape (cached). On the 2-core AVX2 EPYC it streamed the layers 2.3x as
+    fast at one token and lost from 128 tokens up."""
+    if cpu_kernel.load_library() is None:
+        return 0
+    key = "|".join(
+        (
+            "dense float32 kernel",
+            f"{cpu_name()} x{os.cpu_count()}",
+            f"{torch.get_num_threads()} threads",
+            f"torch {torch.__version__}",
+            f"layer {_layer_shapes(config)} x{config.num_hidden_layers}",
+            f"kernels {_kernels_name()}",
+        )
+    )
+
+    def measure() -> dict:
+        started = time.perf_counter()
+        weights = _decode_probe_weights(config)
+        decode_ms: dict[str, dict[int, float]] = {"torch": {}, "kernel": {}}
+        max_tokens = 0
+        for rows in DECODE_PROBE_TOKENS:
+            measured = _interleaved_ms(
+                {
+                    "torch": (weights, _dense, torch.float32),
+                    "kernel": (weights, _dense_kernel, torch.float32),
+                },
+                rows,
+            )
+            for name, ms in measured.items():
+                decode_ms[name][rows] = ms
+            if measured["kernel"] >= measured["torch"]:
+                break
+            max_tokens = rows
+        logger.info(
+            "dense float32 kernel for steps of at most %d tokens (probe, %.2f s, ms: %s)",
+            max_tokens, time.perf_counter() - started, decode_ms,
+        )  # fmt: skip
+        return {"max_tokens": max_tokens, "decode_ms": decode_ms}
+
+    return int(cached_measurement("cpu-formats.json", key, measure)["max_tokens"])
+
+
 def _kernels_name() -> str:
     """Which packed kernel the probe times: the built C library (its name hashes its source)
     or torch's int4 op."""
@@ -107,11 +157,19 @@ def _layer_shapes(config: ModelConfig) -> list[tuple[int, int]]:
     ]
 
 
-def probe_cpu_formats(config: ModelConfig, packable: bool) -> CpuFormats:
+def _decode_probe_weights(config: ModelConfig) -> list[torch.Tensor]:
+    """fp32 matrices of the model's layer shapes, for enough layers that decode-sized matmuls
+    stream them from memory (DECODE_PROBE_BYTES)."""
     shapes = _layer_shapes(config)
     layer_bytes = 4 * sum(rows * cols for rows, cols in shapes)
     num_layers = max(1, min(config.num_hidden_layers, -(-DECODE_PROBE_BYTES // layer_bytes)))
-    fp32 = [torch.zeros(shape) for _ in range(num_layers) for shape in shapes]
+    return [torch.zeros(shape) for _ in range(num_layers) for shape in shapes]
+
+
+def probe_cpu_formats(config: ModelConfig, packable: bool) -> CpuFormats:
+    shapes = _layer_shapes(config)
+    fp32 = _decode_probe_weights(config)
+    num_layers = len(fp32) // len(shapes)
     one_layer = fp32[: len(shapes)]
     prefill_ms = _interleaved_ms(
         {
@@ -163,6 +221,10 @@ def probe_cpu_formats(config: ModelConfig, packable: bool) -> CpuFormats:
 
 def _dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight)
+
+
+def _dense_kernel(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    return cpu_kernel.dense_matmul(x, weight)
 
 
 def _packed(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:

@@ -54,18 +54,25 @@ class Embedding(nn.Module):
 
 class Linear(nn.Module):
     """x·Wᵀ + b. The weight may also be kept packed (models/packed.py): steps of at most
-    `packed.max_tokens` rows (decodes) multiply that instead, reading a fraction of the bytes."""
+    `packed.max_tokens` rows (decodes) multiply that instead, reading a fraction of the bytes.
+    Steps of at most `dense_max_tokens` rows multiply an fp32 weight through the C kernel
+    (csrc/dense_matmul.c), which streams it where torch's GEMM does not."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: PackedWeight | None = None
+        self.dense_max_tokens = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.packed
         if packed is not None and x.shape[0] <= packed.max_tokens:
             return packed.matmul(x, self.bias)
+        if x.shape[0] <= self.dense_max_tokens:
+            out = cpu_kernel.dense_matmul(x, self.weight, self.bias)
+            if out is not None:
+                return out
         return F.linear(x, self.weight, self.bias)
 
 

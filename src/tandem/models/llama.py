@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.attention import torch_backend
+from tandem.attention import cpu_kernel, torch_backend
 from tandem.attention.metadata import get_attn_metadata
 from tandem.config import ModelConfig
 from tandem.models.layers import (
@@ -141,6 +141,7 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # The head's weight kept packed (models/packed.py), for a few sampled rows at a time.
         self.lm_head_packed: PackedWeight | None = None
+        self.dense_head_max_tokens = 0  # see use_dense_kernel
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -160,7 +161,19 @@ class CausalLM(nn.Module):
         packed = self.lm_head_packed
         if packed is not None and hidden.shape[0] <= packed.max_tokens:
             return packed.matmul(hidden.float())  # the kernel's fp32 sums, not rounded to bf16
+        if hidden.shape[0] <= self.dense_head_max_tokens:
+            logits = cpu_kernel.dense_matmul(hidden, self.lm_head_weight)
+            if logits is not None:
+                return logits
         return F.linear(hidden, self.lm_head_weight).float()
+
+    def use_dense_kernel(self, max_tokens: int) -> None:
+        """Steps of at most `max_tokens` rows multiply the fp32 weights (layers and head) in
+        the C kernel (csrc/dense_matmul.c); 0: torch's GEMM for every step."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.dense_max_tokens = max_tokens
+        self.dense_head_max_tokens = max_tokens
 
     def compile_layers(self, min_tokens: int = 1) -> None:
         """torch.compile each layer's two halves around attention (dynamic token counts), for

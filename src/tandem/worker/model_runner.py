@@ -123,6 +123,8 @@ class RunnerConfig:
     packed_max_tokens: int = 0
     # Of those, steps of at least this many tokens quantize their activations to int8 (0: none).
     packed_int8_min_tokens: int = 0
+    # Steps of at most this many tokens multiply fp32 weights in the C kernel (CPU; 0: never).
+    dense_max_tokens: int = 0
     compile_layers: bool = False  # torch.compile each layer's halves around attention
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides the size computed from kv_cache_memory
@@ -193,6 +195,7 @@ class ModelRunner:
             config.model, self.dtype, self.device, config.packed_max_tokens,
             config.packed_int8_min_tokens,
         )  # fmt: skip
+        self.model.use_dense_kernel(config.dense_max_tokens if self.device.type == "cpu" else 0)
         if config.compile_layers:
             # Inductor's kernels are cached beside tandem's other caches: a second start reuses
             # them (it still re-traces the graphs).
