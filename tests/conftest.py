@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import kernels_built_for
 from hf_models import make_hf_model
 
 
@@ -20,12 +21,14 @@ def _tandem_cache_dir(tmp_path_factory) -> None:
 
 
 @pytest.fixture(scope="session")
-def older_x86_kernels(tmp_path_factory):
+def older_x86_kernels(tmp_path_factory) -> Callable[[str], ctypes.CDLL]:
     """`build(march)`: the kernel library built for an older x86 level, once per session
-    (a build takes ~6 s on two cores; three test modules check their kernels in it)."""
-    built = {}
+    (a build takes ~6 s on two cores; four test modules check their kernels in it)."""
+    from helpers import kernels_built_for  # builds the native library: only where wanted
 
-    def build(march: str):
+    built: dict[str, ctypes.CDLL] = {}
+
+    def build(march: str) -> ctypes.CDLL:
         if march not in built:
             built[march] = kernels_built_for(march, tmp_path_factory.mktemp(march))
         return built[march]

@@ -167,10 +167,14 @@ def assert_same_until_tie(tokens: list[int], reference: list[int], reference_log
         assert tokens == reference
 
 
-def assert_hf_greedy(model, prompt: list[int], tokens: list[int]) -> None:
-    """Every generated token is HF's argmax given the prompt and the tokens before it, or within
-    NEAR_TIE of it (fp32 noise may flip a near-tie). One teacher-forced forward checks all the
-    positions that a token-by-token HF generate would, and goes on past a near-tie."""
+def assert_hf_greedy(
+    model: torch.nn.Module, prompt: list[int], tokens: list[int], num_tokens: int
+) -> None:
+    """`num_tokens` generated tokens, each HF's argmax given the prompt and the tokens before
+    it, or within NEAR_TIE of it (fp32 noise may flip a near-tie). One teacher-forced forward
+    checks all the positions that a token-by-token HF generate would, and goes on past a
+    near-tie."""
+    assert len(tokens) == num_tokens, f"{len(tokens)} tokens generated, not {num_tokens}"
     logits = hf_logits(model, prompt + tokens[:-1])[len(prompt) - 1 :]
     logprobs = torch.log_softmax(logits, -1)
     chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0]

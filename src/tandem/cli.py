@@ -198,11 +198,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     # The engine core starts loading the model before this process imports the server
     # (FastAPI, uvicorn, transformers: 2-3 s that overlap the core's start on another core).
     client = EngineCoreClient(config)
-    try:
-        from tandem.server.launcher import run_server
-    except BaseException:
-        client.shutdown()
-        raise
+    from tandem.server.launcher import run_server
+
     run_server(
         config,
         client=client,

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from server_process import KV_CACHE_MEMORY_BYTES, ServerProcess
 
@@ -58,7 +59,7 @@ def offline_llm():
 
 
 @pytest.fixture(scope="session")
-def smollm2_hf():
+def smollm2_hf() -> torch.nn.Module:
     """HF transformers' own reading of the embedded GGUF (fp32): the reference for the embedded
     model's outputs. Loaded once: its GGUF dequantization takes seconds on two cores."""
     import torch

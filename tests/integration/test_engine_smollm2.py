@@ -44,7 +44,7 @@ def test_sixteen_concurrent_chats_equal_hf_greedy(llm, smollm2_hf):
     assert len(lengths) > 5  # mixed prompt lengths
     assert max(s.num_seqs for s in llm.step_stats) == 16  # all ran concurrently
     for output in outputs:
-        assert_hf_greedy(smollm2_hf, output.prompt_token_ids, output.outputs[0].token_ids)
+        assert_hf_greedy(smollm2_hf, output.prompt_token_ids, output.outputs[0].token_ids, 24)
     assert "Paris" in outputs[0].outputs[0].text
 
 

@@ -169,3 +169,29 @@ def test_engine_core_killed_mid_stream(server_factory):
     assert not _wait_gone(children, 10), "a child of the server outlived it"
     # the log says how the core ended (SIGKILL: -9), not just that it did
     assert "engine core process exited with code -9" in server.log()
+
+
+def test_a_process_leaving_without_shutdown_takes_its_engine_core_along(tiny_llama):
+    """`tandem serve` starts the core before it imports the server; an error in between (or
+    anywhere before the engine is shut down) must not leave the core running, nor hang the
+    exit (the core ignores the SIGTERM multiprocessing stops daemon children with)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import asyncio\n"
+        "from tandem.engine.config import EngineConfig\n"
+        "from tandem.engine.core_client import EngineCoreClient\n"
+        f"client = EngineCoreClient(EngineConfig.create({str(tiny_llama[0])!r}, "
+        "skip_tokenizer_init=True))\n"
+        "print(client.process.pid, flush=True)\n"
+        "asyncio.run(client.wait_ready(120))  # the core now ignores SIGTERM\n"
+        "raise RuntimeError('start-up failed')\n"
+    )
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    assert result.returncode == 1 and "start-up failed" in result.stderr, result.stderr
+    assert time.monotonic() - started < 60
+    core = int(result.stdout.split()[0])
+    assert not _wait_gone([core], 5), "the engine core outlived its parent"

@@ -51,12 +51,12 @@ def test_padded_decode_graph_path_matches_eager(tiny_llama, monkeypatch):
     from tandem.attention import triton_backend
     from tandem.worker.model_runner import ModelRunner, RunnerConfig
 
+    from helpers import Slice
+
     # A graph's plan splits every context as if it were long, into as many ranges as fill an
     # H200; 4-8 ranges (not 32-64) run the same split and merge in an eighth of the
     # interpreter's time.
     monkeypatch.setattr(triton_backend, "TARGET_PROGRAMS", 64)
-
-    from helpers import Slice
 
     folder, _ = tiny_llama
     runners = {

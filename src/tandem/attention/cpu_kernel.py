@@ -302,7 +302,7 @@ def dense_matmul(
         )
     ):
         return None
-    out = torch.empty(x.shape[0], weight.shape[0])
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
     library.dense_matmul_f32(
         weight.data_ptr(), None if bias is None else bias.data_ptr(), weight.shape[0],
         weight.shape[1], x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(),

@@ -10,8 +10,8 @@ GGUF Q4_0 / Q4_1 / Q8_0 weights) with fp32 and with int8 activations. The result
 dtype, up to how many tokens a step uses the packed weights, and from how many tokens up those
 steps quantize their activations to int8.
 
-A float32 model without packed weights (an explicit dtype="float32", or "auto" on a
-checkpoint with no 4-bit weights where fp32 won) gets a second, smaller decision the same way:
+A float32 model without packed weights (an explicit dtype="float32", or "auto" where fp32
+won and packed weights did not) gets a second, smaller decision the same way:
 up to how many tokens its steps multiply in the C dense kernel instead of torch's GEMM.
 """
 
@@ -223,8 +223,10 @@ def _dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight)
 
 
-def _dense_kernel(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    return cpu_kernel.dense_matmul(x, weight)
+def _dense_kernel(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    out = cpu_kernel.dense_matmul(x, weight)
+    assert out is not None, "the probe's matrices are ones the dense kernel takes"
+    return out
 
 
 def _packed(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:

@@ -180,7 +180,8 @@ class CausalLM(nn.Module):
         steps of at least `min_tokens` tokens: RMSNorm, RoPE, SiLU·mul and the residual adds
         fuse into a few kernels instead of ~25 eager ops per layer. The layers share one code
         object, so they share the compiled graphs. Smaller steps (those that multiply packed
-        weights) stay eager: compiled, they measured no faster."""
+        weights or take the dense kernel) stay eager: compiled, they measured no faster, and
+        the C calls cannot be traced."""
         for layer in self.model.layers:
             layer.attention_inputs = _compiled_from(layer.attention_inputs, min_tokens)
             layer.attention_outputs = _compiled_from(layer.attention_outputs, min_tokens)

@@ -200,7 +200,10 @@ class ModelRunner:
             # Inductor's kernels are cached beside tandem's other caches: a second start reuses
             # them (it still re-traces the graphs).
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
-            self.model.compile_layers(min_tokens=config.packed_max_tokens + 1)
+            # Steps small enough for packed weights or the dense kernel stay eager: the C
+            # calls cannot be traced.
+            eager_max_tokens = max(config.packed_max_tokens, config.dense_max_tokens)
+            self.model.compile_layers(min_tokens=eager_max_tokens + 1)
         self.model_config: ModelConfig = self.model.config
         bytes_per_block = kv_cache_bytes_per_block(
             self.model_config, self.block_size, self.kv_cache_dtype

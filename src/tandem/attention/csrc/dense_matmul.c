@@ -6,7 +6,7 @@
 
    Per 4 output rows, a pass of up to TOKEN_PASS token rows shares each load of the weights
    (4 rows × TOKEN_PASS tokens of vector sums fill the registers), and the next passes read
-   the same rows again from L1. Each (row, token) dot sums its k terms in the same order
+   the same rows again from L1 (L2 for rows wider than ~2,000). Each (row, token) dot sums its k terms in the same order
    whatever the step holds, so a row's output does not depend on the batch around it. */
 
 #if defined(__x86_64__) || defined(__i386__)
