@@ -68,16 +68,7 @@ class CpuFormats:
 def cpu_formats(config: ModelConfig, packable: bool) -> CpuFormats:
     """The probe's choice for a model of `config`'s shapes on this CPU; `packable`: the
     checkpoint has 4-bit GGUF weights the packed kernel can multiply."""
-    key = "|".join(
-        (
-            f"{cpu_name()} x{os.cpu_count()}",
-            f"{torch.get_num_threads()} threads",
-            f"torch {torch.__version__}",
-            f"layer {_layer_shapes(config)} x{config.num_hidden_layers}",
-            f"packable {packable}",
-            f"kernels {_kernels_name()}",
-        )
-    )
+    key = "|".join((*_machine_and_model(config), f"packable {packable}", _kernels_name()))
 
     def measure() -> dict:
         started = time.perf_counter()
@@ -101,16 +92,7 @@ def dense_kernel_max_tokens(config: ModelConfig) -> int:
     fast at one token and lost from 128 tokens up."""
     if cpu_kernel.load_library() is None:
         return 0
-    key = "|".join(
-        (
-            "dense float32 kernel",
-            f"{cpu_name()} x{os.cpu_count()}",
-            f"{torch.get_num_threads()} threads",
-            f"torch {torch.__version__}",
-            f"layer {_layer_shapes(config)} x{config.num_hidden_layers}",
-            f"kernels {_kernels_name()}",
-        )
-    )
+    key = "|".join(("dense float32 kernel", *_machine_and_model(config), _kernels_name()))
 
     def measure() -> dict:
         started = time.perf_counter()
@@ -139,11 +121,22 @@ def dense_kernel_max_tokens(config: ModelConfig) -> int:
     return int(cached_measurement("cpu-formats.json", key, measure)["max_tokens"])
 
 
+def _machine_and_model(config: ModelConfig) -> tuple[str, ...]:
+    """What a measurement depends on besides the kernels: the CPU, the threads, torch, and the
+    model's layer shapes."""
+    return (
+        f"{cpu_name()} x{os.cpu_count()}",
+        f"{torch.get_num_threads()} threads",
+        f"torch {torch.__version__}",
+        f"layer {_layer_shapes(config)} x{config.num_hidden_layers}",
+    )
+
+
 def _kernels_name() -> str:
-    """Which packed kernel the probe times: the built C library (its name hashes its source)
-    or torch's int4 op."""
+    """Which kernels the probe times: the built C library (its name hashes its source) or
+    torch's int4 op."""
     path = cpu_kernel.library_path() if cpu_kernel.load_library() is not None else None
-    return path.name if path is not None else "torch int4"
+    return f"kernels {path.name if path is not None else 'torch int4'}"
 
 
 def _layer_shapes(config: ModelConfig) -> list[tuple[int, int]]:
