@@ -88,8 +88,8 @@ def dense_kernel_max_tokens(config: ModelConfig) -> int:
     """Up to how many tokens a step of a float32 model multiplies its weights in the C kernel
     (csrc/dense_matmul.c) rather than through torch's GEMM: the largest step size the kernel
     was faster at here (0: none, or no kernel), timed over the model's layer shapes once per
-    machine and model shape (cached). On the 2-core AVX2 EPYC it streamed the layers 2.3x as
-    fast at one token and lost from 128 tokens up."""
+    machine and model shape (cached). On the 2-core AVX2 EPYC it took the layers 1.6-1.7x less
+    time at one token, 2.7-2.9x less at 2-4, and lost from 64 or 128 tokens up."""
     if cpu_kernel.load_library() is None:
         return 0
     key = "|".join(("dense float32 kernel", *_machine_and_model(config), _kernels_name()))

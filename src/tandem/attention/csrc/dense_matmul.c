@@ -2,12 +2,14 @@
    matmuls. Such a step is memory-bound (every weight read once for a few tokens), and torch's
    CPU GEMM does not stream at that shape: on the 2-core AVX2 EPYC, F.linear of one row by the
    embedded model's 49,152 × 576 LM head moved 5.8 GB/s (2.9 for two rows), this kernel 13.5;
-   the layers' matrices, 2.5-4x as fast.
+   over the model's layers, from memory, it took 1.6-1.7x less time at one row, 2.7-2.9x less
+   at 2-4 (engine/cpu_formats.py's probe).
 
    Per 4 output rows, a pass of up to TOKEN_PASS token rows shares each load of the weights
    (4 rows × TOKEN_PASS tokens of vector sums fill the registers), and the next passes read
-   the same rows again from L1 (L2 for rows wider than ~2,000). Each (row, token) dot sums its k terms in the same order
-   whatever the step holds, so a row's output does not depend on the batch around it. */
+   the same rows again from L1 (L2 for rows wider than ~2,000). Each (row, token) dot sums
+   its k terms in the same order whatever the step holds, so a row's output does not depend
+   on the batch around it. */
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
