@@ -9,6 +9,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -175,9 +177,6 @@ def test_a_process_leaving_without_shutdown_takes_its_engine_core_along(tiny_lla
     """`tandem serve` starts the core before it imports the server; an error in between (or
     anywhere before the engine is shut down) must not leave the core running, nor hang the
     exit (the core ignores the SIGTERM multiprocessing stops daemon children with)."""
-    import subprocess
-    import sys
-
     script = (
         "import asyncio\n"
         "from tandem.engine.config import EngineConfig\n"

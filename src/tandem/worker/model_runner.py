@@ -195,7 +195,7 @@ class ModelRunner:
             config.model, self.dtype, self.device, config.packed_max_tokens,
             config.packed_int8_min_tokens,
         )  # fmt: skip
-        self.model.use_dense_kernel(config.dense_max_tokens if self.device.type == "cpu" else 0)
+        self.model.use_dense_kernel(config.dense_max_tokens)  # off CPU the kernel declines
         if config.compile_layers:
             # Inductor's kernels are cached beside tandem's other caches: a second start reuses
             # them (it still re-traces the graphs).
