@@ -17,6 +17,7 @@ from tandem import LLM, SamplingParams
 from tandem.attention import torch_backend
 from tandem.attention.metadata import build_batch
 from tandem.engine import cpu_formats as formats_module
+from tandem.engine.config import EngineConfig
 from tandem.engine.cpu_formats import CpuFormats
 from tandem.models.loader import load_model_config, resolve_model_path
 from tandem.worker import model_runner as model_runner_module
@@ -124,7 +125,7 @@ def test_fused_decode_steps_over_a_bfloat16_cache_generate_the_fp32_caches_token
     prompts = ["The capital of France is", "def fibonacci(n):"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     outputs = {}
-    for kv_cache_dtype in ("auto", "bfloat16"):
+    for kv_cache_dtype in ("float32", "bfloat16"):
         llm = LLM("default", kv_cache_dtype=kv_cache_dtype, kv_cache_memory=64 << 20)
         assert llm.engine.core.runner.cpu_decode is not None
         outputs[kv_cache_dtype] = llm.generate(prompts, params, use_tqdm=False)
@@ -135,7 +136,7 @@ def test_fused_decode_steps_over_a_bfloat16_cache_generate_the_fp32_caches_token
             NEAR_TIE,
             f"prompt {reference.prompt!r}",
         )
-        for reference, rounded in zip(outputs["auto"], outputs["bfloat16"], strict=True)
+        for reference, rounded in zip(outputs["float32"], outputs["bfloat16"], strict=True)
     )
     assert agreed >= len(prompts) * 24 // 4
 
@@ -145,11 +146,36 @@ def test_unsupported_cache_types_are_refused_before_loading(monkeypatch):
         raise AssertionError("the model was loaded before the refusal")
 
     monkeypatch.setattr(model_runner_module, "load_model", no_loading)
-    with pytest.raises(ValueError, match="auto, bfloat16"):
+    with pytest.raises(ValueError, match="auto, bfloat16, float32"):
         LLM("default", kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="saves no memory"):
         LLM("default", dtype="float16", kv_cache_dtype="bfloat16")
+    with pytest.raises(ValueError, match="wider than the model"):
+        LLM("default", dtype="bfloat16", kv_cache_dtype="float32")
     if importlib.util.find_spec("triton") is not None:
         with pytest.raises(ValueError, match="triton attention backend"):
             LLM("default", dtype="float32", kv_cache_dtype="bfloat16",
                 attention_backend="triton")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kv_cache_dtype", "attention_backend", "expected"),
+    [
+        pytest.param("auto", "auto", "auto", "bfloat16", marks=needs_cpu_kernels),
+        pytest.param("auto", "float32", "auto", "float32", marks=needs_cpu_kernels),
+        ("auto", "auto", "torch", "auto"),
+        ("float32", "auto", "auto", "auto"),
+        ("float32", "bfloat16", "auto", "bfloat16"),
+    ],
+)
+def test_dtype_auto_on_the_cpu_kernels_keeps_the_cache_in_bfloat16(
+    monkeypatch, dtype, kv_cache_dtype, attention_backend, expected
+):
+    """vLLM's kv "auto" is the model's dtype; tandem's dtype "auto" on the CPU kernels halves
+    a float32 model's cache, unless asked to keep it float32 or the model's dtype is given."""
+    float32_model = CpuFormats("float32", 0, {}, {})
+    monkeypatch.setattr(formats_module, "cpu_formats", lambda config, packable: float32_model)
+    config = EngineConfig.create("default", dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                                 attention_backend=attention_backend, device="cpu")  # fmt: skip
+    assert config.runner.dtype == "float32"
+    assert config.runner.kv_cache_dtype == expected

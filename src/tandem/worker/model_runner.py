@@ -67,9 +67,11 @@ def keep_freed_memory_in_heap() -> None:
     libc.mallopt(m_trim_threshold, 1 << 30)
 
 
-# vLLM's kv_cache_dtype values tandem stores: "auto" (the model's dtype) or bfloat16. fp8 is not
-# built: no CPU kernel reads it, and the CUDA path has not been measured.
-KV_CACHE_DTYPES = ("auto", "bfloat16")
+# The kv_cache_dtype values tandem stores: vLLM's "auto" (the model's dtype; under dtype="auto" on
+# CPU a float32 model's cache is bfloat16: engine/config.py) and bfloat16, and float32 to keep a
+# float32 model's cache exact there. fp8 is not built: no CPU kernel reads it, and the CUDA path
+# has not been measured.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
@@ -90,6 +92,11 @@ def parse_kv_cache_dtype(
     if dtype == model_dtype:
         return dtype
     model = str(model_dtype).removeprefix("torch.")
+    if dtype == torch.float32:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} with a {model} model: no attention backend "
+            "reads a cache wider than the model; leave kv_cache_dtype 'auto'"
+        )
     if model_dtype != torch.float32:
         raise ValueError(
             f"kv_cache_dtype={kv_cache_dtype!r} with a {model} model saves no memory: a "
