@@ -271,10 +271,10 @@ def teacher_forced(runner: ModelRunner, tokens: list[int], chunk: int) -> tuple:
 
 
 def quality_rows(
-    num_tokens: int, bf16_kv_cache: bool = False
+    num_tokens: int, fp32_kv_cache: bool = False
 ) -> tuple[dict[str, dict[str, float]], dict]:
     """Top-1 agreement with fp32 and perplexity of the auto mode (and of plain bf16, and of
-    auto over a bf16 KV cache if asked), with prefill-sized steps (512 tokens) and
+    auto over a float32 KV cache if asked), with prefill-sized steps (512 tokens) and
     decode-sized ones (16 tokens, or fewer where packed weights stop sooner)."""
     auto = EngineConfig.create("default", device="cpu").runner
     tokens = reference_text_tokens(num_tokens)
@@ -286,6 +286,7 @@ def quality_rows(
         packed_max_tokens=auto.packed_max_tokens,
         packed_int8_min_tokens=auto.packed_int8_min_tokens,
         attention_backend=auto.attention_backend,
+        kv_cache_dtype=auto.kv_cache_dtype,
     )
     runners = {
         "float32": ModelRunner(RunnerConfig(model="default", num_kv_blocks=blocks)),
@@ -294,9 +295,9 @@ def quality_rows(
         ),
         "auto": ModelRunner(auto_config),
     }
-    if bf16_kv_cache:
-        runners["auto (bfloat16 KV cache)"] = ModelRunner(
-            replace(auto_config, kv_cache_dtype="bfloat16")
+    if fp32_kv_cache:
+        runners["auto (float32 KV cache)"] = ModelRunner(
+            replace(auto_config, kv_cache_dtype="float32")
         )
     # Decode-sized steps: 16 tokens of one request after its first step run on the fused decode
     # path as verification tokens, through the kernels a decode step uses, row by row.
@@ -329,8 +330,9 @@ def main() -> None:
     parser.add_argument("--torch-attention", action="store_true",
                         help="also dtype='auto' and 'float32' on the torch attention backend "
                         "(the gather + SDPA reference) beside the default")  # fmt: skip
-    parser.add_argument("--bf16-kv-cache", action="store_true",
-                        help="also dtype='auto' with kv_cache_dtype='bfloat16'")  # fmt: skip
+    parser.add_argument("--fp32-kv-cache", action="store_true",
+                        help="also dtype='auto' with kv_cache_dtype='float32' (auto's "
+                             "is bfloat16 on CPU)")  # fmt: skip
     parser.add_argument("--speed-only", action="store_true",
                         help="only the speed rows (no breakdown, start-up or quality)")  # fmt: skip
     parser.add_argument("--breakdown-only", action="store_true",
@@ -361,8 +363,8 @@ def main() -> None:
         engines.append(Tandem("auto", compilation_level=3))
     if args.torch_attention:
         engines += [Tandem(dtype, attention_backend="torch") for dtype in ("auto", "float32")]
-    if args.bf16_kv_cache:
-        engines.append(Tandem("auto", kv_cache_dtype="bfloat16"))
+    if args.fp32_kv_cache:
+        engines.append(Tandem("auto", kv_cache_dtype="float32"))
     speed = speed_rows(engines, args.rounds)
     hf = speed[HF.name]
     print(f"\n## Speed (best of {args.rounds} alternated rounds)")
@@ -400,7 +402,7 @@ def main() -> None:
     for dtype, (first, second) in startup.items():
         print(f"| {dtype} | {first:.1f} | {second:.1f} |")
 
-    quality, quality_setup = quality_rows(args.quality_tokens, args.bf16_kv_cache)
+    quality, quality_setup = quality_rows(args.quality_tokens, args.fp32_kv_cache)
     print(
         f"\n## Quality beside fp32, teacher-forced over {quality_setup['num_tokens']} tokens of "
         "the Python license"

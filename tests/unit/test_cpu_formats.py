@@ -15,6 +15,7 @@ from tandem.engine import cpu_formats as formats_module
 from tandem.engine.config import EngineConfig, dense_max_tokens, resolve_dtype
 from tandem.engine.cpu_formats import (
     DECODE_PROBE_TOKENS,
+    LARGE_PROBE_TOKENS,
     CpuFormats,
     cpu_formats,
     dense_kernel_max_tokens,
@@ -52,7 +53,7 @@ def test_probe_measures_both_phases_and_is_cached(fresh_cache, monkeypatch):
     assert set(decode) == {chosen.dtype, *packed_formats}
     # Packed for every size up to its cut, where its fastest form still measured beat the
     # dense format; not at the next one.
-    assert chosen.packed_max_tokens in (0, *DECODE_PROBE_TOKENS)
+    assert chosen.packed_max_tokens in (0, *DECODE_PROBE_TOKENS, *LARGE_PROBE_TOKENS)
     for rows, dense_ms in decode[chosen.dtype].items():
         faster = min(decode[name][rows] for name in packed_formats if rows in decode[name])
         assert (faster < dense_ms) == (rows <= chosen.packed_max_tokens)
@@ -63,6 +64,12 @@ def test_probe_measures_both_phases_and_is_cached(fresh_cache, monkeypatch):
     for rows in decode[chosen.dtype]:
         if chosen.int8_min_tokens and chosen.int8_min_tokens <= rows <= chosen.packed_max_tokens:
             assert decode["packed int8"][rows] < decode["packed"].get(rows, float("inf"))
+    # Prefill-sized steps, timed only where packed weights won every decode size, against the
+    # packed form those steps use.
+    assert bool(chosen.large_ms) == (chosen.packed_max_tokens >= DECODE_PROBE_TOKENS[-1])
+    used = "packed int8" if chosen.int8_min_tokens else "packed"
+    for rows, dense_ms in chosen.large_ms.get(chosen.dtype, {}).items():
+        assert (chosen.large_ms[used][rows] < dense_ms) == (rows <= chosen.packed_max_tokens)
     assert (cache_root() / "cpu-formats.json").exists()
 
     def no_second_probe(*args):
@@ -81,6 +88,40 @@ def test_a_corrupt_cache_is_probed_again(fresh_cache):
     (fresh_cache / "cpu-formats.json").write_text("{not json")
     assert cpu_formats(TINY, packable=False).dtype in ("float32", "bfloat16")
     assert json.loads((fresh_cache / "cpu-formats.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("packed_wins_up_to", "expected_max_tokens"), [(128, 128), (1024, 1024), (4096, 2048)]
+)
+def test_packed_weights_take_prefill_sized_steps_where_they_measure_faster(
+    fresh_cache, monkeypatch, packed_wins_up_to, expected_max_tokens
+):
+    """Past the decode sizes the probe times one layer's matrices (compute-bound steps), the
+    packed form the model would use against the dense dtype, up to the default step budget."""
+    timed: list[tuple[int, int]] = []
+
+    def fake_timings(candidates, rows):
+        timed.append((rows, len(candidates["float32"][0])))
+        dense = {"float32": 1.0 * rows, "bfloat16": 2.0 * rows}
+        packed = 0.5 * rows if rows <= packed_wins_up_to else 3.0 * rows
+        return {
+            name: dense[name] if name in dense else packed * (0.9 if "int8" in name else 1.0)
+            for name in candidates
+        }
+
+    monkeypatch.setattr(formats_module, "_interleaved_ms", fake_timings)
+    chosen = cpu_formats(TINY, packable=True)
+    assert (chosen.dtype, chosen.packed_max_tokens) == ("float32", expected_max_tokens)
+    large_sizes = [rows for rows, _ in timed if rows > DECODE_PROBE_TOKENS[-1]]
+    if packed_wins_up_to < DECODE_PROBE_TOKENS[-1]:
+        assert not large_sizes and not chosen.large_ms
+        return
+    assert large_sizes == [r for r in LARGE_PROBE_TOKENS if r <= 2 * expected_max_tokens]
+    assert all(matrices == 4 for rows, matrices in timed if rows in large_sizes)
+    int8 = cpu_kernel.int8_matmul_vectorized()
+    used = "packed int8" if int8 else "packed"
+    assert chosen.int8_min_tokens == (1 if int8 else 0)
+    assert set(chosen.large_ms) == {"float32", used}
 
 
 def fake_choice(monkeypatch, dtype: str, packed_max_tokens: int, int8_min_tokens: int = 0) -> None:

@@ -6,9 +6,11 @@ is several times slower. And the two phases want different things: prefill is co
 kernel keeps up). So a short probe over the model's own layer shapes times, once per machine and
 model shape (cached), a prefill-sized matmul in fp32 and bf16, and decode-sized ones (1, 2,
 4, ... rows) of the chosen dense format against the packed kernel (models/packed.py, for
-GGUF Q4_0 / Q4_1 / Q8_0 weights) with fp32 and with int8 activations. The result: the model's
-dtype, up to how many tokens a step uses the packed weights, and from how many tokens up those
-steps quantize their activations to int8.
+GGUF Q4_0 / Q4_1 / Q8_0 weights) with fp32 and with int8 activations; where the packed kernel
+wins every decode size, prefill-sized steps too (on an AVX2-only EPYC, int8 activations against
+packed weights beat torch's fp32 GEMM 1.5x at 256 rows). The result: the model's dtype, up to
+how many tokens a step uses the packed weights, and from how many tokens up those steps
+quantize their activations to int8.
 
 A float32 model without packed weights (an explicit dtype="float32", or "auto" where fp32
 won and packed weights did not) gets a second, smaller decision the same way:
@@ -21,7 +23,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import torch
@@ -39,6 +41,9 @@ DECODE_PROBE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Decode-sized matmuls stream their weights from memory, not from cache: the probe's set of
 # layers is at least this large in fp32 (or all of the model's layers, if smaller).
 DECODE_PROBE_BYTES = 256 << 20
+# Past the decode sizes, steps are compute-bound (each weight is used by hundreds of rows and
+# stays in cache): one layer's matrices are timed, at sizes up to the default step budget.
+LARGE_PROBE_TOKENS = (512, 1024, 2048)
 PROBE_REPEATS = 3
 
 
@@ -51,6 +56,9 @@ class CpuFormats:
     decode_ms: dict[str, dict[int, float]]
     # Packed steps of at least this many tokens quantize their activations to int8; 0: none.
     int8_min_tokens: int = 0
+    # ms for one layer's matrices at LARGE_PROBE_TOKENS (where the packed weights won every
+    # decode size).
+    large_ms: dict[str, dict[int, float]] = field(default_factory=dict)
 
     def describe(self) -> str:
         packed = (
@@ -60,15 +68,19 @@ class CpuFormats:
         )
         if self.int8_min_tokens:
             packed += f", int8 activations from {self.int8_min_tokens} tokens"
+        large = f", one layer at prefill sizes {self.large_ms}" if self.large_ms else ""
         return f"{self.dtype}, {packed} (probe, ms: prefill {self.prefill_ms}, decode " + (
-            f"{self.decode_ms})"
+            f"{self.decode_ms}{large})"
         )
 
 
 def cpu_formats(config: ModelConfig, packable: bool) -> CpuFormats:
     """The probe's choice for a model of `config`'s shapes on this CPU; `packable`: the
     checkpoint has 4-bit GGUF weights the packed kernel can multiply."""
-    key = "|".join((*_machine_and_model(config), f"packable {packable}", _kernels_name()))
+    key = "|".join((
+        *_machine_and_model(config), f"packable {packable}", _kernels_name(),
+        f"steps up to {LARGE_PROBE_TOKENS[-1]}",
+    ))  # fmt: skip
 
     def measure() -> dict:
         started = time.perf_counter()
@@ -77,10 +89,11 @@ def cpu_formats(config: ModelConfig, packable: bool) -> CpuFormats:
         return asdict(formats)
 
     entry = dict(cached_measurement("cpu-formats.json", key, measure))
-    entry["decode_ms"] = {  # JSON keys are strings
-        name: {int(rows): ms for rows, ms in by_rows.items()}
-        for name, by_rows in entry["decode_ms"].items()
-    }
+    for sizes in ("decode_ms", "large_ms"):
+        entry[sizes] = {  # JSON keys are strings
+            name: {int(rows): ms for rows, ms in by_rows.items()}
+            for name, by_rows in entry[sizes].items()
+        }
     return CpuFormats(**entry)
 
 
@@ -175,6 +188,7 @@ def probe_cpu_formats(config: ModelConfig, packable: bool) -> CpuFormats:
     dense = fp32 if dtype == "float32" else [w.bfloat16() for w in fp32]
     del fp32
     decode_ms: dict[str, dict[int, float]] = {dtype: {}}
+    large_ms: dict[str, dict[int, float]] = {}
     packed_max_tokens = int8_min_tokens = 0
     if packable:
         packed = [_packed_zeros(shape) for _ in range(num_layers) for shape in shapes]
@@ -209,7 +223,23 @@ def probe_cpu_formats(config: ModelConfig, packable: bool) -> CpuFormats:
             if int8_ms is None or (fp32_ms is not None and fp32_ms <= int8_ms):
                 break
             int8_min_tokens = rows
-    return CpuFormats(dtype, packed_max_tokens, prefill_ms, decode_ms, int8_min_tokens)
+        if packed_max_tokens == DECODE_PROBE_TOKENS[-1]:
+            used = "packed int8" if int8_min_tokens else "packed"
+            one_layer_packed = running[used][: len(shapes)]
+            for rows in LARGE_PROBE_TOKENS:
+                measured = _interleaved_ms(
+                    {
+                        dtype: (dense[: len(shapes)], _dense, activations),
+                        used: (one_layer_packed, _packed, activations),
+                    },
+                    rows,
+                )
+                for name, ms in measured.items():
+                    large_ms.setdefault(name, {})[rows] = ms
+                if measured[used] >= measured[dtype]:
+                    break
+                packed_max_tokens = rows
+    return CpuFormats(dtype, packed_max_tokens, prefill_ms, decode_ms, int8_min_tokens, large_ms)
 
 
 def _dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
