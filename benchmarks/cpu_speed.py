@@ -316,6 +316,7 @@ def quality_rows(
         "dtype": auto.dtype,
         "packed_max_tokens": auto.packed_max_tokens,
         "packed_int8_min_tokens": auto.packed_int8_min_tokens,
+        "kv_cache_dtype": str(runners["auto"].kv_cache_dtype).removeprefix("torch."),
         "num_tokens": len(tokens),
     }
 

@@ -47,8 +47,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "the checkpoint's (fp32 as bf16)")  # fmt: skip
     # model_runner.KV_CACHE_DTYPES, written out: the CLI's parser loads without torch.
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                        help="the KV cache's element type; auto: the model's dtype, "
-                             "but bfloat16 under --dtype auto on CPU (float32: exact)")  # fmt: skip
+                        help="the KV cache's element type; auto: the model's dtype, but "
+                             "bfloat16 for a float32 model under --dtype auto on the cpu "
+                             "attention backend (float32: exact)")  # fmt: skip
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     parser.add_argument("--seed", type=int, default=0,
                         help="global seed: requests without their own draw from it")  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -125,10 +126,13 @@ def test_fused_decode_steps_over_a_bfloat16_cache_generate_the_fp32_caches_token
     prompts = ["The capital of France is", "def fibonacci(n):"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     outputs = {}
-    for kv_cache_dtype in ("float32", "bfloat16"):
+    for kv_cache_dtype in ("float32", "bfloat16", "auto"):
         llm = LLM("default", kv_cache_dtype=kv_cache_dtype, kv_cache_memory=64 << 20)
         assert llm.engine.core.runner.cpu_decode is not None
         outputs[kv_cache_dtype] = llm.generate(prompts, params, use_tqdm=False)
+    # dtype auto's own cache is the bfloat16 one
+    for default, bf16 in zip(outputs["auto"], outputs["bfloat16"], strict=True):
+        assert default.outputs[0].token_ids == bf16.outputs[0].token_ids
     agreed = sum(
         equal_until_near_tie(
             rounded.outputs[0].token_ids,
@@ -159,23 +163,28 @@ def test_unsupported_cache_types_are_refused_before_loading(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("dtype", "kv_cache_dtype", "attention_backend", "expected"),
+    ("dtype", "probed", "kv_cache_dtype", "attention_backend", "expected"),
     [
-        pytest.param("auto", "auto", "auto", "bfloat16", marks=needs_cpu_kernels),
-        pytest.param("auto", "float32", "auto", "float32", marks=needs_cpu_kernels),
-        ("auto", "auto", "torch", "auto"),
-        ("float32", "auto", "auto", "auto"),
-        ("float32", "bfloat16", "auto", "bfloat16"),
+        pytest.param("auto", "float32", "auto", "auto", "bfloat16", marks=needs_cpu_kernels),
+        pytest.param("auto", "float32", "float32", "auto", "float32", marks=needs_cpu_kernels),
+        pytest.param("auto", "bfloat16", "auto", "auto", "auto", marks=needs_cpu_kernels),
+        ("auto", "float32", "auto", "torch", "auto"),
+        ("float32", "float32", "auto", "auto", "auto"),
     ],
 )
 def test_dtype_auto_on_the_cpu_kernels_keeps_the_cache_in_bfloat16(
-    monkeypatch, dtype, kv_cache_dtype, attention_backend, expected
+    monkeypatch, dtype, probed, kv_cache_dtype, attention_backend, expected
 ):
     """vLLM's kv "auto" is the model's dtype; tandem's dtype "auto" on the CPU kernels halves
-    a float32 model's cache, unless asked to keep it float32 or the model's dtype is given."""
-    float32_model = CpuFormats("float32", 0, {}, {})
-    monkeypatch.setattr(formats_module, "cpu_formats", lambda config, packable: float32_model)
+    a float32 model's cache, unless asked to keep it float32, the probe chose bfloat16
+    weights (whose cache already is) or the model's dtype is given."""
+    chosen = CpuFormats(probed, 0, {}, {})
+    monkeypatch.setattr(formats_module, "cpu_formats", lambda config, packable: chosen)
+    monkeypatch.setattr(formats_module, "dense_kernel_max_tokens", lambda config: 0)
     config = EngineConfig.create("default", dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                                  attention_backend=attention_backend, device="cpu")  # fmt: skip
-    assert config.runner.dtype == "float32"
+    assert config.runner.dtype == probed
     assert config.runner.kv_cache_dtype == expected
+    runner = ModelRunner(replace(config.runner, num_kv_blocks=4))
+    expected_cache = torch.bfloat16 if "bfloat16" in (probed, expected) else torch.float32
+    assert runner.kv_caches[0].dtype == expected_cache

@@ -12,7 +12,12 @@ from tandem.attention import cpu_kernel
 from tandem.cache import cache_root
 from tandem.config import model_config_from_hf
 from tandem.engine import cpu_formats as formats_module
-from tandem.engine.config import EngineConfig, dense_max_tokens, resolve_dtype
+from tandem.engine.config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    EngineConfig,
+    dense_max_tokens,
+    resolve_dtype,
+)
 from tandem.engine.cpu_formats import (
     DECODE_PROBE_TOKENS,
     LARGE_PROBE_TOKENS,
@@ -90,18 +95,23 @@ def test_a_corrupt_cache_is_probed_again(fresh_cache):
     assert json.loads((fresh_cache / "cpu-formats.json").read_text())
 
 
+@pytest.mark.parametrize("int8_offered", [True, False])
 @pytest.mark.parametrize(
-    ("packed_wins_up_to", "expected_max_tokens"), [(128, 128), (1024, 1024), (4096, 2048)]
+    ("packed_wins_up_to", "expected_max_tokens"),
+    [(128, 128), (256, 256), (1024, 1024), (4096, 2048)],
 )
 def test_packed_weights_take_prefill_sized_steps_where_they_measure_faster(
-    fresh_cache, monkeypatch, packed_wins_up_to, expected_max_tokens
+    fresh_cache, monkeypatch, packed_wins_up_to, expected_max_tokens, int8_offered
 ):
     """Past the decode sizes the probe times one layer's matrices (compute-bound steps), the
     packed form the model would use against the dense dtype, up to the default step budget."""
-    timed: list[tuple[int, int]] = []
+    assert LARGE_PROBE_TOKENS[-1] == DEFAULT_MAX_NUM_BATCHED_TOKENS
+    if not int8_offered:
+        monkeypatch.setattr(cpu_kernel, "int8_matmul_vectorized", lambda: False)
+    timed: list[tuple[int, set[int]]] = []
 
     def fake_timings(candidates, rows):
-        timed.append((rows, len(candidates["float32"][0])))
+        timed.append((rows, {len(weights) for weights, _, _ in candidates.values()}))
         dense = {"float32": 1.0 * rows, "bfloat16": 2.0 * rows}
         packed = 0.5 * rows if rows <= packed_wins_up_to else 3.0 * rows
         return {
@@ -117,8 +127,8 @@ def test_packed_weights_take_prefill_sized_steps_where_they_measure_faster(
         assert not large_sizes and not chosen.large_ms
         return
     assert large_sizes == [r for r in LARGE_PROBE_TOKENS if r <= 2 * expected_max_tokens]
-    assert all(matrices == 4 for rows, matrices in timed if rows in large_sizes)
-    int8 = cpu_kernel.int8_matmul_vectorized()
+    assert all(matrices == {4} for rows, matrices in timed if rows in large_sizes)
+    int8 = int8_offered and cpu_kernel.int8_matmul_vectorized()
     used = "packed int8" if int8 else "packed"
     assert chosen.int8_min_tokens == (1 if int8 else 0)
     assert set(chosen.large_ms) == {"float32", used}
@@ -156,6 +166,18 @@ def test_engine_config_carries_the_choice_to_the_runner(monkeypatch, tiny_llama)
     )  # fmt: skip
     pinned = EngineConfig.create(tiny_llama[0], device="cpu", dtype="float32")
     assert (pinned.runner.dtype, pinned.runner.packed_max_tokens) == ("float32", 0)
+
+
+def test_compiling_says_so_where_no_step_is_left_to_compile(monkeypatch, caplog, tiny_llama):
+    fake_choice(monkeypatch, "float32", DEFAULT_MAX_NUM_BATCHED_TOKENS, int8_min_tokens=1)
+    with caplog.at_level(logging.INFO, logger="tandem.engine.config"):
+        EngineConfig.create(tiny_llama[0], device="cpu", compilation_config=3)
+    assert "no step is compiled" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tandem.engine.config"):
+        EngineConfig.create(tiny_llama[0], device="cpu", compilation_config=3,
+                            max_num_batched_tokens=4096)  # fmt: skip
+    assert "no step is compiled" not in caplog.text
 
 
 @needs_cpu_kernels

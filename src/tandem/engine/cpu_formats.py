@@ -7,10 +7,10 @@ kernel keeps up). So a short probe over the model's own layer shapes times, once
 model shape (cached), a prefill-sized matmul in fp32 and bf16, and decode-sized ones (1, 2,
 4, ... rows) of the chosen dense format against the packed kernel (models/packed.py, for
 GGUF Q4_0 / Q4_1 / Q8_0 weights) with fp32 and with int8 activations; where the packed kernel
-wins every decode size, prefill-sized steps too (on an AVX2-only EPYC, int8 activations against
-packed weights beat torch's fp32 GEMM 1.5x at 256 rows). The result: the model's dtype, up to
-how many tokens a step uses the packed weights, and from how many tokens up those steps
-quantize their activations to int8.
+wins every decode size, prefill-sized steps too (on an AVX2-only EPYC, int8 activations
+against packed weights beat torch's fp32 GEMM 1.1-1.3x at 512-2,048 rows). The result: the
+model's dtype, up to how many tokens a step uses the packed weights, and from how many tokens
+up those steps quantize their activations to int8.
 
 A float32 model without packed weights (an explicit dtype="float32", or "auto" where fp32
 won and packed weights did not) gets a second, smaller decision the same way:
@@ -92,7 +92,7 @@ def cpu_formats(config: ModelConfig, packable: bool) -> CpuFormats:
     for sizes in ("decode_ms", "large_ms"):
         entry[sizes] = {  # JSON keys are strings
             name: {int(rows): ms for rows, ms in by_rows.items()}
-            for name, by_rows in entry[sizes].items()
+            for name, by_rows in entry.get(sizes, {}).items()
         }
     return CpuFormats(**entry)
 
@@ -224,7 +224,9 @@ def probe_cpu_formats(config: ModelConfig, packable: bool) -> CpuFormats:
                 break
             int8_min_tokens = rows
         if packed_max_tokens == DECODE_PROBE_TOKENS[-1]:
+            # fp32 activations leave the running only where int8 is the faster form
             used = "packed int8" if int8_min_tokens else "packed"
+            assert used in running
             one_layer_packed = running[used][: len(shapes)]
             for rows in LARGE_PROBE_TOKENS:
                 measured = _interleaved_ms(

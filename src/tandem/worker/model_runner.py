@@ -78,15 +78,17 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(
             f"kv_cache_dtype {kv_cache_dtype!r} is not supported; choose one of "
-            f"{', '.join(KV_CACHE_DTYPES)} (a string; auto: the model's dtype)"
+            f"{', '.join(KV_CACHE_DTYPES)} (a string; auto: the model's dtype, or bfloat16 "
+            "for a float32 model under dtype auto on the cpu attention backend)"
         )
 
 
 def parse_kv_cache_dtype(
     kv_cache_dtype: str, model_dtype: torch.dtype, attention_backend: str
 ) -> torch.dtype:
-    """The cache's element type; refuses a cache no backend reads, or one that saves nothing
-    (bfloat16 halves a float32 model's cache; a float16 model's would only lose precision)."""
+    """The cache's element type; refuses a cache no backend reads (one wider than the model,
+    or a bf16 cache on the triton backend), or one that saves nothing (bfloat16 halves a
+    float32 model's cache; a float16 model's would only lose precision)."""
     check_kv_cache_dtype(kv_cache_dtype)
     dtype = model_dtype if kv_cache_dtype == "auto" else DTYPES[kv_cache_dtype]
     if dtype == model_dtype:
@@ -122,8 +124,9 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.
 class RunnerConfig:
     model: str | Path = "default"
     dtype: str | torch.dtype = "float32"
-    # The cache's element type: "auto" (the model's) or "bfloat16" (half an fp32 model's bytes;
-    # keys and values rounded as they are stored, queries rounded to it in decode kernels).
+    # The cache's element type: "auto" (the model's; EngineConfig resolves dtype auto's own
+    # choice before this), "bfloat16" (half an fp32 model's bytes; keys and values rounded as
+    # they are stored, queries rounded to it in decode kernels) or "float32" (an fp32 model's).
     kv_cache_dtype: str = "auto"
     device: str = "cpu"
     # Steps of at most this many tokens multiply the GGUF's 4-bit weights packed (CPU; 0: never).
