@@ -64,7 +64,8 @@ int packed_matmul_int8_vectorized(void) { return VNNI || AVX2_PATH; }
 
 /* x [k] to codes [k], per 8 columns d_x ([k / 8]) and per 32 Σ d_x·q_x ([k / 32]). Rounds to
    nearest even either way (the vector conversion under the default rounding mode,
-   nearbyintf). */
+   nearbyintf). With AVX2 one 8-column group is one vector (the plain loop sums its terms one
+   by one and did not vectorize: ~3% of a 32-request decode step on the AVX2 EPYC). */
 static void quantize_row(const float *x, int64_t k, int8_t *codes, float *scales, float *sums) {
     for (int64_t g = 0; g < k / BLOCK; g++) {
         const float *block = x + g * BLOCK;
@@ -87,6 +88,26 @@ static void quantize_row(const float *x, int64_t k, int8_t *codes, float *scales
         }
         sums[g] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_mul_ps(q[0], d[0]),
                                                      _mm512_mul_ps(q[1], d[1])));
+#elif defined(__AVX2__) && defined(__FMA__)
+        __m256 sum = _mm256_setzero_ps(); /* one 8-column group per vector */
+        for (int s = 0; s < SUBS; s++) {
+            const __m256 v = _mm256_loadu_ps(block + s * SUB);
+            __m256 amax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v);
+            amax = _mm256_max_ps(amax, _mm256_permute_ps(amax, 0xB1));
+            amax = _mm256_max_ps(amax, _mm256_permute_ps(amax, 0x4E));
+            amax = _mm256_max_ps(amax, _mm256_permute2f128_ps(amax, amax, 0x01));
+            const float top = _mm256_cvtss_f32(amax);
+            const float d = top * (1.0f / 127.0f), inverse = top > TINY ? 127.0f / top : 0.0f;
+            const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v, _mm256_set1_ps(inverse)));
+            const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q),
+                                                _mm256_extracti128_si256(q, 1));
+            _mm_storel_epi64((__m128i *)(codes + g * BLOCK + s * SUB), _mm_packs_epi16(q16, q16));
+            sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(d), sum);
+            scales[g * SUBS + s] = d;
+        }
+        const __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+        const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+        sums[g] = _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
 #else
         float sum = 0.0f;
         for (int s = 0; s < SUBS; s++) {
