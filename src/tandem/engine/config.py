@@ -215,12 +215,11 @@ class EngineConfig:
             max_model_len=max_model_len,
         )
         logger.info("attention backend: %s", runner.attention_backend)
-        eager_max_tokens = max(runner.packed_max_tokens, runner.dense_max_tokens)
-        if runner.compile_layers and eager_max_tokens >= max_num_batched_tokens:
+        if runner.compile_layers and runner.eager_max_tokens >= max_num_batched_tokens:
             logger.info(
                 "compilation_config: no step is compiled: steps of up to %d tokens (the whole "
                 "step budget) multiply the packed weights or the dense kernel",
-                eager_max_tokens,
+                runner.eager_max_tokens,
             )
         if async_scheduling is None:
             async_scheduling = device.startswith("cuda") and speculative is None

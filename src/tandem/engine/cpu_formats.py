@@ -92,7 +92,7 @@ def cpu_formats(config: ModelConfig, packable: bool) -> CpuFormats:
     for sizes in ("decode_ms", "large_ms"):
         entry[sizes] = {  # JSON keys are strings
             name: {int(rows): ms for rows, ms in by_rows.items()}
-            for name, by_rows in entry.get(sizes, {}).items()
+            for name, by_rows in entry[sizes].items()
         }
     return CpuFormats(**entry)
 

@@ -151,6 +151,12 @@ class RunnerConfig:
     profile_num_tokens: int = 0
     profile_num_seqs: int = 1
 
+    @property
+    def eager_max_tokens(self) -> int:
+        """Steps of at most this many tokens multiply in the C kernels (packed weights or the
+        dense kernel): compiling them measured no faster, and the C calls cannot be traced."""
+        return max(self.packed_max_tokens, self.dense_max_tokens)
+
     def __post_init__(self) -> None:
         if self.gpu_memory_utilization is not None and not (
             0 < self.gpu_memory_utilization <= 1
@@ -210,10 +216,7 @@ class ModelRunner:
             # Inductor's kernels are cached beside tandem's other caches: a second start reuses
             # them (it still re-traces the graphs).
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
-            # Steps small enough for packed weights or the dense kernel stay eager: the C
-            # calls cannot be traced.
-            eager_max_tokens = max(config.packed_max_tokens, config.dense_max_tokens)
-            self.model.compile_layers(min_tokens=eager_max_tokens + 1)
+            self.model.compile_layers(min_tokens=config.eager_max_tokens + 1)
         self.model_config: ModelConfig = self.model.config
         bytes_per_block = kv_cache_bytes_per_block(
             self.model_config, self.block_size, self.kv_cache_dtype
