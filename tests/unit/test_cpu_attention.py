@@ -1,6 +1,7 @@
-"""The cpu attention backend (decode tokens through the C kernel read in place) against the
-torch backend (the oracle): mixed batches, GQA groups, head sizes with and without a
-specialized kernel, block sizes, fp32 and bf16, random layouts; and how the backend is chosen
+"""The cpu attention backend (decode tokens through the C kernel read in place, fp32 prompt
+chunks through the C causal-attention kernel) against the torch backend (the oracle): mixed
+batches, GQA groups, head sizes with and without a specialized kernel, block sizes, fp32 and
+bf16, random layouts; the prompt kernel against SDPA alone; and how the backend is chosen
 and built."""
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def test_mixed_batch_matches_torch_backend(num_heads, num_kv_heads, head_dim, dt
         shapes, num_heads, num_kv_heads, head_dim, 16, dtype
     )
     # Decodes and the tokens of requests verifying up to 16 drafts: 13 + 1 + 4 + 1 + 1 + 16 +
-    # 2 + 1; the fresh prompt and the 37-token chunk go to SDPA.
+    # 2 + 1; the fresh prompt and the 37-token chunk go to the prompt kernel (fp32) or SDPA.
     assert len(plan.decode_rows) == 39
     torch.testing.assert_close(got, expected, **tolerance(dtype))
     assert torch.equal(got_cache, expected_cache)
@@ -139,6 +140,113 @@ def test_the_kernel_built_for_older_x86_matches_the_torch_backend(
                     shapes, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=1
                 )
                 torch.testing.assert_close(got, expected, **tolerance(dtype))
+
+
+def causal_reference(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """SDPA in fp64 with query i of T at position len(keys) − T + i."""
+    num_queries, context_len = query.shape[0], keys.shape[0]
+    positions = torch.arange(context_len - num_queries, context_len)
+    mask = torch.arange(context_len)[None, :] <= positions[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        *(x.double().transpose(0, 1)[None] for x in (query, keys, values)),
+        attn_mask=mask, scale=scale, enable_gqa=True,
+    )  # fmt: skip
+    return out[0].transpose(0, 1).float()
+
+
+# (queries, context, heads, kv heads, head size): rows of a work item (16 tokens × the GQA
+# group) whole and cut, key blocks of 64 whole and cut, a context before the chunk, head sizes
+# of 8 to 128 (72: a part of 8 lanes after the 16-lane parts).
+PREFILL_SHAPES = [
+    (1, 1, 1, 1, 8), (5, 5, 2, 1, 64), (17, 17, 9, 3, 64), (64, 64, 8, 8, 64),
+    (100, 300, 4, 2, 128), (130, 131, 6, 2, 72), (33, 97, 32, 8, 128), (200, 200, 9, 3, 64),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", PREFILL_SHAPES)
+@pytest.mark.parametrize("num_threads", [1, 2, 8])
+def test_prefill_kernel_matches_causal_sdpa(shape, num_threads):
+    """Queries and output as views with gaps between tokens (a chunk's rows of a fused QKV
+    projection and of the step's output), keys and values both contiguous and strided."""
+    num_queries, context_len, num_heads, num_kv_heads, head_dim = shape
+    generator = torch.Generator().manual_seed(context_len)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(context_len, width, generator=generator)
+    query = qkv[-num_queries:, : num_heads * head_dim].view(num_queries, num_heads, head_dim)
+    kv_shape = (context_len, num_kv_heads, head_dim)
+    keys = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(kv_shape)
+    values = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(kv_shape)
+    expected = causal_reference(query, keys, values, head_dim**-0.5)
+    for k, v in ((keys, values), (keys.contiguous(), values.contiguous())):
+        out = torch.full((num_queries + 3, num_heads, head_dim), 7.0)
+        with torch_threads(num_threads):
+            cpu_kernel.prefill_attention(query, k, v, head_dim**-0.5, out[1:-2])
+        torch.testing.assert_close(out[1:-2], expected, rtol=1e-5, atol=1e-5)
+        assert (out[0] == 7.0).all() and (out[-2:] == 7.0).all()  # rows outside untouched
+
+
+def test_prefill_kernel_carries_large_scores():
+    """Scores in the hundreds, one key far above the rest: the online softmax's running max
+    and rescaling keep every row finite, as close to fp64 as torch's fp32 SDPA gets (scores
+    this large carry fp32's rounding into the weights)."""
+    generator = torch.Generator().manual_seed(1)
+    query = torch.randn(70, 4, 64, generator=generator) * 30
+    keys = torch.randn(150, 2, 64, generator=generator) * 30
+    keys[100] *= 5  # later rows see a new maximum in their last key blocks
+    values = torch.randn(150, 2, 64, generator=generator)
+    out = torch.empty(70, 4, 64)
+    cpu_kernel.prefill_attention(query, keys, values, 0.125, out)
+    assert torch.isfinite(out).all()
+    exact = causal_reference(query, keys, values, 0.125)
+    mask = torch.arange(150)[None, :] <= torch.arange(80, 150)[:, None]
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        *(x.transpose(0, 1)[None] for x in (query, keys, values)),
+        attn_mask=mask, scale=0.125, enable_gqa=True,
+    )[0].transpose(0, 1)  # fmt: skip
+    assert (out - exact).abs().max() <= 1.5 * (sdpa - exact).abs().max() + 1e-5
+
+
+def test_prefill_chunks_take_the_kernel_in_fp32_only(monkeypatch):
+    """fp32 queries go through the kernel (here counted), bf16 through the torch backend's
+    SDPA; both equal the oracle."""
+    calls = []
+    kernel = cpu_kernel.prefill_attention
+    monkeypatch.setattr(
+        cpu_kernel, "prefill_attention", lambda *args: calls.append(1) or kernel(*args)
+    )
+    for dtype, expected_calls in ((torch.float32, 2), (torch.bfloat16, 0)):
+        calls.clear()
+        expected, _, got, _, _ = run_both([(0, 40), (25, 30), (60, 1)], 9, 3, 64, 16, dtype)
+        torch.testing.assert_close(got, expected, **tolerance(dtype))
+        assert len(calls) == expected_calls
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 instruction-set levels")
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])
+def test_the_prefill_kernel_built_for_older_x86_matches_sdpa(older_x86_kernels, march):
+    """Its vectors are GCC's generic ones: AVX2 registers (haswell) or SSE2 pairs (x86-64)."""
+    function = older_x86_kernels(march).prefill_attention_f32
+    function.argtypes = load_argtypes("prefill_attention_f32")
+    function.restype = ctypes.c_int
+    generator = torch.Generator().manual_seed(2)
+    query = torch.randn(45, 6, 72, generator=generator)
+    keys, values = torch.randn(2, 80, 2, 72, generator=generator)
+    out = torch.empty(45, 6, 72)
+    status = function(
+        query.data_ptr(), query.stride(0), query.stride(1), keys.data_ptr(), values.data_ptr(),
+        keys.stride(0), keys.stride(1), 45, 80, 6, 2, 72, 72**-0.5, out.data_ptr(),
+        out.stride(0), out.stride(1), 2,
+    )  # fmt: skip
+    assert status == 0
+    torch.testing.assert_close(out, causal_reference(query, keys, values, 72**-0.5),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def load_argtypes(name: str) -> list:
+    """The argument types load_library gives `name` in the native library."""
+    return getattr(cpu_kernel.load_library(), name).argtypes
 
 
 def test_large_scores_do_not_overflow():

@@ -1,5 +1,6 @@
 """Paged attention on the CPU: decode tokens through the in-place C kernel (cpu_kernel.py),
-prefill chunks and the cache store as in the torch backend.
+fp32 prefill chunks through the C causal-attention kernel (other dtypes through the torch
+backend's SDPA), the cache store as in the torch backend.
 
 The torch backend copies every decode token's context out of the cache (a gather per layer)
 and runs SDPA on the copy; at batch 32 that costs more than the attention itself. The kernel
@@ -14,12 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tandem.attention import cpu_kernel
+from tandem.attention import cpu_kernel, torch_backend
 from tandem.attention.metadata import AttentionMetadata
 from tandem.attention.torch_backend import (
     PrefillSlice,
     StorePlan,
-    attend_prefills,
+    chunk_keys_values,
     make_store_plan,
     prefill_slices,
     store_kv,
@@ -86,6 +87,25 @@ def decode_attention(
         plan.decode_seq_lens.ctypes.data, len(plan.decode_rows), query.shape[1], num_kv_heads,
         head_dim, block_size, ctypes.c_float(scale), output.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
+
+
+def attend_prefills(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    prefills: list[PrefillSlice],
+    scale: float,
+    output: torch.Tensor,
+) -> None:
+    """Each prefill chunk's attention into its rows of `output`."""
+    if not cpu_kernel.takes_prefill(query):
+        torch_backend.attend_prefills(query, key, value, kv_cache, prefills, scale, output)
+        return
+    for chunk in prefills:
+        rows = slice(chunk.query_start, chunk.query_end)
+        keys, values = chunk_keys_values(key, value, kv_cache, chunk, query)
+        cpu_kernel.prefill_attention(query[rows], keys, values, scale, output[rows])
 
 
 def paged_attention(

@@ -1,7 +1,8 @@
-"""The CPU kernels (csrc/): decode attention over the paged cache, a layer's RMSNorm and RoPE
-in one call each, GGUF-quantized matmuls for decode steps (with fp32 or int8 activations),
-dense fp32 matmuls for decode steps, and a decode step's whole layer stack in one call
-(worker/cpu_decode.py); compiled for this machine on first use, cached, loaded with ctypes.
+"""The CPU kernels (csrc/): decode attention over the paged cache, prompt chunks' causal
+attention, a layer's RMSNorm and RoPE in one call each, GGUF-quantized matmuls for decode steps
+(with fp32 or int8 activations), dense fp32 matmuls for decode steps, and a decode step's whole
+layer stack in one call (worker/cpu_decode.py); compiled for this machine on first use, cached,
+loaded with ctypes.
 
 Plain C files (no torch headers) build in a few seconds, one compiler process each, with the
 C compiler torch's own CPU compilation already needs, so there is nothing to install and
@@ -30,9 +31,10 @@ from tandem.cache import cache_root
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_decode_attention.c", "layer_ops.c", "packed_matmul.c",
-                                     "packed_matmul_int8.c", "decode_forward.c",
-                                     "sample_rows.c", "dense_matmul.c")]  # fmt: skip
+SOURCES = [CSRC / name for name in ("paged_decode_attention.c", "prefill_attention.c",
+                                     "layer_ops.c", "packed_matmul.c", "packed_matmul_int8.c",
+                                     "decode_forward.c", "sample_rows.c",
+                                     "dense_matmul.c")]  # fmt: skip
 # Hashed with the sources: a change rebuilds.
 HEADERS = [CSRC / name for name in ("element_types.h", "kernels.h", "vector_math.h")]
 # -ffast-math's parts that vectorize reductions and the exp polynomial; -ffast-math itself
@@ -198,6 +200,10 @@ def load_library() -> ctypes.CDLL | None:
     library.dense_matmul_f32.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr,
                                          ctypes.c_int]  # fmt: skip
     library.dense_matmul_f32.restype = None
+    library.prefill_attention_f32.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64,
+                                              _i64, _i64, _i64, _i64, ctypes.c_float, _ptr,
+                                              _i64, _i64, ctypes.c_int]  # fmt: skip
+    library.prefill_attention_f32.restype = ctypes.c_int  # -1: out of memory
     return library
 
 
@@ -309,6 +315,40 @@ def dense_matmul(
         torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+def takes_prefill(query: torch.Tensor) -> bool:
+    """Whether prefill_attention takes a chunk of these queries `[T, heads, head_dim]`: fp32
+    on the CPU, head_dim a multiple of 8."""
+    return (
+        query.dtype == torch.float32
+        and query.shape[-1] % 8 == 0
+        and query.stride(-1) == 1
+        and _layer_op_library(query) is not None
+    )
+
+
+def prefill_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, out: torch.Tensor
+) -> None:
+    """A prompt chunk's causal attention into `out` (its rows of the output, like `query`
+    [T, heads, head_dim]; takes_prefill(query)): query i sits at position
+    len(keys) − T + i and attends keys and values `[context_len, KVH, head_dim]` up to its
+    own (csrc/prefill_attention.c)."""
+    if keys.stride() != values.stride() or keys.stride(-1) != 1:
+        keys, values = keys.contiguous(), values.contiguous()
+    num_queries, num_heads, head_dim = query.shape
+    context_len, num_kv_heads, _ = keys.shape
+    if out.stride(-1) != 1 or context_len < num_queries or num_heads % num_kv_heads:
+        raise ValueError("prefill_attention: a chunk needs its own keys, heads in whole groups "
+                         "and contiguous output rows")  # fmt: skip
+    status = load_library().prefill_attention_f32(
+        query.data_ptr(), query.stride(0), query.stride(1), keys.data_ptr(), values.data_ptr(),
+        keys.stride(0), keys.stride(1), num_queries, context_len, num_heads, num_kv_heads,
+        head_dim, scale, out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("the prefill attention could not allocate its buffers")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

@@ -249,6 +249,23 @@ def attend_prefills(
         )
 
 
+def chunk_keys_values(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    chunk: PrefillSlice,
+    like: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values a prefill chunk attends to, `[context_len, KVH, D]` in `like`'s
+    dtype: its own as the cache holds them when it is the whole context so far, else its
+    context gathered from the cache (where its own were stored first)."""
+    if chunk.context_block_ids is None:
+        rows = slice(chunk.query_start, chunk.query_end)
+        return as_cached(key[rows], kv_cache), as_cached(value[rows], kv_cache)
+    keys, values = gather_context(kv_cache, chunk.context_block_ids)
+    return widen(keys[: chunk.context_len], values[: chunk.context_len], like)
+
+
 def _prefill_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -259,21 +276,13 @@ def _prefill_attention(
 ) -> torch.Tensor:
     # [1, heads, tokens, D] views: with a batch dim SDPA takes its fused CPU kernel (3x faster
     # than the math fallback it uses for 3-D inputs with GQA).
-    rows = slice(chunk.query_start, chunk.query_end)
-    q = query[rows].transpose(0, 1).unsqueeze(0)
+    q = query[chunk.query_start : chunk.query_end].transpose(0, 1).unsqueeze(0)
+    k, v = chunk_keys_values(key, value, kv_cache, chunk, query)
+    k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     if chunk.context_block_ids is None:
-        k = as_cached(key[rows], kv_cache).transpose(0, 1).unsqueeze(0)
-        v = as_cached(value[rows], kv_cache).transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        return out[0].transpose(0, 1)
-    k, v = gather_context(kv_cache, chunk.context_block_ids)
-    k, v = widen(k[: chunk.context_len], v[: chunk.context_len], q)
-    out = F.scaled_dot_product_attention(
-        q,
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
-        attn_mask=chunk.mask,
-        scale=scale,
-        enable_gqa=True,
-    )
+    else:
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=chunk.mask, scale=scale, enable_gqa=True
+        )
     return out[0].transpose(0, 1)
