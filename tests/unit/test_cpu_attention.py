@@ -143,14 +143,18 @@ def test_the_kernel_built_for_older_x86_matches_the_torch_backend(
 
 
 def causal_reference(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """SDPA in fp64 with query i of T at position len(keys) − T + i."""
+    """SDPA in `dtype` with query i of T at position len(keys) − T + i, as fp32."""
     num_queries, context_len = query.shape[0], keys.shape[0]
     positions = torch.arange(context_len - num_queries, context_len)
     mask = torch.arange(context_len)[None, :] <= positions[:, None]
     out = torch.nn.functional.scaled_dot_product_attention(
-        *(x.double().transpose(0, 1)[None] for x in (query, keys, values)),
+        *(x.to(dtype).transpose(0, 1)[None] for x in (query, keys, values)),
         attn_mask=mask, scale=scale, enable_gqa=True,
     )  # fmt: skip
     return out[0].transpose(0, 1).float()
@@ -180,11 +184,15 @@ def test_prefill_kernel_matches_causal_sdpa(shape, num_threads):
     values = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(kv_shape)
     expected = causal_reference(query, keys, values, head_dim**-0.5)
     for k, v in ((keys, values), (keys.contiguous(), values.contiguous())):
-        out = torch.full((num_queries + 3, num_heads, head_dim), 7.0)
+        # The output's rows: a view of a wider buffer, a head and rows beside them untouched.
+        buffer = torch.full((num_queries + 3, num_heads + 1, head_dim), 7.0)
+        out = buffer[1:-2, :num_heads]
         with torch_threads(num_threads):
-            cpu_kernel.prefill_attention(query, k, v, head_dim**-0.5, out[1:-2])
-        torch.testing.assert_close(out[1:-2], expected, rtol=1e-5, atol=1e-5)
-        assert (out[0] == 7.0).all() and (out[-2:] == 7.0).all()  # rows outside untouched
+            cpu_kernel.prefill_attention(query, k, v, head_dim**-0.5, out)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        untouched = torch.ones_like(buffer, dtype=torch.bool)
+        untouched[1:-2, :num_heads] = False
+        assert (buffer[untouched] == 7.0).all()
 
 
 def test_prefill_kernel_carries_large_scores():
@@ -200,25 +208,40 @@ def test_prefill_kernel_carries_large_scores():
     cpu_kernel.prefill_attention(query, keys, values, 0.125, out)
     assert torch.isfinite(out).all()
     exact = causal_reference(query, keys, values, 0.125)
-    mask = torch.arange(150)[None, :] <= torch.arange(80, 150)[:, None]
-    sdpa = torch.nn.functional.scaled_dot_product_attention(
-        *(x.transpose(0, 1)[None] for x in (query, keys, values)),
-        attn_mask=mask, scale=0.125, enable_gqa=True,
-    )[0].transpose(0, 1)  # fmt: skip
+    sdpa = causal_reference(query, keys, values, 0.125, torch.float32)
     assert (out - exact).abs().max() <= 1.5 * (sdpa - exact).abs().max() + 1e-5
 
 
+def test_prefill_kernel_refuses_what_it_cannot_take_and_skips_empty_chunks():
+    query, keys = torch.randn(4, 2, 16), torch.randn(3, 1, 16)
+    out = torch.empty(4, 2, 16)
+    with pytest.raises(ValueError, match="at least as many keys"):
+        cpu_kernel.prefill_attention(query, keys, keys, 0.25, out)  # fewer keys than queries
+    with pytest.raises(ValueError, match="multiple of 8"):
+        narrow = torch.randn(4, 2, 12)
+        cpu_kernel.prefill_attention(narrow, torch.randn(4, 1, 12), torch.randn(4, 1, 12),
+                                     0.25, torch.empty(4, 2, 12))  # fmt: skip
+    with pytest.raises(ValueError, match="fp32"):
+        cpu_kernel.prefill_attention(query, keys.double(), keys.double(), 0.25, out)
+    cpu_kernel.prefill_attention(query[:0], keys[:0], keys[:0], 0.25, out[:0])  # nothing to do
+
+
 def test_prefill_chunks_take_the_kernel_in_fp32_only(monkeypatch):
-    """fp32 queries go through the kernel (here counted), bf16 through the torch backend's
-    SDPA; both equal the oracle."""
+    """fp32 queries go through the kernel (here counted), bf16 ones and heads of 12 through the
+    torch backend's SDPA; all equal the oracle."""
     calls = []
     kernel = cpu_kernel.prefill_attention
     monkeypatch.setattr(
         cpu_kernel, "prefill_attention", lambda *args: calls.append(1) or kernel(*args)
     )
-    for dtype, expected_calls in ((torch.float32, 2), (torch.bfloat16, 0)):
+    for dtype, head_dim, expected_calls in (
+        (torch.float32, 64, 2),
+        (torch.bfloat16, 64, 0),
+        (torch.float32, 12, 0),  # not a multiple of the kernel's 8 lanes
+    ):
         calls.clear()
-        expected, _, got, _, _ = run_both([(0, 40), (25, 30), (60, 1)], 9, 3, 64, 16, dtype)
+        shapes = [(0, 40), (25, 30), (60, 1)]
+        expected, _, got, _, _ = run_both(shapes, 9, 3, head_dim, 16, dtype)
         torch.testing.assert_close(got, expected, **tolerance(dtype))
         assert len(calls) == expected_calls
 
@@ -228,7 +251,7 @@ def test_prefill_chunks_take_the_kernel_in_fp32_only(monkeypatch):
 def test_the_prefill_kernel_built_for_older_x86_matches_sdpa(older_x86_kernels, march):
     """Its vectors are GCC's generic ones: AVX2 registers (haswell) or SSE2 pairs (x86-64)."""
     function = older_x86_kernels(march).prefill_attention_f32
-    function.argtypes = load_argtypes("prefill_attention_f32")
+    function.argtypes = cpu_kernel.PREFILL_ARGTYPES
     function.restype = ctypes.c_int
     generator = torch.Generator().manual_seed(2)
     query = torch.randn(45, 6, 72, generator=generator)
@@ -242,11 +265,6 @@ def test_the_prefill_kernel_built_for_older_x86_matches_sdpa(older_x86_kernels, 
     assert status == 0
     torch.testing.assert_close(out, causal_reference(query, keys, values, 72**-0.5),
                                rtol=1e-5, atol=1e-5)  # fmt: skip
-
-
-def load_argtypes(name: str) -> list:
-    """The argument types load_library gives `name` in the native library."""
-    return getattr(cpu_kernel.load_library(), name).argtypes
 
 
 def test_large_scores_do_not_overflow():

@@ -62,6 +62,8 @@ SPECIALIZED_HEAD_DIMS = (64, 128)
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64,
              _i64, _i64, ctypes.c_float, _ptr, ctypes.c_int]  # fmt: skip
+PREFILL_ARGTYPES = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64,
+                    ctypes.c_float, _ptr, _i64, _i64, ctypes.c_int]  # fmt: skip
 _RMS_NORM_ARGTYPES = [_ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float, ctypes.c_int]
 _ROTARY_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, ctypes.c_int]
 _PACKED_MATMUL_ARGTYPES = [_ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64,
@@ -200,9 +202,7 @@ def load_library() -> ctypes.CDLL | None:
     library.dense_matmul_f32.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr,
                                          ctypes.c_int]  # fmt: skip
     library.dense_matmul_f32.restype = None
-    library.prefill_attention_f32.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64,
-                                              _i64, _i64, _i64, _i64, ctypes.c_float, _ptr,
-                                              _i64, _i64, ctypes.c_int]  # fmt: skip
+    library.prefill_attention_f32.argtypes = PREFILL_ARGTYPES
     library.prefill_attention_f32.restype = ctypes.c_int  # -1: out of memory
     return library
 
@@ -318,10 +318,12 @@ def dense_matmul(
 
 
 def takes_prefill(query: torch.Tensor) -> bool:
-    """Whether prefill_attention takes a chunk of these queries `[T, heads, head_dim]`: fp32
-    on the CPU, head_dim a multiple of 8."""
+    """Whether prefill_attention takes a chunk of these queries `[T, heads, head_dim]`: fp32 on
+    the CPU, head_dim a multiple of 8 (the kernel's vectors), the last dimension contiguous,
+    outside torch.compile's tracing and autograd (they cannot see into C)."""
     return (
         query.dtype == torch.float32
+        and query.dim() == 3
         and query.shape[-1] % 8 == 0
         and query.stride(-1) == 1
         and _layer_op_library(query) is not None
@@ -331,17 +333,32 @@ def takes_prefill(query: torch.Tensor) -> bool:
 def prefill_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, out: torch.Tensor
 ) -> None:
-    """A prompt chunk's causal attention into `out` (its rows of the output, like `query`
-    [T, heads, head_dim]; takes_prefill(query)): query i sits at position
+    """A prompt chunk's causal attention into `out` (its rows of the output, shaped like
+    `query` [T, heads, head_dim]; takes_prefill(query)): query i sits at position
     len(keys) − T + i and attends keys and values `[context_len, KVH, head_dim]` up to its
     own (csrc/prefill_attention.c)."""
     if keys.stride() != values.stride() or keys.stride(-1) != 1:
         keys, values = keys.contiguous(), values.contiguous()
     num_queries, num_heads, head_dim = query.shape
     context_len, num_kv_heads, _ = keys.shape
-    if out.stride(-1) != 1 or context_len < num_queries or num_heads % num_kv_heads:
-        raise ValueError("prefill_attention: a chunk needs its own keys, heads in whole groups "
-                         "and contiguous output rows")  # fmt: skip
+    tensors = (query, keys, values, out)
+    if (
+        not takes_prefill(query)
+        or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors)
+        or out.shape != query.shape
+        or out.stride(-1) != 1
+        or keys.shape != values.shape
+        or keys.shape[-1] != head_dim
+        or context_len < num_queries
+        or num_heads % num_kv_heads
+    ):
+        raise ValueError(
+            "prefill_attention takes fp32 CPU queries, keys, values and output with contiguous "
+            "rows of a head size that is a multiple of 8, whole GQA groups, and at least as "
+            "many keys as queries (the chunk's own)"
+        )
+    if num_queries == 0:
+        return
     status = load_library().prefill_attention_f32(
         query.data_ptr(), query.stride(0), query.stride(1), keys.data_ptr(), values.data_ptr(),
         keys.stride(0), keys.stride(1), num_queries, context_len, num_heads, num_kv_heads,

@@ -256,9 +256,10 @@ def chunk_keys_values(
     chunk: PrefillSlice,
     like: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys and values a prefill chunk attends to, `[context_len, KVH, D]` in `like`'s
-    dtype: its own as the cache holds them when it is the whole context so far, else its
-    context gathered from the cache (where its own were stored first)."""
+    """The keys and values a prefill chunk attends to, `[context_len, KVH, D]` in the model's
+    dtype: its own as the cache holds them (rounded to its element type) when it is the whole
+    context so far, else its context gathered from the cache (where its own were stored
+    first) and widened to `like`'s dtype."""
     if chunk.context_block_ids is None:
         rows = slice(chunk.query_start, chunk.query_end)
         return as_cached(key[rows], kv_cache), as_cached(value[rows], kv_cache)

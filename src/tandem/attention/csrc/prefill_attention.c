@@ -216,15 +216,20 @@ int prefill_attention_f32(const float *query, int64_t q_token_stride, int64_t q_
     #pragma omp parallel num_threads(num_threads) if(num_items > 1)
     {
         /* The keys transposed once for every item: [kv head, dimension, position], zeros
-           past the context. */
+           past the context; a block of KEYS positions of one kv head at a time. */
         #pragma omp for schedule(static)
-        for (int64_t h = 0; h < num_kv_heads; h++)
-            for (int64_t position = 0; position < keys_padded; position++) {
-                const float *key = keys + position * kv_token_stride + h * kv_head_stride;
+        for (int64_t part = 0; part < num_kv_heads * (keys_padded / KEYS); part++) {
+            const int64_t h = part % num_kv_heads, first = part / num_kv_heads * KEYS;
+            for (int64_t position = first; position < first + KEYS; position++) {
                 float *column = keys_t + h * head_dim * keys_padded + position;
-                for (int64_t d = 0; d < head_dim; d++)
-                    column[d * keys_padded] = position < context_len ? key[d] : 0.0f;
+                if (position >= context_len) {
+                    for (int64_t d = 0; d < head_dim; d++) column[d * keys_padded] = 0.0f;
+                    continue;
+                }
+                const float *key = keys + position * kv_token_stride + h * kv_head_stride;
+                for (int64_t d = 0; d < head_dim; d++) column[d * keys_padded] = key[d];
             }
+        }
         const size_t work_bytes = sizeof(float) * work_floats(problem.group, head_dim);
         float *work = aligned_alloc(64, (work_bytes + 63) / 64 * 64);
         if (work == NULL) {
