@@ -16,11 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tandem.attention import cpu_kernel, torch_backend
+from tandem.attention import cpu_kernel
 from tandem.attention.metadata import AttentionMetadata
 from tandem.attention.torch_backend import (
     PrefillSlice,
     StorePlan,
+    attend_prefills,
     chunk_keys_values,
     make_store_plan,
     prefill_slices,
@@ -90,25 +91,6 @@ def decode_attention(
     )  # fmt: skip
 
 
-def attend_prefills(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,
-    prefills: list[PrefillSlice],
-    scale: float,
-    output: torch.Tensor,
-) -> None:
-    """Each prefill chunk's attention into its rows of `output`."""
-    if not cpu_kernel.takes_prefill(query):
-        torch_backend.attend_prefills(query, key, value, kv_cache, prefills, scale, output)
-        return
-    for chunk in prefills:
-        rows = slice(chunk.query_start, chunk.query_end)
-        keys, values = chunk_keys_values(key, value, kv_cache, chunk, query)
-        cpu_kernel.prefill_attention(query[rows], keys, values, scale, output[rows])
-
-
 def paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -131,5 +113,11 @@ def paged_attention(
             decode_attention(query.to(kv_cache.dtype), kv_cache, metadata.block_table, plan,
                              scale, rounded)  # fmt: skip
             output.copy_(rounded)
-    attend_prefills(query, key, value, kv_cache, plan.prefills, scale, output)
+    if not cpu_kernel.takes_prefill(query):
+        attend_prefills(query, key, value, kv_cache, plan.prefills, scale, output)
+        return output
+    for chunk in plan.prefills:
+        rows = slice(chunk.query_start, chunk.query_end)
+        keys, values = chunk_keys_values(key, value, kv_cache, chunk, query)
+        cpu_kernel.prefill_attention(query[rows], keys, values, scale, output[rows])
     return output

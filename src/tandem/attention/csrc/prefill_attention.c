@@ -28,7 +28,7 @@
 
 #define QUERY_TOKENS 16 /* query tokens of a work item */
 #define KEYS 64          /* keys per block */
-#define LANES 8
+#define LANES 8 /* floats of a vector: one AVX2 register (AVX-512 builds keep this width) */
 #define SCORE_ROWS 6 /* rows of a scores pass: 6 rows × 16 keys of sums in registers */
 #define VALUE_ROWS 6    /* rows of an output pass ... */
 #define VALUE_VECTORS 2 /* ... by 16 dimensions: their sums in registers */
