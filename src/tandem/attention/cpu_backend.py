@@ -113,7 +113,7 @@ def paged_attention(
             decode_attention(query.to(kv_cache.dtype), kv_cache, metadata.block_table, plan,
                              scale, rounded)  # fmt: skip
             output.copy_(rounded)
-    if not cpu_kernel.takes_prefill(query):
+    if plan.prefills and not cpu_kernel.takes_prefill(query):  # decode steps: no check
         attend_prefills(query, key, value, kv_cache, plan.prefills, scale, output)
         return output
     for chunk in plan.prefills:
