@@ -1,5 +1,6 @@
-"""A decode step's inputs come from a shorter path (metadata._decode_arrays) than a mixed step's
-(_mixed_arrays); on every decode batch both must give the same arrays, and the same errors."""
+"""A decode step's inputs come from shorter paths than a mixed step's (_mixed_arrays): the
+vectorized _decode_arrays, and _few_decode_arrays in plain Python for a few requests; on every
+decode batch all three must give the same arrays, and the same errors."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.attention.block_tables import BlockTables
-from tandem.attention.metadata import _decode_arrays, _mixed_arrays, build_batch
+from tandem.attention.metadata import (
+    FEW_DECODES,
+    _decode_arrays,
+    _few_decode_arrays,
+    _mixed_arrays,
+    build_batch,
+)
 
 from helpers import Slice
 
@@ -37,48 +44,57 @@ def decode_batches(draw) -> tuple[list[Slice], list[bool] | None]:
 
 @settings(max_examples=200, deadline=None)
 @given(decode_batches())
-def test_decode_path_equals_the_general_one(batch) -> None:
+def test_decode_paths_equal_the_general_one(batch) -> None:
     requests, mask = batch
-    fast = _decode_arrays(requests, BLOCK_SIZE, mask, BlockTables())
     general = _mixed_arrays(requests, BLOCK_SIZE, mask, None, None, BlockTables())
-    for field in dataclasses.fields(fast):
-        expected, got = getattr(general, field.name), getattr(fast, field.name)
-        if expected is None:
-            assert got is None, field.name
-        else:
-            np.testing.assert_array_equal(got, expected, err_msg=field.name)
-            assert got.dtype == expected.dtype, field.name
+    for path in (_decode_arrays, _few_decode_arrays):
+        fast = path(requests, BLOCK_SIZE, mask, BlockTables())
+        for field in dataclasses.fields(fast):
+            expected, got = getattr(general, field.name), getattr(fast, field.name)
+            if expected is None:
+                assert got is None, (path.__name__, field.name)
+            else:
+                np.testing.assert_array_equal(
+                    got, expected, err_msg=f"{path.__name__} {field.name}"
+                )
+                assert got.dtype == expected.dtype, (path.__name__, field.name)
 
 
-def test_decode_path_refuses_what_the_general_one_refuses() -> None:
+def test_decode_paths_refuse_what_the_general_one_refuses() -> None:
     missing_token = [Slice([1, 2], 2, 1, [0])]
     short_table = [Slice(list(range(6)), 4, 1, [0])]  # position 4 needs a second block
     for requests, message in [(missing_token, "fewer known token ids"), (short_table, "too short")]:
-        with pytest.raises(ValueError, match=message):
-            _decode_arrays(requests, BLOCK_SIZE, None, BlockTables())
+        for path in (_decode_arrays, _few_decode_arrays):
+            with pytest.raises(ValueError, match=message):
+                path(requests, BLOCK_SIZE, None, BlockTables())
         with pytest.raises(ValueError, match=message):
             _mixed_arrays(requests, BLOCK_SIZE, None, None, None, BlockTables())
 
 
-def test_a_sample_mask_of_the_wrong_length_is_refused_on_both_paths() -> None:
+def test_a_sample_mask_of_the_wrong_length_is_refused_on_every_path() -> None:
     requests = [Slice([1, 2], 1, 1, [0]), Slice([3, 4], 1, 1, [1])]
-    with pytest.raises(ValueError, match="one entry per request"):
-        _decode_arrays(requests, BLOCK_SIZE, [True], BlockTables())
+    for path in (_decode_arrays, _few_decode_arrays):
+        with pytest.raises(ValueError, match="one entry per request"):
+            path(requests, BLOCK_SIZE, [True], BlockTables())
     with pytest.raises(ValueError, match="one entry per request"):
         _mixed_arrays(requests, BLOCK_SIZE, [True, False, True], None, None, BlockTables())
 
 
-def test_build_batch_takes_the_decode_path_only_for_one_token_each(monkeypatch) -> None:
+def test_build_batch_takes_a_decode_path_only_for_one_token_each(monkeypatch) -> None:
     import tandem.attention.metadata as metadata
 
     calls = []
-    monkeypatch.setattr(
-        metadata, "_decode_arrays", lambda *args: calls.append(args) or _decode_arrays(*args)
-    )
+    for path in (_decode_arrays, _few_decode_arrays):
+        monkeypatch.setattr(
+            metadata, path.__name__,
+            lambda *args, path=path: calls.append(path.__name__) or path(*args),
+        )  # fmt: skip
     decode = [Slice([1, 2, 3], 2, 1, [7]), Slice([4, 5], 1, 1, [8])]
     build_batch(decode, BLOCK_SIZE, CPU)
-    assert len(calls) == 1
+    many = [Slice([1, 2, 3], 2, 1, [index]) for index in range(FEW_DECODES + 1)]
+    build_batch(many, BLOCK_SIZE, CPU)
+    assert calls == ["_few_decode_arrays", "_decode_arrays"]
     build_batch([*decode, Slice([6, 7, 8], 0, 3, [9])], BLOCK_SIZE, CPU)  # a prefill
     build_batch(decode, BLOCK_SIZE, CPU, draft_token_ids=[[9], []])
     build_batch(decode, BLOCK_SIZE, CPU, prompt_logits_ranges=[(0, 0), (0, 0)])
-    assert len(calls) == 1
+    assert len(calls) == 2

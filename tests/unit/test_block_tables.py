@@ -1,7 +1,7 @@
 """A runner's block tables kept between steps (attention/block_tables.py) must give, every step,
 exactly the table built from scratch from the requests' lists: through lists that grow, lists
 replaced by new ones (freed blocks), requests that come and go, more requests than rows, and
-tables wider than the array."""
+tables wider than the array; steps of a few lists (gathered in plain Python) and of many."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import random
 import numpy as np
 import pytest
 
+from tandem.attention import block_tables
 from tandem.attention.block_tables import BlockTables
 
 
@@ -27,8 +28,13 @@ def check(tables: BlockTables, block_lists: list[list[int]]) -> None:
     np.testing.assert_array_equal(held, [len(ids) for ids in block_lists])
 
 
+@pytest.mark.parametrize("few_lists", [0, block_tables.FEW_LISTS, 1000])
 @pytest.mark.parametrize("seed", range(6))
-def test_every_step_equals_the_table_built_from_scratch(seed: int) -> None:
+def test_every_step_equals_the_table_built_from_scratch(
+    seed: int, few_lists: int, monkeypatch
+) -> None:
+    """`few_lists`: steps of up to this many lists take the plain-Python gather."""
+    monkeypatch.setattr(block_tables, "FEW_LISTS", few_lists)
     rng = random.Random(seed)
     tables = BlockTables(num_rows=4, width=2)  # small: rows and columns must grow
     live: list[list[int]] = []
@@ -51,6 +57,32 @@ def test_every_step_equals_the_table_built_from_scratch(seed: int) -> None:
         # A step schedules some of the live requests, in any order.
         scheduled = rng.sample(live, rng.randint(min(1, len(live)), len(live)))
         check(tables, scheduled)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_steps_of_the_same_lists_in_the_same_order(seed: int) -> None:
+    """The rows of the previous step are reused when it gives the same lists again (most
+    decode steps): through lists that grow in place, lists replaced by equal or shorter
+    copies, and lists that held nothing and then grow."""
+    rng = random.Random(seed)
+    tables = BlockTables(num_rows=4, width=2)
+    num_lists = block_tables.FEW_LISTS + 8  # the many-list path
+    live = [
+        list(range(index * 100, index * 100 + rng.choice([0, 1, 3]))) for index in range(num_lists)
+    ]
+    next_block = 10_000
+    for _ in range(200):
+        for index, ids in enumerate(live):
+            action = rng.random()
+            if action < 0.2:  # grows in place
+                ids.extend(range(next_block, next_block + rng.choice([1, 2, 9])))
+                next_block += 9
+            elif action < 0.25:  # replaced by an equal copy
+                live[index] = list(ids)
+            elif action < 0.3:  # gives blocks back: a new, shorter list
+                live[index] = ids[: rng.randrange(len(ids) + 1)]
+        for _ in range(rng.choice([1, 3])):  # the same lists, step after step
+            check(tables, live)
 
 
 def test_a_list_given_twice_in_one_step_and_an_empty_step() -> None:

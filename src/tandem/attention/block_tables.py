@@ -9,7 +9,9 @@ its rows.
 A request is known by its block-id list object. The KV-cache manager's lists only grow while
 they are the same object (a request that gives blocks back gets a new list), so a list's
 length says which of its ids the row lacks. A row holds a reference to its list, so the
-list's id cannot pass to another object while the row is in use.
+list's id cannot pass to another object while the row is in use. A step that gives the
+previous step's lists again, in the same order (most decode steps), reuses its rows without
+looking each list up.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from itertools import repeat
 import numpy as np
 
 _EMPTY_ROW = 0  # all zeros, never assigned: the row of a request that holds no blocks
+# Steps of at most this many lists are gathered in plain Python (_gather_known): numpy's cost
+# per call, a microsecond or more (several after a forward has run through the caches), is
+# most of what gathering a few rows costs, and Python's per list is a tenth of it.
+FEW_LISTS = 32
 
 
 class BlockTables:
@@ -29,17 +35,33 @@ class BlockTables:
         self._lists: list[Sequence[int] | None] = [None] * num_rows  # row -> its list
         self._row_of: dict[int, int] = {}  # id(list) -> row
         self._free_rows = list(range(num_rows - 1, _EMPTY_ROW, -1))
+        # The last many-list step's lists and rows (a step of a few lists does not look).
+        self._last_lists: list[Sequence[int]] | None = None
+        self._last_rows = np.zeros(0, dtype=np.int64)
 
     def gather(self, block_lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
         """The step's table, `[len(block_lists), most ids in a list]` (at least one column)
         padded with 0, and how many ids each list has."""
         num_lists = len(block_lists)
+        if num_lists <= FEW_LISTS:
+            rows = [self._row_of.get(id(block_ids), -1) for block_ids in block_lists]
+            if -1 not in rows:
+                return self._gather_known(block_lists, rows)
         held = np.fromiter(map(len, block_lists), np.int64, num_lists)
-        rows = np.fromiter(
-            map(self._row_of.get, map(id, block_lists), repeat(-1)), np.int64, num_lists
-        )
-        if num_lists and rows.min() < 0:
-            self._add_rows(block_lists, rows)
+        if block_lists == self._last_lists:
+            # The lists of the previous step, in its order (the same decodes again): its rows.
+            # Equal lists that are new objects mirror the same ids, and grow from there.
+            rows = self._last_rows
+        else:
+            rows = np.fromiter(
+                map(self._row_of.get, map(id, block_lists), repeat(-1)), np.int64, num_lists
+            )
+            if num_lists and rows.min() < 0:
+                self._add_rows(block_lists, rows)
+            # Not a step with a list that holds no blocks: its row is the shared empty one,
+            # and the list must get a row of its own once it grows.
+            self._last_lists = list(block_lists) if (rows != _EMPTY_ROW).all() else None
+            self._last_rows = rows
         most = int(held.max(initial=0))
         if most > self._table.shape[1]:
             self._widen(most)
@@ -47,6 +69,21 @@ class BlockTables:
         for index in np.flatnonzero(held != stored).tolist():
             self._copy_new_ids(int(rows[index]), block_lists[index], int(stored[index]))
         return self._table[rows, : max(most, 1)], held
+
+    def _gather_known(
+        self, block_lists: Sequence[Sequence[int]], rows: list[int]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """gather() of a few lists that all have rows, in plain Python but for the one
+        gather of the rows."""
+        held = [len(block_ids) for block_ids in block_lists]
+        most = max(held, default=0)
+        if most > self._table.shape[1]:
+            self._widen(most)
+        stored = self._num_blocks
+        for row, block_ids, num_held in zip(rows, block_lists, held, strict=True):
+            if num_held != stored[row]:
+                self._copy_new_ids(row, block_ids, int(stored[row]))
+        return self._table[rows, : max(most, 1)], np.array(held, dtype=np.int64)
 
     def _add_rows(self, block_lists: Sequence[Sequence[int]], rows: np.ndarray) -> None:
         """Give the lists without a row (`rows` -1) one, in place."""

@@ -83,6 +83,8 @@ _NONE.flags.writeable = False
 # positions up to its own (its keys are stored first): not worth a prefill call of its own, and
 # a step of nothing else runs the CPU's fused decode step (worker/cpu_decode.py).
 MAX_DECODE_QUERY = 16
+# Decode steps of at most this many requests take _few_decode_arrays (plain Python).
+FEW_DECODES = 32
 
 
 @dataclass
@@ -128,7 +130,10 @@ def build_batch(
         and prompt_logits_ranges is None
         and all(r.num_new_tokens == 1 for r in requests)
     ):
-        host = _decode_arrays(requests, block_size, sample_mask, tables)
+        if len(requests) <= FEW_DECODES:
+            host = _few_decode_arrays(requests, block_size, sample_mask, tables)
+        else:
+            host = _decode_arrays(requests, block_size, sample_mask, tables)
     else:
         host = _mixed_arrays(
             requests, block_size, sample_mask, prompt_logits_ranges, draft_token_ids, tables
@@ -180,6 +185,52 @@ def _decode_arrays(
         decode_tokens=every_request,
         decode_token_requests=every_request,
         decode_token_seq_lens=seq_lens,
+        prefill_indices=_NONE,
+    )
+
+
+def _few_decode_arrays(
+    requests: Sequence[RequestSlice],
+    block_size: int,
+    sample_mask: Sequence[bool] | None,
+    block_tables: BlockTables,
+) -> _HostBatch:
+    """`_decode_arrays` for a few requests: their numbers in plain Python, one array made of
+    them. numpy's cost per call is most of what the vectorized path costs a small step."""
+    num_reqs = len(requests)
+    positions, input_ids, slots, seq_lens, block_lists = [], [], [], [], []
+    for request in requests:
+        position = request.num_computed_tokens
+        token_ids, block_ids = request.token_ids, request.block_ids
+        if position >= len(token_ids):
+            raise ValueError("a request has fewer known token ids than it asks to compute")
+        block = position // block_size
+        if block >= len(block_ids):
+            raise ValueError("a request's block table is too short for its context")
+        positions.append(position)
+        input_ids.append(token_ids[position])
+        slots.append(block_ids[block] * block_size + position % block_size)
+        seq_lens.append(position + 1)
+        block_lists.append(block_ids)
+    columns = np.array([positions, input_ids, slots, seq_lens], dtype=np.int64)
+    block_table, _ = block_tables.gather(block_lists)
+    every_request = np.arange(num_reqs)
+    logits_indices = every_request
+    if sample_mask is not None:
+        logits_indices = np.flatnonzero(_request_mask(sample_mask, num_reqs))
+    return _HostBatch(
+        input_ids=columns[1],
+        positions=columns[0],
+        logits_indices=logits_indices,
+        slot_mapping=columns[2],
+        query_start_loc=np.arange(num_reqs + 1),
+        seq_lens=columns[3],
+        block_table=block_table,
+        num_computed=columns[0],
+        req_of_token=every_request,
+        decode_tokens=every_request,
+        decode_token_requests=every_request,
+        decode_token_seq_lens=columns[3],
         prefill_indices=_NONE,
     )
 
@@ -284,7 +335,12 @@ def _block_table(
 def _to_device(host: _HostBatch, block_size: int, device: torch.device) -> BatchInputs:
     input_ids = host.input_ids
     placeholders = _NONE
-    if len(input_ids) and input_ids.min() < 0:
+    # A few ids are looked at in Python: numpy's min costs more than the list it would scan.
+    if len(input_ids) > FEW_DECODES:
+        smallest = input_ids.min()
+    else:
+        smallest = min(input_ids.tolist(), default=0)
+    if smallest < 0:
         placeholders = np.flatnonzero(input_ids < 0)
     arrays = {
         "input_ids": host.input_ids, "positions": host.positions,
