@@ -18,6 +18,7 @@ import traceback
 from typing import Any
 
 import msgspec
+import torch
 import zmq
 
 from tandem.engine.config import EngineConfig
@@ -223,7 +224,9 @@ def run_engine_core(
         )
         reader.start()
         freeze_startup_objects()
-        with step_loop_gc():
+        # Inference mode for the whole loop: the per-step functions need not enter it each step
+        # (worker/inference_mode.py).
+        with step_loop_gc(), torch.inference_mode():
             _CoreLoop(core, output, parent_pid).run(inputs)
     except Exception as error:
         logger.error("engine core failed:\n%s", traceback.format_exc())

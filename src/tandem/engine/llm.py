@@ -403,7 +403,9 @@ class LLM:
         start = time.perf_counter()
         prefill_tokens = decode_tokens = 0
         last_stats = self.step_stats[-1] if self.step_stats else None
-        with step_loop_gc():
+        # Inference mode for the whole loop: the per-step functions need not enter it each step
+        # (worker/inference_mode.py).
+        with step_loop_gc(), torch.inference_mode():
             while self.llm_engine.has_unfinished_requests():
                 for output in self.llm_engine.step():
                     if output.finished:

@@ -20,6 +20,7 @@ from tandem.attention import cpu_backend, cpu_kernel
 from tandem.attention.metadata import BatchInputs
 from tandem.models.layers import Linear
 from tandem.models.llama import CausalLM
+from tandem.worker.inference_mode import inference_mode
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -132,7 +133,7 @@ class CpuDecode:
             and self.model.model.layers[0].self_attn.kv_cache is self.kv_caches[0]
         )
 
-    @torch.inference_mode()
+    @inference_mode
     def run(self, batch: BatchInputs) -> torch.Tensor:
         """The final hidden states `[T, hidden]` in the model's dtype."""
         md = batch.attn_metadata

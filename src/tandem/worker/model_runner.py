@@ -24,6 +24,7 @@ from tandem.models.llama import CausalLM
 from tandem.models.loader import load_model
 from tandem.worker.cpu_decode import CpuDecode, unsupported_reason
 from tandem.worker.gpu_memory import MemoryProfile, profile_requests
+from tandem.worker.inference_mode import inference_mode
 from tandem.worker.sampler import LogprobsTensors, token_logprobs
 
 if TYPE_CHECKING:
@@ -345,7 +346,7 @@ class ModelRunner:
             draft_token_ids, self.block_tables,
         )  # fmt: skip
 
-    @torch.inference_mode()
+    @inference_mode
     def forward(
         self,
         batch: BatchInputs,
