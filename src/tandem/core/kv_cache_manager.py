@@ -167,7 +167,15 @@ class KVCacheManager:
         + `num_new_tokens`. Returns the ids of the newly allocated blocks, or None, having
         allocated nothing, when the pool cannot supply them."""
         request_id = request.request_id
-        if new_computed_blocks and self._req_to_blocks.get(request_id):
+        blocks = self._req_to_blocks.get(request_id)
+        if blocks and not new_computed_blocks:
+            # A running request growing (most calls: a decode whose last block filled).
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            num_missing = max(0, -(-num_tokens // self.block_size) - len(blocks))
+            if num_missing > len(self.block_pool.free_block_queue):
+                return None
+            return self._append_new_blocks(request_id, blocks, num_missing)
+        if new_computed_blocks and blocks:
             raise ValueError(f"request {request_id} already holds blocks; cache hits come first")
         num_tokens = (
             request.num_computed_tokens
@@ -188,10 +196,16 @@ class KVCacheManager:
             block_ids.extend(block.block_id for block in new_computed_blocks)
             self._req_num_cached_blocks[request_id] = len(new_computed_blocks)
             self._req_next_parent[request_id] = chain_key(new_computed_blocks[-1])
-        new_blocks = self.block_pool.get_new_blocks(num_missing)
+        return self._append_new_blocks(request_id, blocks, num_missing)
+
+    def _append_new_blocks(
+        self, request_id: str, blocks: list[KVCacheBlock], num_blocks: int
+    ) -> list[int]:
+        """Give the request `num_blocks` blocks from the pool (there is room); their ids."""
+        new_blocks = self.block_pool.get_new_blocks(num_blocks)
         blocks.extend(new_blocks)
         new_block_ids = [block.block_id for block in new_blocks]
-        block_ids.extend(new_block_ids)
+        self._req_to_block_ids[request_id].extend(new_block_ids)
         return new_block_ids
 
     @property

@@ -582,8 +582,10 @@ class EngineCore:
         inputs = self._sampling_inputs(requests)
         if not scheduled.num_draft_tokens:
             output = sample(logits, inputs)
-            # Each token in a list of its own, made by tolist() itself.
-            sampled_ids = dict(zip(ids, output.token_ids.view(-1, 1).tolist(), strict=True))
+            sampled_ids = {
+                request_id: [token_id]
+                for request_id, token_id in zip(ids, output.token_ids.tolist(), strict=True)
+            }
             if output.logprobs is None:
                 return sampled_ids, {}
             rows = zip(ids, output.logprobs, strict=True)
