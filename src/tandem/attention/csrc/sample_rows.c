@@ -203,8 +203,26 @@ static float top_p_floor(const candidate *in_order, int64_t count, float top, fl
     return sorted[kept - 1].value;
 }
 
+/* The first index where x equals max (0 where none does). The compare runs a vector at a time:
+   a loop that exits early is not vectorized by the compiler, and a greedy row's scan was half
+   of its argmax. */
 static int64_t first_max(const float *x, int64_t vocab, float max) {
-    for (int64_t i = 0; i < vocab; i++)
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 target = _mm512_set1_ps(max);
+    for (; i + 16 <= vocab; i += 16) {
+        const __mmask16 equal = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), target, _CMP_EQ_OQ);
+        if (equal) return i + __builtin_ctz(equal);
+    }
+#elif defined(__AVX2__)
+    const __m256 target = _mm256_set1_ps(max);
+    for (; i + 8 <= vocab; i += 8) {
+        const int equal =
+            _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), target, _CMP_EQ_OQ));
+        if (equal) return i + __builtin_ctz(equal);
+    }
+#endif
+    for (; i < vocab; i++)
         if (x[i] == max) return i;
     return 0;
 }
