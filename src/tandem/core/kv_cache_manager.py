@@ -172,7 +172,7 @@ class KVCacheManager:
             # A running request growing (most calls: a decode whose last block filled).
             num_tokens = request.num_computed_tokens + num_new_tokens
             num_missing = max(0, -(-num_tokens // self.block_size) - len(blocks))
-            if num_missing > len(self.block_pool.free_block_queue):
+            if num_missing > self.block_pool.num_free_blocks:
                 return None
             return self._append_new_blocks(request_id, blocks, num_missing)
         if new_computed_blocks and blocks:
