@@ -63,7 +63,12 @@ def test_decode_paths_equal_the_general_one(batch) -> None:
 def test_decode_paths_refuse_what_the_general_one_refuses() -> None:
     missing_token = [Slice([1, 2], 2, 1, [0])]
     short_table = [Slice(list(range(6)), 4, 1, [0])]  # position 4 needs a second block
-    for requests, message in [(missing_token, "fewer known token ids"), (short_table, "too short")]:
+    both = [*short_table, *missing_token]  # every path reports the missing token first
+    for requests, message in [
+        (missing_token, "fewer known token ids"),
+        (short_table, "too short"),
+        (both, "fewer known token ids"),
+    ]:
         for path in (_decode_arrays, _few_decode_arrays):
             with pytest.raises(ValueError, match=message):
                 path(requests, BLOCK_SIZE, None, BlockTables())
@@ -98,3 +103,19 @@ def test_build_batch_takes_a_decode_path_only_for_one_token_each(monkeypatch) ->
     build_batch(decode, BLOCK_SIZE, CPU, draft_token_ids=[[9], []])
     build_batch(decode, BLOCK_SIZE, CPU, prompt_logits_ranges=[(0, 0), (0, 0)])
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("num_requests", [1, FEW_DECODES, FEW_DECODES + 1])
+def test_placeholder_tokens_are_found_on_both_sides_of_the_few_request_path(num_requests) -> None:
+    """Async scheduling's placeholders (-1: a token still being sampled) are found whichever
+    way the ids are looked at (Python for a few, numpy for more)."""
+    requests = [
+        Slice([5, 6, -1 if index % 3 == 1 else 7], 2, 1, [index]) for index in range(num_requests)
+    ]
+    batch = build_batch(requests, BLOCK_SIZE, CPU)
+    expected = [index for index in range(num_requests) if index % 3 == 1]
+    if not expected:
+        assert batch.placeholder_indices is None and batch.placeholder_requests_cpu is None
+        return
+    assert batch.placeholder_indices.tolist() == expected
+    assert batch.placeholder_requests_cpu.tolist() == expected

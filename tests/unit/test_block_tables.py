@@ -83,6 +83,11 @@ def test_steps_of_the_same_lists_in_the_same_order(seed: int) -> None:
                 live[index] = ids[: rng.randrange(len(ids) + 1)]
         for _ in range(rng.choice([1, 3])):  # the same lists, step after step
             check(tables, live)
+        if rng.random() < 0.3:  # a step of a few of them, gathered in plain Python
+            check(tables, rng.sample(live, block_tables.FEW_LISTS))
+        if rng.random() < 0.2:  # a step of others, with no rows free: rows are reclaimed
+            check(tables, [[next_block + index] for index in range(num_lists)])
+            next_block += num_lists
 
 
 def test_a_list_given_twice_in_one_step_and_an_empty_step() -> None:

@@ -754,13 +754,23 @@ def test_kernel_argmax_is_torchs_first_argmax():
     """Greedy batches take the kernel's argmax on CPU: torch's answer, ties to the first index
     (rows of one value, of a repeated maximum, of -inf but one, and lengths off the vector
     width)."""
-    generator = torch.Generator().manual_seed(3)
     for vocab in (1, 15, 16, 17, 1000):
-        logits = torch.randint(-3, 3, (9, vocab), generator=generator).float()
-        logits[0] = 0.0
-        logits[1] = -math.inf
-        logits[1, vocab // 2] = 1.0
+        logits = argmax_rows_to_check(vocab)
         assert cpu_kernel.argmax_rows(logits).tolist() == logits.argmax(-1).tolist()
+
+
+def argmax_rows_to_check(vocab: int) -> torch.Tensor:
+    """Rows of one value, of a repeated maximum, of -inf but one, and with the only maximum
+    last (past every whole vector) or at the first lane of a later vector."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randint(-3, 3, (11, vocab), generator=generator).float()
+    logits[0] = 0.0
+    logits[1] = -math.inf
+    logits[1, vocab // 2] = 1.0
+    logits[2, vocab - 1] = 5.0
+    logits[3, min(8, vocab - 1)] = 5.0  # the second vector's first lane: AVX2
+    logits[4, min(16, vocab - 1)] = 5.0  # and AVX-512
+    return logits
 
 
 @needs_cpu_kernels
@@ -773,6 +783,14 @@ def test_the_sampling_kernel_built_for_older_x86_draws_the_same_tokens(older_x86
     library.sample_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                     *[ctypes.c_void_p] * 7, ctypes.c_int]  # fmt: skip
     library.sample_rows.restype = None
+    library.argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                    ctypes.c_void_p, ctypes.c_int]  # fmt: skip
+    library.argmax_rows.restype = None
+    for argmax_vocab in (15, 16, 17, 1000):
+        greedy = argmax_rows_to_check(argmax_vocab)
+        argmax = torch.empty(greedy.shape[0], dtype=torch.int64)
+        library.argmax_rows(greedy.data_ptr(), greedy.shape[0], argmax_vocab, argmax.data_ptr(), 1)
+        assert argmax.tolist() == greedy.argmax(-1).tolist(), (march, argmax_vocab)
     rows, vocab = 64, 3001
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(8)) * 3
     uniforms = torch.rand(rows, generator=torch.Generator().manual_seed(9))

@@ -9,9 +9,11 @@ its rows.
 A request is known by its block-id list object. The KV-cache manager's lists only grow while
 they are the same object (a request that gives blocks back gets a new list), so a list's
 length says which of its ids the row lacks. A row holds a reference to its list, so the
-list's id cannot pass to another object while the row is in use. A step that gives the
-previous step's lists again, in the same order (most decode steps), reuses its rows without
-looking each list up.
+list's id cannot pass to another object while the row is in use. A step of many lists equal
+to those of the last step that looked its lists up, in the same order (most decode steps of a
+large batch), reuses that step's rows without looking each list up: sound because a list
+never changes but by growing, even after a request has been given a new one, so a row that
+mirrored a list equal to this one mirrors the start of this one.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class BlockTables:
         self._lists: list[Sequence[int] | None] = [None] * num_rows  # row -> its list
         self._row_of: dict[int, int] = {}  # id(list) -> row
         self._free_rows = list(range(num_rows - 1, _EMPTY_ROW, -1))
-        # The last many-list step's lists and rows (a step of a few lists does not look).
+        # The lists and rows of the last step that looked its lists up (None: not reusable).
         self._last_lists: list[Sequence[int]] | None = None
         self._last_rows = np.zeros(0, dtype=np.int64)
 
@@ -49,8 +51,8 @@ class BlockTables:
                 return self._gather_known(block_lists, rows)
         held = np.fromiter(map(len, block_lists), np.int64, num_lists)
         if block_lists == self._last_lists:
-            # The lists of the previous step, in its order (the same decodes again): its rows.
-            # Equal lists that are new objects mirror the same ids, and grow from there.
+            # The lists of the last step that looked its lists up, in its order (the same
+            # decodes again): its rows (see the module's docstring).
             rows = self._last_rows
         else:
             rows = np.fromiter(

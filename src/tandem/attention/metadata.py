@@ -206,6 +206,9 @@ def _few_decode_arrays(
             raise ValueError("a request has fewer known token ids than it asks to compute")
         block = position // block_size
         if block >= len(block_ids):
+            if any(r.num_computed_tokens >= len(r.token_ids) for r in requests):
+                # The vectorized paths look at every request's tokens first: the same error.
+                raise ValueError("a request has fewer known token ids than it asks to compute")
             raise ValueError("a request's block table is too short for its context")
         positions.append(position)
         input_ids.append(token_ids[position])
@@ -335,7 +338,8 @@ def _block_table(
 def _to_device(host: _HostBatch, block_size: int, device: torch.device) -> BatchInputs:
     input_ids = host.input_ids
     placeholders = _NONE
-    # A few ids are looked at in Python: numpy's min costs more than the list it would scan.
+    # A few ids (a token count, compared with the request count of the few-decode path) are
+    # looked at in Python: numpy's min costs more than the list it would scan.
     if len(input_ids) > FEW_DECODES:
         smallest = input_ids.min()
     else:

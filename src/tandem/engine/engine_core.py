@@ -42,6 +42,7 @@ from tandem.request import Request, RequestStatus
 from tandem.sampling_params import num_top_logprobs
 from tandem.spec_decode.draft_model import DraftModelProposer
 from tandem.spec_decode.ngram import NgramProposer, Proposer
+from tandem.worker.inference_mode import inference_mode
 from tandem.worker.logits_processors import reads_output_tokens
 from tandem.worker.model_runner import ModelRunner
 from tandem.worker.rejection_sampler import verify
@@ -473,6 +474,7 @@ class EngineCore:
         row_of = {request.request_id: row for row, request in enumerate(requests)}
         return _InFlightStep(scheduled, requests, row_of, result, start, started)
 
+    @inference_mode
     def _execute(
         self,
         batch: BatchInputs,
