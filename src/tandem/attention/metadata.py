@@ -338,8 +338,7 @@ def _block_table(
 def _to_device(host: _HostBatch, block_size: int, device: torch.device) -> BatchInputs:
     input_ids = host.input_ids
     placeholders = _NONE
-    # A few ids (a token count, compared with the request count of the few-decode path) are
-    # looked at in Python: numpy's min costs more than the list it would scan.
+    # Up to FEW_DECODES ids are scanned in Python: numpy's min costs more than such a list.
     if len(input_ids) > FEW_DECODES:
         smallest = input_ids.min()
     else:

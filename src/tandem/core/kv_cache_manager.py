@@ -167,27 +167,17 @@ class KVCacheManager:
         + `num_new_tokens`. Returns the ids of the newly allocated blocks, or None, having
         allocated nothing, when the pool cannot supply them."""
         request_id = request.request_id
-        blocks = self._req_to_blocks.get(request_id)
-        if blocks and not new_computed_blocks:
-            # A running request growing (most calls: a decode whose last block filled).
-            num_tokens = request.num_computed_tokens + num_new_tokens
-            num_missing = max(0, -(-num_tokens // self.block_size) - len(blocks))
-            if num_missing > self.block_pool.num_free_blocks:
-                return None
-            return self._append_new_blocks(request_id, blocks, num_missing)
+        blocks = self._req_to_blocks.get(request_id)  # None: its first blocks (admission)
         if new_computed_blocks and blocks:
             raise ValueError(f"request {request_id} already holds blocks; cache hits come first")
-        num_tokens = (
-            request.num_computed_tokens
-            + len(new_computed_blocks) * self.block_size
-            + num_new_tokens
-        )
+        num_hit_tokens = len(new_computed_blocks) * self.block_size
+        num_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens
         num_missing = self._num_missing_blocks(request_id, num_tokens, new_computed_blocks)
         if not self._has_room(num_missing, new_computed_blocks):
             return None
-        if request_id not in self._req_to_blocks:
-            self._on_admission(request, len(new_computed_blocks) * self.block_size)
-        blocks = self._req_to_blocks.setdefault(request_id, [])
+        if blocks is None:
+            self._on_admission(request, num_hit_tokens)
+            blocks = self._req_to_blocks[request_id] = []
         block_ids = self._req_to_block_ids.setdefault(request_id, [])
         if new_computed_blocks:
             # Touch before allocating: a hit block in the free queue must not be handed out.
@@ -196,16 +186,10 @@ class KVCacheManager:
             block_ids.extend(block.block_id for block in new_computed_blocks)
             self._req_num_cached_blocks[request_id] = len(new_computed_blocks)
             self._req_next_parent[request_id] = chain_key(new_computed_blocks[-1])
-        return self._append_new_blocks(request_id, blocks, num_missing)
-
-    def _append_new_blocks(
-        self, request_id: str, blocks: list[KVCacheBlock], num_blocks: int
-    ) -> list[int]:
-        """Give the request `num_blocks` blocks from the pool (there is room); their ids."""
-        new_blocks = self.block_pool.get_new_blocks(num_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_missing)
         blocks.extend(new_blocks)
         new_block_ids = [block.block_id for block in new_blocks]
-        self._req_to_block_ids[request_id].extend(new_block_ids)
+        block_ids.extend(new_block_ids)
         return new_block_ids
 
     @property
@@ -327,7 +311,9 @@ class KVCacheManager:
 
     def _has_room(self, num_missing: int, new_computed_blocks: Sequence[KVCacheBlock]) -> bool:
         # Hit blocks nobody holds are counted as free, but touching them takes them out.
-        num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        num_free_hits = 0
+        if new_computed_blocks:  # (most calls have none: a decode's next block)
+            num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
         return num_missing <= self.num_free_blocks - num_free_hits
 
     def _block_hashes(self, request: Request, num_blocks: int) -> list[int]:
