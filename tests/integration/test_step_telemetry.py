@@ -3,6 +3,7 @@ of what the step computed and an MFU/MBU against the machine's peaks."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,7 +12,9 @@ import pytest
 from tandem import LLM, SamplingParams
 from tandem.bench.step_plots import load_steps, machine_ceilings
 from tandem.cli import main
-from tandem.core.roofline import ModelShape, request_sums, sums_work
+from tandem.core.roofline import BatchSums, ModelShape, request_sums, sums_work
+from tandem.core.step_cost import StepCostModel
+from tandem.engine.engine_core import TELEMETRY_BATCH
 
 
 def test_step_log_has_every_step_with_its_roofline(tiny_llama, tmp_path):
@@ -86,3 +89,55 @@ def test_itl_target_changes_steps_not_outputs(tiny_llama, tmp_path):
     steps = list(targeted.llm_engine.core.step_stats)
     assert all(s.predicted_step_time > 0 for s in steps)
     assert len(steps) > len(plain.llm_engine.core.step_stats)  # smaller chunks: more steps
+
+
+def test_batched_telemetry_is_the_step_by_step_telemetry(tiny_llama, tmp_path):
+    """Steps' rooflines and forecasts are worked out TELEMETRY_BATCH at a time: they equal,
+    to the bit, a cost model fed the same steps one by one, and the step log has every step
+    once, in order, as step_stats has it."""
+    folder, _ = tiny_llama
+    log = tmp_path / "steps.jsonl"
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, step_log=log,
+              max_num_batched_tokens=32, max_num_seqs=4)  # fmt: skip
+    prompts = [{"prompt_token_ids": [(5 * i + j) % 200 + 1 for j in range(n)]}
+               for i, n in enumerate((70, 9, 41))]  # fmt: skip
+    llm.generate(prompts, SamplingParams(max_tokens=3 * TELEMETRY_BATCH, ignore_eos=True),
+                 use_tqdm=False)  # fmt: skip
+    core = llm.llm_engine.core
+    steps = list(core.step_stats)
+    assert len(steps) == core.num_steps > 3 * TELEMETRY_BATCH
+    assert {"prefill", "mixed", "decode"} <= {step.phase for step in steps}  # prompt chunks
+    replay = StepCostModel(core.model_shape, core.peaks)
+    for step in steps:
+        sums = BatchSums(step.num_prefill_tokens + step.num_decode_tokens, step.num_attended,
+                         step.num_context, step.num_sampled)  # fmt: skip
+        work = sums_work(core.model_shape, sums)
+        assert (step.flops, step.bytes) == (work.flops, work.bytes)
+        assert step.predicted_step_time == replay.observe(sums, step.step_time - step.propose_time)
+    assert replay.coefficients == core.cost_model.coefficients is not None
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r.pop("step") for r in records] == list(range(1, len(steps) + 1))
+    assert [{k: v for k, v in r.items() if k not in ("time", "phase")} for r in records] == [
+        dataclasses.asdict(step) for step in steps
+    ]
+
+
+def test_stat_loggers_and_the_step_log_get_every_step_once(tiny_llama, tmp_path):
+    """take_finished_stats hands each step's telemetry out once, at most TELEMETRY_BATCH - 1
+    steps late while requests run; an engine gone idle (here: its last request aborted, no
+    step after) has worked out every step, so the step log is whole without step_stats read."""
+    folder, _ = tiny_llama
+    log = tmp_path / "steps.jsonl"
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, step_log=log)
+    engine, core = llm.llm_engine, llm.llm_engine.core
+    engine.add_request("long", list(range(1, 30)), SamplingParams(max_tokens=100, ignore_eos=True))
+    taken = []
+    for _ in range(TELEMETRY_BATCH + 5):
+        engine.step()
+        taken += core.take_finished_stats()
+        assert core.num_steps - TELEMETRY_BATCH < len(taken) <= core.num_steps
+    engine.abort_request("long")
+    assert not core.has_unfinished_requests()
+    assert len(log.read_text().splitlines()) == core.num_steps == TELEMETRY_BATCH + 5
+    taken += core.take_finished_stats()
+    assert taken == list(core.step_stats) and core.take_finished_stats() == []

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 from tandem.config import ModelConfig
@@ -86,6 +87,45 @@ class ModelShape:
     @property
     def lm_head_weights(self) -> int:
         return self.hidden_size * self.vocab_size
+
+    @cached_property
+    def work_rates(self) -> WorkRates:
+        """sums_work's constants, worked out once: it runs every step."""
+        layers = self.num_layers
+        activations_per_token = (
+            _HIDDEN_ACTIVATIONS_PER_LAYER * self.hidden_size
+            + _INTERMEDIATE_ACTIVATIONS_PER_LAYER * self.intermediate_size
+        ) * layers
+        weight_bytes = self.weight_bytes * (self.layer_weights * layers + self.lm_head_weights)
+        return WorkRates(
+            flops_per_new_token=2 * self.layer_weights * layers,
+            flops_per_attended=4 * self.num_heads * self.head_dim * layers,
+            flops_per_sampled=2 * self.lm_head_weights,
+            weight_bytes=weight_bytes,
+            packed_weight_bytes=weight_bytes
+            + self.packed_bytes
+            - self.weight_bytes * self.packed_weights,
+            bytes_per_new_token=self.weight_bytes * self.hidden_size  # the embedding row
+            + self.activation_bytes * activations_per_token,
+            kv_bytes_per_position=self.kv_bytes * 2 * self.num_kv_heads * self.head_dim * layers,
+            bytes_per_sampled=self.activation_bytes * self.vocab_size,  # logits
+        )
+
+
+@dataclass(frozen=True)
+class WorkRates:
+    """A shape's FLOPs and bytes per unit of a batch's sums (sums_work is linear in them):
+    every weight read once a step (`packed_weight_bytes` for a step on the packed weights),
+    and per new token, attended position, KV position (read or written) and sampled row."""
+
+    flops_per_new_token: int
+    flops_per_attended: int
+    flops_per_sampled: int
+    weight_bytes: float
+    packed_weight_bytes: float
+    bytes_per_new_token: float
+    kv_bytes_per_position: float
+    bytes_per_sampled: float
 
 
 @dataclass(frozen=True)
@@ -159,28 +199,21 @@ def batch_sums(batch: Iterable[ScheduledWork]) -> BatchSums:
 def sums_work(shape: ModelShape, sums: BatchSums) -> StepWork:
     """The FLOPs and bytes of one forward over a batch with these sums (see the module's
     docstring)."""
-    layers = shape.num_layers
-    kv_per_position = 2 * shape.num_kv_heads * shape.head_dim  # a key and a value
+    rates = shape.work_rates
     num_new, num_sampled = sums.num_new_tokens, sums.num_sampled
     flops = (
-        2 * num_new * shape.layer_weights * layers
-        + 4 * shape.num_heads * shape.head_dim * sums.num_attended * layers
-        + 2 * num_sampled * shape.lm_head_weights
+        rates.flops_per_new_token * num_new
+        + rates.flops_per_attended * sums.num_attended
+        + rates.flops_per_sampled * num_sampled
     )
-    activations_per_token = (
-        _HIDDEN_ACTIVATIONS_PER_LAYER * shape.hidden_size
-        + _INTERMEDIATE_ACTIVATIONS_PER_LAYER * shape.intermediate_size
-    ) * layers
-    dense_weights = shape.layer_weights * layers + shape.lm_head_weights
-    weight_bytes = shape.weight_bytes * dense_weights
-    if num_new <= shape.packed_max_tokens:
-        weight_bytes += shape.packed_bytes - shape.weight_bytes * shape.packed_weights
+    weight_bytes = (
+        rates.packed_weight_bytes if num_new <= shape.packed_max_tokens else rates.weight_bytes
+    )
     num_bytes = (
         weight_bytes
-        + shape.weight_bytes * num_new * shape.hidden_size  # embedding rows
-        + shape.kv_bytes * kv_per_position * layers * (sums.num_context + num_new)  # read, write
-        + shape.activation_bytes * num_new * activations_per_token
-        + shape.activation_bytes * num_sampled * shape.vocab_size  # logits
+        + rates.bytes_per_new_token * num_new
+        + rates.kv_bytes_per_position * (sums.num_context + num_new)  # read, write
+        + rates.bytes_per_sampled * num_sampled
     )
     return StepWork(float(flops), float(num_bytes))
 

@@ -129,7 +129,7 @@ class _CoreLoop:
             outputs = self.core.step() if has_work else []
             stepped = self.core.num_steps != num_steps
             if outputs or stepped or changed or self.errors:
-                steps = [self.core.step_stats[-1]] if stepped else []
+                steps = self.core.take_finished_stats()
                 message = CoreOutputs(outputs, self.errors, self.core.scheduler_stats(), steps)
                 self._send(message)
                 self.errors = []

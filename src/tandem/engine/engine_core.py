@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from tandem.core.kv_cache_manager import KVCacheManager
-from tandem.core.roofline import ModelShape, place_step, sums_work
+from tandem.core.roofline import BatchSums, ModelShape, place_step, sums_work
 from tandem.core.scheduler import Scheduler, SchedulerOutput
 from tandem.core.spec_stats import SpecDecodeStats
 from tandem.core.step_cost import StepCostModel
@@ -68,6 +68,8 @@ RETRY_DECLINED_EVERY = 8
 # switch interval (5 ms by default) while the other waits, which is a whole step of a small
 # model. Switching every 0.1 ms lets the executor launch its step while this thread plans.
 ASYNC_SWITCH_INTERVAL = 0.0001
+# Steps whose telemetry waits to be worked out together (see EngineCore._record_stats).
+TELEMETRY_BATCH = 16
 
 
 @record(array_like=True)
@@ -160,7 +162,18 @@ class EngineCore:
         # leaves once all are sent, so a recompute after a preemption never sends them again
         # and decode steps do not look at it.
         self.prompt_logprobs_sent: dict[str, int] = {}
-        self.step_stats: deque[StepStats] = deque(maxlen=max_step_stats)
+        self._step_stats: deque[StepStats] = deque(maxlen=max_step_stats)
+        # Steps recorded but whose roofline and forecast are not yet worked out: each a
+        # StepStats to complete, its sums, its proposer's seconds, its wall-clock time.
+        self._unfinished_stats: list[tuple[StepStats, BatchSums, float, float]] = []
+        # The scheduler forecasts steps from the cost model (an ITL target, or speculation,
+        # whose drafts it weighs by cost): the model learns from each step before the next.
+        self._telemetry_each_step = (
+            scheduler_config.target_step_time is not None or self.proposer is not None
+        )
+        self._num_stats_taken = 0  # steps whose telemetry take_finished_stats returned
+        self.num_prefill_tokens = 0  # computed since start
+        self.num_decode_tokens = 0
         self._init_async_scheduling(config)
         self.kv_connector = None
         if config.kv_transfer is not None:
@@ -327,6 +340,8 @@ class EngineCore:
             if self.proposer is not None:
                 self.proposer.forget(request_id)
         self.scheduler.finish_requests(request_ids, status)
+        if self._unfinished_stats and not self.scheduler.requests:
+            self._finish_stats()  # idle now: the step log and stat loggers get every step
 
     def has_unfinished_requests(self) -> bool:
         """Requests to step, or a step in flight to land (async scheduling), or outputs to
@@ -895,6 +910,22 @@ class EngineCore:
             stats.kv_load_seconds, stats.kv_cached_blocks = loaded.seconds, loaded.num_cached_blocks
         return stats
 
+    @property
+    def step_stats(self) -> deque[StepStats]:
+        """Every step's telemetry, oldest first (the last max_step_stats steps)."""
+        if self._unfinished_stats:
+            self._finish_stats()
+        return self._step_stats
+
+    def take_finished_stats(self) -> list[StepStats]:
+        """The telemetry worked out since the last call, oldest first: what the step loop's
+        stat loggers take as it comes (every step's by the time the engine idles)."""
+        num_finished = self.num_steps - len(self._unfinished_stats)
+        stats = self._step_stats
+        count = min(num_finished - self._num_stats_taken, len(stats))
+        self._num_stats_taken = num_finished
+        return [stats[index] for index in range(-count, 0)]
+
     def _record_stats(
         self,
         scheduled: SchedulerOutput,
@@ -903,13 +934,16 @@ class EngineCore:
         propose_time: float,
     ) -> None:
         """`propose_time`: of the step, the proposer's guessing for the next step (a draft
-        model's forwards). The step-cost model learns the rest: the scheduled batch's cost."""
+        model's forwards). The step-cost model learns the rest: the scheduled batch's cost.
+        Each step's roofline and the cost model's learning are worked out TELEMETRY_BATCH
+        steps at a time, when the engine goes idle, or when step_stats is read: right after a
+        forward every line of Python runs at a third of its speed, its code and data pushed
+        out of the caches by the weights; a batch of steps runs at the full speed. A scheduler
+        that forecasts steps gets each step's learning before the next."""
         self.num_steps += 1
         self.num_preemptions += len(scheduled.preempted_request_ids)
-        sums = scheduled.sums
-        work = sums_work(self.model_shape, sums)
-        roofline = place_step(work, step_time, self.peaks)
-        predicted = self.cost_model.observe(sums, step_time - propose_time, work)
+        self.num_prefill_tokens += scheduled.num_prefill_tokens
+        self.num_decode_tokens += scheduled.num_decode_tokens
         if scheduled.num_prefill_tokens == 0 and self.proposer is not None:
             # The time this step's tokens cost: its own work, and the guessing for its drafts
             # (done in the previous step); not the guessing for the next step.
@@ -922,6 +956,7 @@ class EngineCore:
                 num_sampled + num_accepted_tokens, seconds,
             )  # fmt: skip
         self.scheduler.proposal_seconds = propose_time
+        scheduler = self.scheduler
         stats = StepStats(
             num_prefill_tokens=scheduled.num_prefill_tokens,
             num_decode_tokens=scheduled.num_decode_tokens,
@@ -929,27 +964,44 @@ class EngineCore:
             num_preempted=len(scheduled.preempted_request_ids),
             step_time=step_time,
             kv_usage=self.kv_cache_manager.usage,
-            num_waiting=self.scheduler.num_waiting,
-            num_running=self.scheduler.num_running,
-            flops=roofline.flops,
-            bytes=roofline.bytes,
-            mfu=roofline.mfu,
-            mbu=roofline.mbu,
-            bound=roofline.bound,
-            predicted_step_time=predicted,
+            num_waiting=scheduler.num_waiting,
+            num_running=scheduler.num_running,
             num_draft_tokens=scheduled.num_draft_tokens,
             num_accepted_tokens=num_accepted_tokens,
             propose_time=propose_time,
-            num_attended=sums.num_attended,
-            num_context=sums.num_context,
-            num_sampled=sums.num_sampled,
         )
-        self.step_stats.append(stats)
-        if self.step_log is not None:
-            record = {
-                "step": self.num_steps,
-                "time": time.time(),
-                "phase": stats.phase,
-                **dataclasses.asdict(stats),
-            }
-            self.step_log.write(json.dumps(record) + "\n")
+        wall_time = 0.0 if self.step_log is None else time.time()
+        self._unfinished_stats.append((stats, scheduled.sums, propose_time, wall_time))
+        if (
+            self._telemetry_each_step
+            or len(self._unfinished_stats) >= TELEMETRY_BATCH
+            or not scheduler.requests
+        ):
+            self._finish_stats()
+
+    def _finish_stats(self) -> None:
+        """Each recorded step's roofline and the cost model's forecast of it, in step order
+        (the model learns from every step after forecasting it)."""
+        unfinished, self._unfinished_stats = self._unfinished_stats, []
+        shape, peaks, cost_model = self.model_shape, self.peaks, self.cost_model
+        first_step = self.num_steps - len(unfinished) + 1
+        for step, (stats, sums, propose_time, wall_time) in enumerate(unfinished, first_step):
+            work = sums_work(shape, sums)
+            roofline = place_step(work, stats.step_time, peaks)
+            stats.flops, stats.bytes = roofline.flops, roofline.bytes
+            stats.mfu, stats.mbu, stats.bound = roofline.mfu, roofline.mbu, roofline.bound
+            stats.predicted_step_time = cost_model.observe(
+                sums, stats.step_time - propose_time, work
+            )
+            stats.num_attended = sums.num_attended
+            stats.num_context = sums.num_context
+            stats.num_sampled = sums.num_sampled
+            self._step_stats.append(stats)
+            if self.step_log is not None:
+                record = {
+                    "step": step,
+                    "time": wall_time,
+                    "phase": stats.phase,
+                    **dataclasses.asdict(stats),
+                }
+                self.step_log.write(json.dumps(record) + "\n")

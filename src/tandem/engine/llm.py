@@ -401,8 +401,9 @@ class LLM:
         show = bool(use_tqdm)
         bar = make_bar(total=len(request_ids), desc="Processed prompts", disable=not show)
         start = time.perf_counter()
-        prefill_tokens = decode_tokens = 0
-        last_stats = self.step_stats[-1] if self.step_stats else None
+        core = self.llm_engine.core
+        prefill_before, decode_before = core.num_prefill_tokens, core.num_decode_tokens
+        num_steps = core.num_steps
         # Inference mode for the whole loop: the per-step functions need not enter it each step
         # (worker/inference_mode.py).
         with step_loop_gc(), torch.inference_mode():
@@ -411,11 +412,10 @@ class LLM:
                     if output.finished:
                         finished[output.request_id] = output
                         bar.update(1)
-                stats = self.step_stats[-1] if self.step_stats else None
-                if show and stats is not last_stats:
-                    last_stats = stats
-                    prefill_tokens += stats.num_prefill_tokens
-                    decode_tokens += stats.num_decode_tokens
+                if show and core.num_steps != num_steps:
+                    num_steps = core.num_steps
+                    prefill_tokens = core.num_prefill_tokens - prefill_before
+                    decode_tokens = core.num_decode_tokens - decode_before
                     elapsed = time.perf_counter() - start
                     bar.set_postfix_str(
                         f"prefill {prefill_tokens / elapsed:.0f} tok/s, "

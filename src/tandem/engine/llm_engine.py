@@ -86,14 +86,13 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return an output for each request that has news (by its kind)."""
-        num_steps = self.core.num_steps
         processed = self.processor.process_outputs(self.core.step())
         for sequence_id, stop_string in processed.stopped:
             self.core.finish_requests([sequence_id], RequestStatus.FINISHED_STOPPED, stop_string)
         if not self.processor.has_unfinished_requests() and self.core.has_unfinished_requests():
             self.core.step()  # land a step still in flight for requests already ended
         if self.stat_loggers:
-            steps = [self.core.step_stats[-1]] if self.core.num_steps != num_steps else []
+            steps = self.core.take_finished_stats()
             scheduler_stats = self.core.scheduler_stats()
             for stat_logger in self.stat_loggers:
                 stat_logger.record_steps(scheduler_stats, steps)
