@@ -1,7 +1,8 @@
 """What a step will cost, learned on the machine it runs on: step time as a linear function of
 the batch's sums (core/roofline.py), time = c + a * new tokens + b * attended positions
 + d * KV positions read + e * sampled rows, fitted by least squares over a window of recent
-steps and refitted as steps come in, so it follows the machine and the load. A model that
+steps and refitted as steps come in (every 16; once the window is long, when an eighth of it
+is new), so it follows the machine and the load. A model that
 keeps weights packed for small steps (models/packed.py) runs two matmul regimes whose costs
 differ in kind (packed: few bytes, but each extra row costs a dequantizing pass; dense: more
 bytes, rows nearly free), so two more terms: f for a step too big for the packed weights, and
@@ -142,8 +143,13 @@ class StepCostModel:
         self._num_observed += 1
         self._since_fit += 1
         num_rows = min(self._num_observed, len(self._times))
-        # While the window is short every new step teaches a lot: refit more often.
-        every = self.refit_every if num_rows >= 4 * self.refit_every else self.min_steps // 2
+        # While the window is short every new step teaches a lot: refit more often; a long
+        # window, once an eighth of it is new (a fit costs ~0.2 ms when it runs right after a
+        # forward, and small steps and missed prompt steps are followed without it).
+        if num_rows < 4 * self.refit_every:
+            every = self.min_steps // 2
+        else:
+            every = max(self.refit_every, num_rows // 8)
         if num_rows >= self.min_steps and (self._since_fit >= max(1, every) or missed_far):
             self._fit()
         return predicted
