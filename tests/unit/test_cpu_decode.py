@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from tandem.attention import cpu_kernel
 from tandem.attention.metadata import build_batch, forward_context
 from tandem.worker.model_runner import ModelRunner, RunnerConfig
 
@@ -168,3 +169,20 @@ def test_steps_it_does_not_take(tmp_path):
 )
 def test_not_built_without_packed_weights_or_the_cpu_attention_backend(tmp_path, overrides):
     assert packed_runner(tmp_path, "float32", **overrides).cpu_decode is None
+
+
+def test_a_lone_greedy_row_takes_its_argmax_from_the_lm_head(tmp_path):
+    """forward(argmax=True) on a batch-1 decode: the packed LM head's fused pass gives the same
+    logits and argmax_rows' token; with two rows the sampler's own pass stays."""
+    runner = packed_runner(tmp_path, "float32")
+    assert runner.model.lm_head_packed is not None
+    requests = prefilled(runner, [5, 40], seed=2)
+    step = [Slice(r.token_ids, r.num_new_tokens, 1, r.block_ids) for r in requests]
+    single = build_batch(step[:1], BLOCK_SIZE, runner.device)
+    with torch.inference_mode():
+        plain = runner.forward(single)
+        fused = runner.forward(single, argmax=True)
+        both = runner.forward(build_batch(step, BLOCK_SIZE, runner.device), argmax=True)
+    assert plain.argmax is None and fused.argmax is not None and both.argmax is None
+    assert torch.equal(fused.logits, plain.logits)
+    assert fused.argmax.tolist() == cpu_kernel.argmax_rows(plain.logits).tolist()

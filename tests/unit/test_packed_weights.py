@@ -5,6 +5,7 @@ kernel is not built) within bf16 rounding; a linear layer uses them only for ste
 
 from __future__ import annotations
 
+import math
 import platform
 from dataclasses import replace
 
@@ -189,3 +190,45 @@ def test_the_c_kernel_built_for_older_x86_gives_the_same_results(older_x86_kerne
                 # (VNNI) also subtract 128·Σ d_x·q_x in fp32.
                 tolerance = 2e-4 if int8 else 5e-5
                 torch.testing.assert_close(out, native.matmul(x), rtol=1e-5, atol=tolerance)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("quant_type", QUANT_TYPES)
+@pytest.mark.parametrize("int8_min_tokens", [0, 1], ids=["fp32-activations", "int8"])
+def test_matmul_argmax_is_the_matmul_and_argmax_rows(quant_type, int8_min_tokens, monkeypatch):
+    """One row through the LM head's fused pass: the products bit for bit as `matmul` makes
+    them, and the first argmax as argmax_rows finds it, whichever thread's columns hold it:
+    repeated maxima across the threads' slices (duplicated weight rows), maxima in the last,
+    partial group of 16, infinities, NaNs and a row of NaNs; 1 to 5 threads."""
+    reference, blocks = quantized(203, 96, quant_type, seed=5)
+    raw = blocks.data.copy()
+    raw[150] = raw[7]  # the same products at 7 and 150: 7 is the first
+    raw[201] = raw[200]
+    packed = PackedWeight.from_blocks(replace(blocks, data=raw), max_tokens=4,
+                                      int8_min_tokens=int8_min_tokens)  # fmt: skip
+    generator = torch.Generator().manual_seed(1)
+    rows = [torch.randn(1, 96, generator=generator) for _ in range(20)]
+    rows[1][0, 5] = math.inf  # +inf, -inf and NaN (inf times a zero weight) products
+    rows[2][0, 0] = math.nan
+    rows[3][0, :] = 0.0  # every product 0: the first index
+    for threads in (1, 2, 3, 5):
+        monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
+        for x in rows:
+            found = packed.matmul_argmax(x)
+            assert found is not None
+            logits, token = found
+            expected = packed.matmul(x)
+            assert torch.equal(logits.view(torch.int32), expected.view(torch.int32))
+            assert token.tolist() == cpu_kernel.argmax_rows(expected).tolist()
+    if not int8_min_tokens:  # exact weights and activations: the dequantized matrix's argmax
+        top = rows[4] @ torch.from_numpy(reference).t()
+        assert packed.matmul_argmax(rows[4])[1].item() == top.argmax().item()
+
+
+@needs_cpu_kernels
+def test_matmul_argmax_only_where_the_kernel_multiplies_one_row():
+    _, blocks = quantized(32, 64, "Q8_0")
+    one, two = torch.randn(1, 64), torch.randn(2, 64)
+    assert PackedWeight.from_blocks(blocks, 4).matmul_argmax(two) is None
+    assert PackedWeight.from_blocks(blocks, 4, use_kernel=False).matmul_argmax(one) is None
+    assert PackedWeight.from_blocks(blocks, 4).matmul_argmax(one) is not None

@@ -199,6 +199,10 @@ def load_library() -> ctypes.CDLL | None:
     library.sample_rows.restype = None
     library.argmax_rows.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int]
     library.argmax_rows.restype = None
+    for name in ("packed_matmul_argmax", "packed_matmul_int8_argmax"):
+        function = getattr(library, name)
+        function.argtypes = [_ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int]
+        function.restype = None
     library.dense_matmul_f32.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr,
                                          ctypes.c_int]  # fmt: skip
     library.dense_matmul_f32.restype = None
@@ -446,6 +450,34 @@ def packed_matmul(
     if status != 0:
         raise MemoryError("the packed matmul could not allocate its buffers")
     return out.to(x.dtype)
+
+
+def packed_matmul_argmax(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    quant_type: str,
+    out_features: int,
+    x: torch.Tensor,
+    int8_activations: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fp32 row x [1, K] times the quantized matrix as packed_matmul multiplies it: the
+    products [1, out_features] and their first argmax [1] (argmax_rows' answer), found by each
+    thread in the columns it has just written (csrc/packed_matmul.c)."""
+    library = load_library()
+    if library is None:
+        raise RuntimeError("the CPU kernels could not be built: GGUF blocks cannot be multiplied")
+    if x.shape[0] != 1 or x.dtype != torch.float32 or not x.is_contiguous():
+        raise ValueError(f"one contiguous fp32 row, got {tuple(x.shape)} {x.dtype}")
+    out = torch.empty(1, out_features)
+    token = torch.empty(1, dtype=torch.int64)
+    function = (
+        library.packed_matmul_int8_argmax if int8_activations else library.packed_matmul_argmax
+    )
+    function(
+        codes.data_ptr(), scales.data_ptr(), QUANT_TYPE_IDS[quant_type], out_features,
+        x.shape[1], x.data_ptr(), out.data_ptr(), token.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out, token
 
 
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -560,8 +560,20 @@ class EngineCore:
         sample_mask = None
         if len(sampled_requests) < len(entries):
             sample_mask = [s.sample for s in entries]
-        run = self.runner.run(entries, sample_mask, prompt_ranges, num_prompt_top, drafts)
-        sampled, logprobs_by_id = self._sample(run.logits, sampled_requests, scheduled)
+        # One greedy row and nothing else sampled (a batch-1 decode): the LM head's kernel may
+        # find its argmax as it writes the logits, instead of a pass over them after.
+        argmax = (
+            len(sampled_requests) == 1
+            and sample_mask is None
+            and drafts is None
+            and sampled_requests[0].argmax_only
+            and not self._min_tokens_ids
+        )
+        run = self.runner.run(entries, sample_mask, prompt_ranges, num_prompt_top, drafts, argmax)
+        if run.argmax is not None:
+            sampled, logprobs_by_id = {sampled_requests[0].request_id: run.argmax.tolist()}, {}
+        else:
+            sampled, logprobs_by_id = self._sample(run.logits, sampled_requests, scheduled)
         prompt_logprobs_by_id = self._prompt_logprobs(entries, prompt_ranges, run.prompt_logprobs)
         if drafts is None:  # one token each
             updated = self.scheduler.update_from_output(scheduled, sampled)

@@ -167,6 +167,18 @@ class CausalLM(nn.Module):
                 return logits
         return F.linear(hidden, self.lm_head_weight).float()
 
+    def compute_logits_and_argmax(
+        self, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`compute_logits`, and each row's first argmax where the LM head's kernel finds it
+        as it writes the logits (one row, packed weights); else None."""
+        packed = self.lm_head_packed
+        if packed is not None and hidden.shape[0] <= packed.max_tokens:
+            both = packed.matmul_argmax(hidden.float().contiguous())
+            if both is not None:
+                return both
+        return self.compute_logits(hidden), None
+
     def use_dense_kernel(self, max_tokens: int) -> None:
         """Steps of at most `max_tokens` rows multiply the fp32 weights (layers and head) in
         the C kernel (csrc/dense_matmul.c); 0: torch's GEMM for every step."""

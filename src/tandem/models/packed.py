@@ -232,6 +232,16 @@ class PackedWeight:
             return self.codes.nbytes + self.scales.nbytes
         return self.int4_weight.nbytes + self.scales_zeros.nbytes
 
+    def matmul_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For one fp32 row without a bias: `matmul`'s product and its first argmax, from one
+        pass of the C kernel; None where that kernel would not multiply it."""
+        if self.codes is None or x.shape[0] != 1:
+            return None
+        return cpu_kernel.packed_matmul_argmax(
+            self.codes, self.scales, self.quant_type, self.out_features, x,
+            int8_activations=0 < self.int8_min_tokens <= 1,
+        )  # fmt: skip
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(

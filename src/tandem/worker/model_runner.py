@@ -323,15 +323,16 @@ class ModelRunner:
         prompt_logits_ranges: Sequence[tuple[int, int]] | None = None,
         num_prompt_top: int = 0,
         draft_token_ids: Sequence[Sequence[int]] | None = None,
+        argmax: bool = False,
     ) -> RunnerOutput:
         """Run one step: logits as `execute` returns them (a request verifying
         `draft_token_ids` has a row at its last known token and at each draft), and, when
         `prompt_logits_ranges` is given (per request, the positions [start, end) of its new
         tokens to score: see build_batch), the logprob of the token after each such position
         with its rank and the `num_prompt_top` most likely tokens there, row by row in request
-        order."""
+        order. `argmax`: every row is sampled greedily: see `forward`."""
         batch = self.prepare(requests, sample_mask, prompt_logits_ranges, draft_token_ids)
-        return self.forward(batch, num_prompt_top)
+        return self.forward(batch, num_prompt_top, argmax=argmax)
 
     def prepare(
         self,
@@ -352,9 +353,12 @@ class ModelRunner:
         batch: BatchInputs,
         num_prompt_top: int = 0,
         placeholder_token_ids: torch.Tensor | None = None,
+        argmax: bool = False,
     ) -> RunnerOutput:
         """The device half of a step. `placeholder_token_ids`: the ids of the batch's
-        placeholder tokens, sampled by the step before, already on the device."""
+        placeholder tokens, sampled by the step before, already on the device. `argmax`: the
+        caller takes each row's argmax, so the LM head may find it as it writes the logits
+        (RunnerOutput.argmax; a batch-1 step on packed weights)."""
         if batch.placeholder_indices is not None:
             if placeholder_token_ids is None:
                 raise ValueError("the batch has placeholder tokens and no ids to fill them in")
@@ -364,8 +368,11 @@ class ModelRunner:
         # The rows ascend, so as many rows as tokens is every token in order (a decode step):
         # no gather. (shape[0], not len(): a tensor's __len__ is Python, ~3 µs a step here.)
         every_row = rows.shape[0] == hidden.shape[0]
-        logits = self.model.compute_logits(hidden if every_row else hidden[rows])
         prompt = batch.prompt_logits
+        if argmax and every_row and prompt is None:
+            logits, tokens = self.model.compute_logits_and_argmax(hidden)
+            return RunnerOutput(logits, argmax=tokens)
+        logits = self.model.compute_logits(hidden if every_row else hidden[rows])
         if prompt is None:
             return RunnerOutput(logits)
         parts = [
@@ -411,6 +418,8 @@ class RunnerOutput:
     logits: torch.Tensor  # [num_sampled, vocab] float32
     # Prompt logprobs of this step's chunks, when asked and any position was scored.
     prompt_logprobs: LogprobsTensors | None = None
+    # Each row's first argmax, where the forward was asked for it and the LM head found it.
+    argmax: torch.Tensor | None = None
 
 
 def _slices(length: int, size: int) -> list[tuple[int, int]]:

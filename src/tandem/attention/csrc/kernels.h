@@ -27,6 +27,16 @@ void rotary_f32(float *x, int64_t token_stride, int64_t num_heads, int64_t head_
 void packed_matmul(const uint8_t *codes, const uint16_t *scales, int64_t quant_type,
                    int64_t n_out, int64_t k, const float *x, int64_t num_tokens, float *out,
                    int num_threads);
+/* x[start .. end)'s largest number (NaN skipped; -inf where there is none) in *max, and the
+   first index holding it in *at (-1 where none does): argmax_rows' answer for a slice. */
+void slice_argmax(const float *x, int64_t start, int64_t end, float *max, int64_t *at);
+/* The row's answer from its slices' (in column order; best_at -1 for a slice without one). */
+int64_t merge_argmax(const float *best, const int64_t *best_at, int count);
+/* One token row times a packed matrix through int8 activations (packed_matmul_int8's
+   products) and their first argmax, as packed_matmul_argmax finds it. */
+void packed_matmul_int8_argmax(const uint8_t *codes, const uint16_t *scales, int64_t quant_type,
+                               int64_t n_out, int64_t k, const float *x, float *out,
+                               int64_t *token, int num_threads);
 
 /* The packed matmuls' functions specialized per token-row count, 1 to 8 (their loops unroll
    into registers): DEFINE(PREFIX_n, QUANT_TYPE, n) for each n, and a table of them. */

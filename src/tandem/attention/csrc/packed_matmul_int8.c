@@ -26,6 +26,7 @@
 #include <immintrin.h>
 #endif
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -413,6 +414,32 @@ void packed_matmul_int8_into(const uint8_t *codes, const uint16_t *scales, int64
             }
         }
     }
+}
+
+void packed_matmul_int8_argmax(const uint8_t *codes, const uint16_t *scales, int64_t quant_type,
+                               int64_t n_out, int64_t k, const float *x, float *out,
+                               int64_t *token, int num_threads) {
+    const int64_t groups = k / BLOCK, row_groups = (n_out + LANES - 1) / LANES;
+    float xd[groups * SUBS], xs[groups];
+    int8_t xq[k];
+    quantize_row(x, k, xq, xd, xs);
+    const group_fn one_row = GROUP_BY_TYPE[quant_type][0];
+    float best[num_threads];
+    int64_t best_at[num_threads];
+    int team = 1;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        const int thread = omp_get_thread_num(), count = omp_get_num_threads();
+        if (thread == 0) team = count;
+        const int64_t first = row_groups * thread / count, last = row_groups * (thread + 1) / count;
+        for (int64_t n = first; n < last; n++)
+            one_row(codes + n * groups * (quant_type == Q8_0 ? 512 : 256),
+                    scales + n * groups * (quant_type == Q8_0 ? 16 : 32), k, xq, xd, xs,
+                    out + n * LANES, n_out, n_out - n * LANES < LANES ? n_out - n * LANES : LANES);
+        const int64_t start = first * LANES, end = last * LANES < n_out ? last * LANES : n_out;
+        slice_argmax(out, start, end, &best[thread], &best_at[thread]);
+    }
+    *token = merge_argmax(best, best_at, team);
 }
 
 /* The same with its own scratch: -1 where it cannot be allocated, else 0. */

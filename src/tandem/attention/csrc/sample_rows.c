@@ -203,10 +203,10 @@ static float top_p_floor(const candidate *in_order, int64_t count, float top, fl
     return sorted[kept - 1].value;
 }
 
-/* The first index where x equals max (0 where none does). The compare runs a vector at a time:
-   a loop that exits early is not vectorized by the compiler, and a greedy row's scan was half
-   of its argmax. */
-static int64_t first_max(const float *x, int64_t vocab, float max) {
+/* The first index where x equals max (-1 where none does). The compare runs a vector at a
+   time: a loop that exits early is not vectorized by the compiler, and a greedy row's scan was
+   half of its argmax. */
+static int64_t first_index_of(const float *x, int64_t vocab, float max) {
     int64_t i = 0;
 #if defined(__AVX512F__)
     const __m512 target = _mm512_set1_ps(max);
@@ -224,7 +224,27 @@ static int64_t first_max(const float *x, int64_t vocab, float max) {
 #endif
     for (; i < vocab; i++)
         if (x[i] == max) return i;
-    return 0;
+    return -1;
+}
+
+/* The first index where x equals max (0 where none does: every logit NaN). */
+static int64_t first_max(const float *x, int64_t vocab, float max) {
+    const int64_t index = first_index_of(x, vocab, max);
+    return index < 0 ? 0 : index;
+}
+
+void slice_argmax(const float *x, int64_t start, int64_t end, float *max, int64_t *at) {
+    *max = end > start ? row_max(x + start, end - start) : -INFINITY;
+    const int64_t index = end > start ? first_index_of(x + start, end - start, *max) : -1;
+    *at = index < 0 ? -1 : start + index;
+}
+
+int64_t merge_argmax(const float *best, const int64_t *best_at, int count) {
+    float max = -INFINITY;
+    for (int i = 0; i < count; i++) max = best[i] > max ? best[i] : max;
+    for (int i = 0; i < count; i++)
+        if (best_at[i] >= 0 && best[i] == max) return best_at[i];
+    return 0; /* every value NaN */
 }
 
 static int64_t sample_row(const float *x, int64_t vocab, float temperature, int64_t top_k,
