@@ -141,3 +141,18 @@ def test_stat_loggers_and_the_step_log_get_every_step_once(tiny_llama, tmp_path)
     assert len(log.read_text().splitlines()) == core.num_steps == TELEMETRY_BATCH + 5
     taken += core.take_finished_stats()
     assert taken == list(core.step_stats) and core.take_finished_stats() == []
+
+
+def test_a_scheduler_that_forecasts_gets_every_steps_learning_at_once(tiny_llama):
+    """With an ITL target the scheduler sizes each step by the cost model: every step's
+    telemetry, and the model's learning from it, is worked out before the next step."""
+    folder, _ = tiny_llama
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, target_itl_ms=5.0)
+    engine, core = llm.llm_engine, llm.llm_engine.core
+    engine.add_request("long", list(range(1, 200)), SamplingParams(max_tokens=40, ignore_eos=True))
+    num_taken = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        num_taken += len(core.take_finished_stats())
+        assert num_taken == core.num_steps
+    assert core.num_steps > TELEMETRY_BATCH

@@ -4,6 +4,7 @@ the Grafana dashboard and docs/metrics.md name only metrics the logger exports."
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from pathlib import Path
@@ -15,6 +16,7 @@ pytest.importorskip("prometheus_client")
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from tandem.engine.log_stats import LoggingStatLogger
 from tandem.engine.stats import FinishedRequestStats, SchedulerStats, StepStats
 from tandem.outputs import RequestMetrics
 from tandem.server.metrics import (
@@ -204,6 +206,19 @@ def test_a_state_only_report_observes_no_step(logger):
     logger.record_steps(scheduler_stats(num_running=2), [])
     assert value(logger, "tandem:step_time_seconds_count") == 0
     assert value(logger, "tandem:iteration_tokens_total_count") == 0
+
+
+def test_the_log_lines_clock_starts_at_the_first_step_it_hears_of(caplog):
+    """Steps come in batches (the engine works their telemetry out up to 16 at a time): a
+    report before the first step's telemetry does not start the throughput clock, so the first
+    line does not count the first steps' tokens over less than their time. Steps back to back
+    from 0 s: a 1 s prefill, then 15 decode steps of 0.5 s, reported together at 8.5 s."""
+    clock = iter([1.0, 8.5])
+    stat_logger = LoggingStatLogger(interval=4.0, clock=lambda: next(clock))
+    stat_logger.record_steps(scheduler_stats(), [])  # at 1 s: the prefill's telemetry waits
+    with caplog.at_level(logging.INFO, logger="tandem.stats"):
+        stat_logger.record_steps(scheduler_stats(), [step(512, 0, 1.0)] + [step(0, 1, 0.5)] * 15)
+    assert "Avg prompt throughput: 60.2 tokens/s, Avg generation throughput: 1.8" in caplog.text
 
 
 # -- finished sequences --------------------------------------------------------------------

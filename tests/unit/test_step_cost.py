@@ -4,6 +4,7 @@ decodes alone fit, still finishes every prompt when they do not, and leaves outp
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import numpy as np
@@ -139,7 +140,7 @@ def test_a_run_of_long_prompt_chunks_is_learned_as_it_comes():
     position than in the steps the window holds (a prompt chunk's attention is another kernel
     than a decode's): a chunk the forecast missed by more than 10% refits the line at once,
     so from the fourth chunk on the forecasts are within 10% (the chunk sizes a time target
-    picks depend on them), where periodic refits alone would still be 16 steps away."""
+    picks depend on them), where periodic refits alone would still be 24 steps away."""
     model = StepCostModel(SHAPE, PEAKS, window=512, min_steps=32, refit_every=16)
     rng = random.Random(3)
 
@@ -310,3 +311,25 @@ def test_target_changes_steps_not_outputs():
         return {r.request_id: r.output_token_ids for r in requests}
 
     assert run(0.030) == run(None)
+
+
+def test_refits_every_4_then_16_then_an_eighth_of_the_window():
+    """Decode steps only (no prompt step misses far and refits at once): a fit at 8 steps, then
+    every 4 up to 64 steps in the window, every 16 up to 136, then every window // 8 (64 once
+    the 512-step window is full)."""
+    model = StepCostModel(SHAPE, PEAKS, window=512, min_steps=8, refit_every=16)
+    fitted_at = []
+    fit = model._fit
+
+    def counted() -> None:
+        fitted_at.append(model._num_observed)
+        fit()
+
+    model._fit = counted
+    for context in range(1000):
+        sums = request_sums(100 + context, 1, True)
+        model.observe(sums, true_seconds(sums))
+    gaps = {at: after - at for at, after in itertools.pairwise(fitted_at)}
+    assert fitted_at[:14] == list(range(8, 64, 4))
+    assert {gaps[at] for at in fitted_at if 64 <= at < 120} == {16}
+    assert {gaps[at] for at in fitted_at[:-1] if at >= 512} == {64}

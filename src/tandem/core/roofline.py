@@ -103,8 +103,7 @@ class ModelShape:
             flops_per_sampled=2 * self.lm_head_weights,
             weight_bytes=weight_bytes,
             packed_weight_bytes=weight_bytes
-            + self.packed_bytes
-            - self.weight_bytes * self.packed_weights,
+            + (self.packed_bytes - self.weight_bytes * self.packed_weights),
             bytes_per_new_token=self.weight_bytes * self.hidden_size  # the embedding row
             + self.activation_bytes * activations_per_token,
             kv_bytes_per_position=self.kv_bytes * 2 * self.num_kv_heads * self.head_dim * layers,

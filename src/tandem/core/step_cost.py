@@ -1,8 +1,8 @@
 """What a step will cost, learned on the machine it runs on: step time as a linear function of
 the batch's sums (core/roofline.py), time = c + a * new tokens + b * attended positions
 + d * KV positions read + e * sampled rows, fitted by least squares over a window of recent
-steps and refitted as steps come in (every 16; once the window is long, when an eighth of it
-is new), so it follows the machine and the load. A model that
+steps and refitted as steps come in (every 4 while the window is short, then every 16, and
+once it is long, when an eighth of it is new), so it follows the machine and the load. A model that
 keeps weights packed for small steps (models/packed.py) runs two matmul regimes whose costs
 differ in kind (packed: few bytes, but each extra row costs a dequantizing pass; dense: more
 bytes, rows nearly free), so two more terms: f for a step too big for the packed weights, and
@@ -13,7 +13,7 @@ RESIDUAL_MAX_TOKENS tokens, the ratio of the measured time to the line's is lear
 count, as a moving average, and scales the line (a ratio, not a difference: learned at one
 context it still scales the line at another, and never drives a forecast to nothing; and it
 follows this machine's drift from minute to minute, which a window of 512 steps refitted every
-16 does not). A larger step with prompt tokens (not a large decode batch, whose jitter on a GPU
+64 does not). A larger step with prompt tokens (not a large decode batch, whose jitter on a GPU
 would refit every step) whose forecast missed by more than REFIT_ERROR refits the line at
 once: such steps come in runs (a long prompt's chunks, each attending to more of its own
 prefix), and the scheduler sizes the next chunk of the run by the forecast. What is left of

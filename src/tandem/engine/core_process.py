@@ -128,8 +128,8 @@ class _CoreLoop:
                 has_work = self.core.has_work()
             outputs = self.core.step() if has_work else []
             stepped = self.core.num_steps != num_steps
-            if outputs or stepped or changed or self.errors:
-                steps = self.core.take_finished_stats()
+            steps = self.core.take_finished_stats()  # an abort while idle may have made some
+            if outputs or stepped or changed or self.errors or steps:
                 message = CoreOutputs(outputs, self.errors, self.core.scheduler_stats(), steps)
                 self._send(message)
                 self.errors = []
@@ -205,6 +205,7 @@ def run_engine_core(
     context = zmq.Context()
     output = _Output(output_path)
     exit_code = 0
+    core = None
     try:
         start = time.perf_counter()
         core = EngineCore(config)
@@ -234,5 +235,8 @@ def run_engine_core(
             output.send(CoreFailed(f"{type(error).__name__}: {error}"))
         exit_code = 1
     finally:
+        if core is not None:
+            with contextlib.suppress(Exception):
+                core.finish_stats()  # the step log's last lines: the steps before a failure
         output.close()
     os._exit(exit_code)  # the reader thread blocks in recv(); do not wait for it

@@ -166,12 +166,13 @@ class EngineCore:
         # Steps recorded but whose roofline and forecast are not yet worked out: each a
         # StepStats to complete, its sums, its proposer's seconds, its wall-clock time.
         self._unfinished_stats: list[tuple[StepStats, BatchSums, float, float]] = []
-        # The scheduler forecasts steps from the cost model (an ITL target, or speculation,
-        # whose drafts it weighs by cost): the model learns from each step before the next.
-        self._telemetry_each_step = (
-            scheduler_config.target_step_time is not None or self.proposer is not None
+        # The scheduler forecasts steps from the cost model (an ITL target, or adaptive
+        # speculation, which weighs drafts by their cost): it learns from each step at once.
+        self._telemetry_each_step = scheduler_config.target_step_time is not None or (
+            self.proposer is not None and scheduler_config.adaptive_speculation
         )
-        self._num_stats_taken = 0  # steps whose telemetry take_finished_stats returned
+        self._num_stats_finished = 0  # steps whose telemetry is in _step_stats
+        self._num_stats_taken = 0  # of those, the ones take_finished_stats returned
         self.num_prefill_tokens = 0  # computed since start
         self.num_decode_tokens = 0
         self._init_async_scheduling(config)
@@ -254,7 +255,8 @@ class EngineCore:
             self.peaks.bytes_per_second / 1e9,
             self.peaks.ridge_point,
         )
-        # Open for the engine's life, a line at a time, so a reader sees every finished step.
+        # Open for the engine's life, a line at a time: a reader sees each step once its
+        # telemetry is worked out (see _record_stats), every step once the engine idles.
         self.step_log = (
             None if config.step_log is None else open(config.step_log, "a", buffering=1)  # noqa: SIM115
         )
@@ -340,8 +342,8 @@ class EngineCore:
             if self.proposer is not None:
                 self.proposer.forget(request_id)
         self.scheduler.finish_requests(request_ids, status)
-        if self._unfinished_stats and not self.scheduler.requests:
-            self._finish_stats()  # idle now: the step log and stat loggers get every step
+        if self._unfinished_stats and not self.scheduler.has_schedulable_requests():
+            self.finish_stats()  # idle now: the step log gets every step
 
     def has_unfinished_requests(self) -> bool:
         """Requests to step, or a step in flight to land (async scheduling), or outputs to
@@ -924,18 +926,17 @@ class EngineCore:
 
     @property
     def step_stats(self) -> deque[StepStats]:
-        """Every step's telemetry, oldest first (the last max_step_stats steps)."""
-        if self._unfinished_stats:
-            self._finish_stats()
+        """Every step's telemetry, oldest first (the last max_step_stats steps). Reading it
+        works out the steps still waiting (finish_stats): from the step loop's thread only."""
+        self.finish_stats()
         return self._step_stats
 
     def take_finished_stats(self) -> list[StepStats]:
         """The telemetry worked out since the last call, oldest first: what the step loop's
         stat loggers take as it comes (every step's by the time the engine idles)."""
-        num_finished = self.num_steps - len(self._unfinished_stats)
         stats = self._step_stats
-        count = min(num_finished - self._num_stats_taken, len(stats))
-        self._num_stats_taken = num_finished
+        count = min(self._num_stats_finished - self._num_stats_taken, len(stats))
+        self._num_stats_taken = self._num_stats_finished
         return [stats[index] for index in range(-count, 0)]
 
     def _record_stats(
@@ -951,7 +952,10 @@ class EngineCore:
         steps at a time, when the engine goes idle, or when step_stats is read: right after a
         forward every line of Python runs at a third of its speed, its code and data pushed
         out of the caches by the weights; a batch of steps runs at the full speed. A scheduler
-        that forecasts steps gets each step's learning before the next."""
+        that forecasts steps gets each step's learning before it plans the next (with async
+        scheduling, as before, the one after). With async scheduling a batch is worked out
+        while the next step's forward runs: where the host, not the forward, sets the pace,
+        every 16th step's time includes it (the total is less than step by step)."""
         self.num_steps += 1
         self.num_preemptions += len(scheduled.preempted_request_ids)
         self.num_prefill_tokens += scheduled.num_prefill_tokens
@@ -987,13 +991,16 @@ class EngineCore:
         if (
             self._telemetry_each_step
             or len(self._unfinished_stats) >= TELEMETRY_BATCH
-            or not scheduler.requests
+            or not scheduler.has_schedulable_requests()
         ):
-            self._finish_stats()
+            self.finish_stats()
 
-    def _finish_stats(self) -> None:
-        """Each recorded step's roofline and the cost model's forecast of it, in step order
-        (the model learns from every step after forecasting it)."""
+    def finish_stats(self) -> None:
+        """Work out each recorded step's roofline and the cost model's forecast of it, in step
+        order (the model learns from every step after forecasting it). Should one fail, the
+        steps after it in the batch are dropped: telemetry, not the engine's state."""
+        if not self._unfinished_stats:
+            return
         unfinished, self._unfinished_stats = self._unfinished_stats, []
         shape, peaks, cost_model = self.model_shape, self.peaks, self.cost_model
         first_step = self.num_steps - len(unfinished) + 1
@@ -1009,6 +1016,7 @@ class EngineCore:
             stats.num_context = sums.num_context
             stats.num_sampled = sums.num_sampled
             self._step_stats.append(stats)
+            self._num_stats_finished += 1
             if self.step_log is not None:
                 record = {
                     "step": step,

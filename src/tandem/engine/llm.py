@@ -4,6 +4,7 @@ logged), or refused with a reason: docs/coming-from-vllm.md has the whole list."
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -404,23 +405,28 @@ class LLM:
         core = self.llm_engine.core
         prefill_before, decode_before = core.num_prefill_tokens, core.num_decode_tokens
         num_steps = core.num_steps
-        # Inference mode for the whole loop: the per-step functions need not enter it each step
-        # (worker/inference_mode.py).
-        with step_loop_gc(), torch.inference_mode():
-            while self.llm_engine.has_unfinished_requests():
-                for output in self.llm_engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-                        bar.update(1)
-                if show and core.num_steps != num_steps:
-                    num_steps = core.num_steps
-                    prefill_tokens = core.num_prefill_tokens - prefill_before
-                    decode_tokens = core.num_decode_tokens - decode_before
-                    elapsed = time.perf_counter() - start
-                    bar.set_postfix_str(
-                        f"prefill {prefill_tokens / elapsed:.0f} tok/s, "
-                        f"decode {decode_tokens / elapsed:.0f} tok/s"
-                    )
+        try:
+            # Inference mode for the whole loop: the per-step functions need not enter it each
+            # step (worker/inference_mode.py).
+            with step_loop_gc(), torch.inference_mode():
+                while self.llm_engine.has_unfinished_requests():
+                    for output in self.llm_engine.step():
+                        if output.finished:
+                            finished[output.request_id] = output
+                            bar.update(1)
+                    if show and core.num_steps != num_steps:
+                        num_steps = core.num_steps
+                        prefill_tokens = core.num_prefill_tokens - prefill_before
+                        decode_tokens = core.num_decode_tokens - decode_before
+                        elapsed = time.perf_counter() - start
+                        bar.set_postfix_str(
+                            f"prefill {prefill_tokens / elapsed:.0f} tok/s, "
+                            f"decode {decode_tokens / elapsed:.0f} tok/s"
+                        )
+        except BaseException:
+            with contextlib.suppress(Exception):  # the telemetry of the steps before it
+                core.finish_stats()
+            raise
         bar.close()
         return [finished[request_id] for request_id in request_ids]
 

@@ -77,6 +77,11 @@ class LLMEngine:
             for record in aborted:
                 for stat_logger in self.stat_loggers:
                     stat_logger.record_finished(record)
+        if self.stat_loggers:  # an engine left idle has worked out its last steps' telemetry
+            steps = self.core.take_finished_stats()
+            scheduler_stats = self.core.scheduler_stats()
+            for stat_logger in self.stat_loggers:
+                stat_logger.record_steps(scheduler_stats, steps)
 
     def has_unfinished_requests(self) -> bool:
         return self.processor.has_unfinished_requests()

@@ -31,6 +31,8 @@ class LoggingStatLogger:
     def record_steps(self, scheduler_stats: SchedulerStats, steps: list[StepStats]) -> None:
         now = self.clock()
         if self.last_time is None:
+            if not steps:
+                return  # the first step starts the clock (its telemetry may come later)
             self.last_time = now - sum(step.step_time for step in steps)
         for step in steps:
             self.prefill_tokens += step.num_prefill_tokens
