@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tandem import LLM, SamplingParams
+from tandem.attention import cpu_kernel
 from tandem.engine import cpu_formats as formats_module
 from tandem.engine.cpu_formats import CpuFormats
 from tandem.models.layers import Linear
@@ -44,3 +45,41 @@ def test_auto_greedy_equals_fp32_up_to_near_ties(monkeypatch):
         for mine, expected in zip(ours, theirs, strict=True)
     )
     assert num_agreed >= len(PROMPTS) * MAX_TOKENS // 4
+
+
+def test_a_lone_greedy_request_takes_its_tokens_from_the_lm_heads_argmax(monkeypatch):
+    """A batch-1 greedy decode step asks the packed LM head's kernel for the argmax (no pass
+    of the sampler's after the forward); a request whose logits something processes (here a
+    repetition penalty) does not ask; the tokens are those of the sampler's pass."""
+    chosen = CpuFormats("bfloat16", 8, {}, {})
+    monkeypatch.setattr(formats_module, "cpu_formats", lambda config, packable: chosen)
+    llm = LLM("default", kv_cache_memory=256 << 20)
+    core = llm.engine.core
+    model = core.runner.model
+    assert model.lm_head_packed is not None
+    asked, sampler_passes = [], []
+    run, argmax_rows = core.runner.run, cpu_kernel.argmax_rows
+
+    def spying_run(*args, **kwargs):
+        output = run(*args, **kwargs)
+        asked.append((args[5], output.argmax is not None))
+        return output
+
+    def counting_argmax_rows(logits):
+        sampler_passes.append(logits.shape[0])
+        return argmax_rows(logits)
+
+    monkeypatch.setattr(core.runner, "run", spying_run)
+    monkeypatch.setattr(cpu_kernel, "argmax_rows", counting_argmax_rows)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    fused = llm.generate(PROMPTS[0], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert asked[0] == (True, False)  # the prompt's step: logits of its last token only
+    assert set(asked[1:]) == {(True, True)} and sampler_passes == [1]
+    asked.clear()
+    penalized = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                               repetition_penalty=1.3)  # fmt: skip
+    llm.generate(PROMPTS[0], penalized, use_tqdm=False)
+    assert asked and not any(argmax for argmax, _ in asked)
+    monkeypatch.setattr(model, "compute_logits_and_argmax",
+                        lambda hidden: (model.compute_logits(hidden), None))  # fmt: skip
+    assert llm.generate(PROMPTS[0], greedy, use_tqdm=False)[0].outputs[0].token_ids == fused

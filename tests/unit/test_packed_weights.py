@@ -211,6 +211,8 @@ def test_matmul_argmax_is_the_matmul_and_argmax_rows(quant_type, int8_min_tokens
     rows[1][0, 5] = math.inf  # +inf, -inf and NaN (inf times a zero weight) products
     rows[2][0, 0] = math.nan
     rows[3][0, :] = 0.0  # every product 0: the first index
+    rows[5] = torch.from_numpy(reference[7:8]).clone()  # rows 7 and 150 tie at the maximum
+    rows[6] = torch.from_numpy(reference[200:201]).clone()  # 200 and 201, the partial group
     for threads in (1, 2, 3, 5):
         monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
         for x in rows:
@@ -220,6 +222,7 @@ def test_matmul_argmax_is_the_matmul_and_argmax_rows(quant_type, int8_min_tokens
             expected = packed.matmul(x)
             assert torch.equal(logits.view(torch.int32), expected.view(torch.int32))
             assert token.tolist() == cpu_kernel.argmax_rows(expected).tolist()
+        assert [packed.matmul_argmax(rows[i])[1].item() for i in (5, 6)] == [7, 200]
     if not int8_min_tokens:  # exact weights and activations: the dequantized matrix's argmax
         top = rows[4] @ torch.from_numpy(reference).t()
         assert packed.matmul_argmax(rows[4])[1].item() == top.argmax().item()
@@ -229,6 +232,21 @@ def test_matmul_argmax_is_the_matmul_and_argmax_rows(quant_type, int8_min_tokens
 def test_matmul_argmax_only_where_the_kernel_multiplies_one_row():
     _, blocks = quantized(32, 64, "Q8_0")
     one, two = torch.randn(1, 64), torch.randn(2, 64)
+    with pytest.raises(ValueError, match="64 inputs got rows of 32"):
+        PackedWeight.from_blocks(blocks, 4).matmul_argmax(torch.randn(1, 32))
     assert PackedWeight.from_blocks(blocks, 4).matmul_argmax(two) is None
     assert PackedWeight.from_blocks(blocks, 4, use_kernel=False).matmul_argmax(one) is None
     assert PackedWeight.from_blocks(blocks, 4).matmul_argmax(one) is not None
+
+
+@needs_cpu_kernels
+def test_matmul_argmax_with_more_threads_than_row_groups(monkeypatch):
+    """20 output rows are two groups of 16: with 5 threads most take none, and the answer
+    still comes from the slices that hold columns."""
+    reference, blocks = quantized(20, 64, "Q8_0", seed=2)
+    packed = PackedWeight.from_blocks(blocks, max_tokens=4)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 5)
+    for row in (0, 17):
+        x = torch.from_numpy(reference[row : row + 1]).clone()
+        logits, token = packed.matmul_argmax(x)
+        assert torch.equal(logits, packed.matmul(x)) and token.item() == row

@@ -232,21 +232,25 @@ class PackedWeight:
             return self.codes.nbytes + self.scales.nbytes
         return self.int4_weight.nbytes + self.scales_zeros.nbytes
 
+    def _check_width(self, x: torch.Tensor) -> None:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"a packed matmul of {self.in_features} inputs got rows of {x.shape[-1]}"
+            )
+
     def matmul_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For one fp32 row without a bias: `matmul`'s product and its first argmax, from one
         pass of the C kernel; None where that kernel would not multiply it."""
         if self.codes is None or x.shape[0] != 1:
             return None
+        self._check_width(x)
         return cpu_kernel.packed_matmul_argmax(
             self.codes, self.scales, self.quant_type, self.out_features, x,
             int8_activations=0 < self.int8_min_tokens <= 1,
         )  # fmt: skip
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"a packed matmul of {self.in_features} inputs got rows of {x.shape[-1]}"
-            )
+        self._check_width(x)
         if self.codes is not None:
             int8 = 0 < self.int8_min_tokens <= x.shape[0]
             out = cpu_kernel.packed_matmul(
