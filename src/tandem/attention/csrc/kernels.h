@@ -27,16 +27,13 @@ void rotary_f32(float *x, int64_t token_stride, int64_t num_heads, int64_t head_
 void packed_matmul(const uint8_t *codes, const uint16_t *scales, int64_t quant_type,
                    int64_t n_out, int64_t k, const float *x, int64_t num_tokens, float *out,
                    int num_threads);
-/* x[start .. end)'s largest number (NaN skipped; -inf where there is none) in *max, and the
-   first index holding it in *at (-1 where none does): argmax_rows' answer for a slice. */
-void slice_argmax(const float *x, int64_t start, int64_t end, float *max, int64_t *at);
-/* The row's answer from its slices' (in column order; best_at -1 for a slice without one). */
-int64_t merge_argmax(const float *best, const int64_t *best_at, int count);
-/* One token row times a packed matrix through int8 activations (packed_matmul_int8's
-   products) and their first argmax, as packed_matmul_argmax finds it. */
-void packed_matmul_int8_argmax(const uint8_t *codes, const uint16_t *scales, int64_t quant_type,
-                               int64_t n_out, int64_t k, const float *x, float *out,
-                               int64_t *token, int num_threads);
+/* out [n_out] computed a group of group_rows at a time over the threads (compute(context, n)
+   writes group n), and the first index of its largest value (NaN skipped; 0 where every value
+   is NaN), as argmax_rows finds it: each thread scans the columns it has just written, while
+   they are in its cache, and the threads' answers merge in column order. */
+int64_t row_groups_argmax(int64_t n_out, int64_t group_rows, float *out,
+                          void (*compute)(const void *context, int64_t group),
+                          const void *context, int num_threads);
 
 /* The packed matmuls' functions specialized per token-row count, 1 to 8 (their loops unroll
    into registers): DEFINE(PREFIX_n, QUANT_TYPE, n) for each n, and a table of them. */

@@ -21,8 +21,6 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
-#include <math.h>
-#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -194,44 +192,45 @@ void packed_matmul(const uint8_t *codes, const uint16_t *scales, int64_t quant_t
     }
 }
 
+typedef struct {
+    const uint8_t *codes;
+    const uint16_t *scales;
+    int64_t quant_type, n_out, k;
+    const float *x, *sums;
+    float *out;
+} one_row;
+
+/* Row group n of one_row's product. */
+static void one_row_group(const void *context, int64_t n) {
+    const one_row *a = context;
+    const int64_t groups = a->k / BLOCK;
+    const int64_t valid = a->n_out - n * LANES < LANES ? a->n_out - n * LANES : LANES;
+    if (a->quant_type == Q8_0) /* constant quant types: row_group inlines for each */
+        row_group(a->codes + n * groups * group_code_bytes(Q8_0),
+                  a->scales + n * groups * group_scales(Q8_0), a->k, Q8_0, a->x, a->sums, 1,
+                  a->out + n * LANES, a->n_out, valid);
+    else
+        row_group(a->codes + n * groups * group_code_bytes(Q4),
+                  a->scales + n * groups * group_scales(Q4), a->k, Q4, a->x, a->sums, 1,
+                  a->out + n * LANES, a->n_out, valid);
+}
+
 /* One token row x [k] times the matrix as packed_matmul computes it (out [n_out]), and in
-   *token the first index of its largest product, as argmax_rows finds it: each thread scans
-   the columns it has just written while they are still in its cache, and the threads' answers
-   merge in column order. A greedy batch-1 step's separate pass over its logits (49,152 of the
-   embedded model) read half of them from the other core's cache, after a Python call. */
+   *token the first index of its largest product, as argmax_rows finds it (row_groups_argmax).
+   A greedy batch-1 step's separate pass over its logits (49,152 of the embedded model) read
+   half of them from the other core's cache, after a Python call. */
 void packed_matmul_argmax(const uint8_t *codes, const uint16_t *scales, int64_t quant_type,
                           int64_t n_out, int64_t k, const float *x, float *out, int64_t *token,
                           int num_threads) {
-    const int64_t groups = k / BLOCK, row_groups = (n_out + LANES - 1) / LANES;
+    const int64_t groups = k / BLOCK;
     float sums[groups];
     for (int64_t g = 0; quant_type != Q8_0 && g < groups; g++) {
         float sum = 0.0f;
         for (int j = 0; j < BLOCK; j++) sum += x[g * BLOCK + j];
         sums[g] = sum;
     }
-    float best[num_threads];
-    int64_t best_at[num_threads];
-    int team = 1;
-    #pragma omp parallel num_threads(num_threads)
-    {
-        const int thread = omp_get_thread_num(), count = omp_get_num_threads();
-        if (thread == 0) team = count;
-        const int64_t first = row_groups * thread / count, last = row_groups * (thread + 1) / count;
-        for (int64_t n = first; n < last; n++) {
-            const int64_t valid = n_out - n * LANES < LANES ? n_out - n * LANES : LANES;
-            if (quant_type == Q8_0) /* constant quant types: row_group inlines for each */
-                row_group(codes + n * groups * group_code_bytes(Q8_0),
-                          scales + n * groups * group_scales(Q8_0), k, Q8_0, x, sums, 1,
-                          out + n * LANES, n_out, valid);
-            else
-                row_group(codes + n * groups * group_code_bytes(Q4),
-                          scales + n * groups * group_scales(Q4), k, Q4, x, sums, 1,
-                          out + n * LANES, n_out, valid);
-        }
-        const int64_t start = first * LANES, end = last * LANES < n_out ? last * LANES : n_out;
-        slice_argmax(out, start, end, &best[thread], &best_at[thread]);
-    }
-    *token = merge_argmax(best, best_at, team);
+    const one_row args = {codes, scales, quant_type, n_out, k, x, sums, out};
+    *token = row_groups_argmax(n_out, LANES, out, one_row_group, &args, num_threads);
 }
 
 /* The same for x [num_tokens, k] of element type T with a row stride, out contiguous T

@@ -26,7 +26,6 @@
 #include <immintrin.h>
 #endif
 #include <math.h>
-#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -416,30 +415,36 @@ void packed_matmul_int8_into(const uint8_t *codes, const uint16_t *scales, int64
     }
 }
 
+typedef struct {
+    const uint8_t *codes;
+    const uint16_t *scales;
+    int64_t quant_type, n_out, k;
+    const int8_t *xq;
+    const float *xd, *xs;
+    float *out;
+} one_row;
+
+/* Row group n of one_row's product. */
+static void one_row_group(const void *context, int64_t n) {
+    const one_row *a = context;
+    const int64_t groups = a->k / BLOCK;
+    const int64_t valid = a->n_out - n * LANES < LANES ? a->n_out - n * LANES : LANES;
+    GROUP_BY_TYPE[a->quant_type][0](
+        a->codes + n * groups * (a->quant_type == Q8_0 ? 512 : 256),
+        a->scales + n * groups * (a->quant_type == Q8_0 ? 16 : 32), a->k, a->xq, a->xd, a->xs,
+        a->out + n * LANES, a->n_out, valid);
+}
+
+/* packed_matmul_argmax through int8 activations: packed_matmul_int8's products. */
 void packed_matmul_int8_argmax(const uint8_t *codes, const uint16_t *scales, int64_t quant_type,
                                int64_t n_out, int64_t k, const float *x, float *out,
                                int64_t *token, int num_threads) {
-    const int64_t groups = k / BLOCK, row_groups = (n_out + LANES - 1) / LANES;
+    const int64_t groups = k / BLOCK;
     float xd[groups * SUBS], xs[groups];
     int8_t xq[k];
     quantize_row(x, k, xq, xd, xs);
-    const group_fn one_row = GROUP_BY_TYPE[quant_type][0];
-    float best[num_threads];
-    int64_t best_at[num_threads];
-    int team = 1;
-    #pragma omp parallel num_threads(num_threads)
-    {
-        const int thread = omp_get_thread_num(), count = omp_get_num_threads();
-        if (thread == 0) team = count;
-        const int64_t first = row_groups * thread / count, last = row_groups * (thread + 1) / count;
-        for (int64_t n = first; n < last; n++)
-            one_row(codes + n * groups * (quant_type == Q8_0 ? 512 : 256),
-                    scales + n * groups * (quant_type == Q8_0 ? 16 : 32), k, xq, xd, xs,
-                    out + n * LANES, n_out, n_out - n * LANES < LANES ? n_out - n * LANES : LANES);
-        const int64_t start = first * LANES, end = last * LANES < n_out ? last * LANES : n_out;
-        slice_argmax(out, start, end, &best[thread], &best_at[thread]);
-    }
-    *token = merge_argmax(best, best_at, team);
+    const one_row args = {codes, scales, quant_type, n_out, k, xq, xd, xs, out};
+    *token = row_groups_argmax(n_out, LANES, out, one_row_group, &args, num_threads);
 }
 
 /* The same with its own scratch: -1 where it cannot be allocated, else 0. */

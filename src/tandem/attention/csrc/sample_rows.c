@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kernels.h"
 #include "vector_math.h"
 
 #define DELTA 10.0f  /* first candidates: within e^-10 of the most likely token */
@@ -233,17 +234,34 @@ static int64_t first_max(const float *x, int64_t vocab, float max) {
     return index < 0 ? 0 : index;
 }
 
-void slice_argmax(const float *x, int64_t start, int64_t end, float *max, int64_t *at) {
+/* x[start .. end)'s largest number (NaN skipped; -inf where there is none) in *max, and the
+   first index holding it in *at (-1 where none does): argmax_rows' answer for a slice. */
+static void slice_argmax(const float *x, int64_t start, int64_t end, float *max, int64_t *at) {
     *max = end > start ? row_max(x + start, end - start) : -INFINITY;
     const int64_t index = end > start ? first_index_of(x + start, end - start, *max) : -1;
     *at = index < 0 ? -1 : start + index;
 }
 
-int64_t merge_argmax(const float *best, const int64_t *best_at, int count) {
-    float max = -INFINITY;
-    for (int i = 0; i < count; i++) max = best[i] > max ? best[i] : max;
-    for (int i = 0; i < count; i++)
-        if (best_at[i] >= 0 && best[i] == max) return best_at[i];
+int64_t row_groups_argmax(int64_t n_out, int64_t group_rows, float *out,
+                          void (*compute)(const void *context, int64_t group),
+                          const void *context, int num_threads) {
+    const int64_t groups = (n_out + group_rows - 1) / group_rows;
+    float best[num_threads];
+    int64_t best_at[num_threads];
+    int team = 1;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        const int thread = omp_get_thread_num(), count = omp_get_num_threads();
+        if (thread == 0) team = count;
+        const int64_t first = groups * thread / count, last = groups * (thread + 1) / count;
+        for (int64_t n = first; n < last; n++) compute(context, n);
+        const int64_t end = last * group_rows < n_out ? last * group_rows : n_out;
+        slice_argmax(out, first * group_rows, end, &best[thread], &best_at[thread]);
+    }
+    float max = -INFINITY; /* the slices' answers, merged in column order */
+    for (int t = 0; t < team; t++) max = best[t] > max ? best[t] : max;
+    for (int t = 0; t < team; t++)
+        if (best_at[t] >= 0 && best[t] == max) return best_at[t];
     return 0; /* every value NaN */
 }
 
