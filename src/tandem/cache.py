@@ -10,7 +10,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tandem.cpu_load import contended, cpu_clock
+
 logger = logging.getLogger(__name__)
+
+# Measurements taken while other processes competed for the CPUs (cached_measurement).
+_this_process_only: dict[tuple[Path, str], Any] = {}
 
 
 def cache_root() -> Path:
@@ -22,18 +27,34 @@ def cache_root() -> Path:
     return Path(base) / "tandem"
 
 
-def cached_measurement(file_name: str, key: str, measure: Callable[[], Any]) -> Any:
+def cached_measurement(file_name: str, key: str, measure: Callable[[], Any], cores: int) -> Any:
     """`measure()`'s JSON-able result for `key`, from `file_name` in the cache root when it has
     one; otherwise measured and added (written atomically: a temporary file renamed into
-    place). An unreadable file measures again; an unwritable one only logs."""
+    place). A measurement that other processes competed with for the `cores` CPUs it runs on
+    is kept for this process only (measured again at the next start): on disk a slow choice
+    would stay for good. An unreadable file measures again; an unwritable one only logs."""
     path = cache_root() / file_name
+    if (path, key) in _this_process_only:
+        return _this_process_only[path, key]
     try:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
         cached = {}
     if key in cached:
         return cached[key]
-    cached[key] = measure()
+    start = cpu_clock()
+    result = measure()
+    others = contended(start, cpu_clock(), cores)
+    if others is not None:
+        logger.warning(
+            "other processes kept %.1f CPUs busy during this measurement (%s): its result is "
+            "used but not cached, and measured again at the next start; start tandem on an "
+            "idle machine to keep it",
+            others, key,
+        )  # fmt: skip
+        _this_process_only[path, key] = result
+        return result
+    cached[key] = result
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         staging = path.with_suffix(f".{os.getpid()}.tmp")
@@ -41,4 +62,4 @@ def cached_measurement(file_name: str, key: str, measure: Callable[[], Any]) -> 
         staging.replace(path)
     except OSError as error:
         logger.warning("cannot cache a measurement in %s (%s)", path, error)
-    return cached[key]
+    return result

@@ -88,7 +88,7 @@ def cpu_formats(config: ModelConfig, packable: bool) -> CpuFormats:
         logger.info("CPU format probe took %.2f s", time.perf_counter() - started)
         return asdict(formats)
 
-    entry = dict(cached_measurement("cpu-formats.json", key, measure))
+    entry = dict(cached_measurement("cpu-formats.json", key, measure, torch.get_num_threads()))
     for sizes in ("decode_ms", "large_ms"):
         entry[sizes] = {  # JSON keys are strings
             name: {int(rows): ms for rows, ms in by_rows.items()}
@@ -131,7 +131,9 @@ def dense_kernel_max_tokens(config: ModelConfig) -> int:
         )  # fmt: skip
         return {"max_tokens": max_tokens, "decode_ms": decode_ms}
 
-    return int(cached_measurement("cpu-formats.json", key, measure)["max_tokens"])
+    return int(
+        cached_measurement("cpu-formats.json", key, measure, torch.get_num_threads())["max_tokens"]
+    )
 
 
 def _machine_and_model(config: ModelConfig) -> tuple[str, ...]:

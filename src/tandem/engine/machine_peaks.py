@@ -71,7 +71,9 @@ def _cpu_peaks(dtype: torch.dtype) -> MachinePeaks:
         peaks = _probe(torch.device("cpu"), dtype, name)
         return [peaks.flops_per_second, peaks.bytes_per_second]
 
-    flops, bandwidth = cached_measurement("machine-peaks.json", key, measure)
+    flops, bandwidth = cached_measurement(
+        "machine-peaks.json", key, measure, torch.get_num_threads()
+    )
     return MachinePeaks(f"{name} (probed)", flops, bandwidth)
 
 
