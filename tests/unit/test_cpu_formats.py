@@ -19,26 +19,29 @@ from tandem.engine.config import (
     resolve_dtype,
 )
 from tandem.engine.cpu_formats import (
+    DECODE_PROBE_BYTES_UNKNOWN,
+    DECODE_PROBE_MIN_BYTES,
     DECODE_PROBE_TOKENS,
     LARGE_PROBE_TOKENS,
     CpuFormats,
+    _decode_probe_weights,
     cpu_formats,
     dense_kernel_max_tokens,
+    last_level_cache_bytes,
 )
 
 from helpers import needs_cpu_kernels
 
-TINY = model_config_from_hf(
-    {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 512,
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-    }
-)
+TINY_HF = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+TINY = model_config_from_hf(TINY_HF)
 
 
 @pytest.fixture
@@ -95,6 +98,31 @@ def test_a_corrupt_cache_is_probed_again(fresh_cache):
     (fresh_cache / "cpu-formats.json").write_text("{not json")
     assert cpu_formats(TINY, packable=False).dtype in ("float32", "bfloat16")
     assert json.loads((fresh_cache / "cpu-formats.json").read_text())
+
+
+def test_decode_sizes_stream_a_layer_set_past_the_last_level_cache(tmp_path, monkeypatch):
+    """sysfs says each cache's level and size; the probe's decode-sized matmuls read a set of
+    layers twice the largest (at least DECODE_PROBE_MIN_BYTES), so they stream from memory."""
+    for index, level, size in (("index0", 1, "32K"), ("index2", 2, "512K"), ("index3", 3, "96M")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "level").write_text(f"{level}\n")
+        (tmp_path / index / "size").write_text(f"{size}\n")
+    (tmp_path / "index4").mkdir()  # unreadable: skipped
+    assert last_level_cache_bytes(tmp_path) == 96 << 20
+    assert last_level_cache_bytes(tmp_path / "missing") is None
+    shape = model_config_from_hf({**TINY_HF, "num_hidden_layers": 1000})
+
+    def probe_bytes() -> int:
+        return sum(4 * weight.numel() for weight in _decode_probe_weights(shape))
+
+    layer_bytes = 4 * sum(rows * cols for rows, cols in formats_module._layer_shapes(shape))
+    for cache_bytes, expected in (
+        (96 << 20, 192 << 20),
+        (8 << 20, DECODE_PROBE_MIN_BYTES),
+        (None, DECODE_PROBE_BYTES_UNKNOWN),
+    ):
+        monkeypatch.setattr(formats_module, "last_level_cache_bytes", lambda size=cache_bytes: size)
+        assert expected <= probe_bytes() < expected + layer_bytes
 
 
 @pytest.mark.parametrize("int8_offered", [True, False])
