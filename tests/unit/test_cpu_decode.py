@@ -149,6 +149,25 @@ def test_outside_inference_mode(tmp_path):
     assert torch.equal(runner.hidden_states(batch), expected)  # the same slots rewritten
 
 
+def test_a_token_outside_the_vocabulary_is_refused_before_any_layer_runs(tmp_path):
+    """The C step reads the embedding row itself: an id past the table is an error that says
+    so, not a read out of bounds, and no cache slot is written."""
+    runner = packed_runner(tmp_path, "float32")
+    requests = prefilled(runner, [9, 25], seed=5)
+    vocab_size = runner.model.config.vocab_size
+    bad = requests[1]
+    tokens = list(bad.token_ids)
+    tokens[bad.num_new_tokens] = vocab_size
+    step = [Slice(requests[0].token_ids, requests[0].num_new_tokens, 1, requests[0].block_ids),
+            Slice(tokens, bad.num_new_tokens, 1, bad.block_ids)]  # fmt: skip
+    batch = build_batch(step, BLOCK_SIZE, runner.device)
+    assert runner.cpu_decode.fits(batch)
+    before = [cache.clone() for cache in runner.kv_caches]
+    with torch.inference_mode(), pytest.raises(ValueError, match="outside the model's tables"):
+        runner.hidden_states(batch)
+    assert all(torch.equal(c, b) for c, b in zip(runner.kv_caches, before, strict=True))
+
+
 def test_steps_it_does_not_take(tmp_path):
     runner = packed_runner(tmp_path, "float32")
     fused = runner.cpu_decode
@@ -171,18 +190,31 @@ def test_not_built_without_packed_weights_or_the_cpu_attention_backend(tmp_path,
     assert packed_runner(tmp_path, "float32", **overrides).cpu_decode is None
 
 
-def test_a_lone_greedy_row_takes_its_argmax_from_the_lm_head(tmp_path):
-    """forward(argmax=True) on a batch-1 decode: the packed LM head's fused pass gives the same
-    logits and argmax_rows' token; with two rows the sampler's own pass stays."""
-    runner = packed_runner(tmp_path, "float32")
+@pytest.mark.parametrize("int8_min_tokens", [0, 1], ids=["fp32-activations", "int8"])
+def test_a_lone_greedy_row_takes_its_argmax_from_the_lm_head(
+    tmp_path, monkeypatch, int8_min_tokens
+):
+    """forward(argmax=True) on a batch-1 decode: the packed LM head's argmax pass, in the same C
+    call as the layers, gives the same logits as the head after the layers and argmax_rows'
+    token; with two rows the sampler's own pass stays."""
+    runner = packed_runner(tmp_path, "float32", packed_int8_min_tokens=int8_min_tokens)
     assert runner.model.lm_head_packed is not None
     requests = prefilled(runner, [5, 40], seed=2)
     step = [Slice(r.token_ids, r.num_new_tokens, 1, r.block_ids) for r in requests]
     single = build_batch(step[:1], BLOCK_SIZE, runner.device)
     with torch.inference_mode():
         plain = runner.forward(single)
+        separate_head = runner.model.compute_logits_and_argmax(runner.hidden_states(single))
+
+        def no_head_call(hidden):
+            raise AssertionError("the fused step runs the head itself")
+
+        monkeypatch.setattr(runner.model, "compute_logits_and_argmax", no_head_call)
         fused = runner.forward(single, argmax=True)
+        monkeypatch.undo()
         both = runner.forward(build_batch(step, BLOCK_SIZE, runner.device), argmax=True)
     assert plain.argmax is None and fused.argmax is not None and both.argmax is None
     assert torch.equal(fused.logits, plain.logits)
+    assert torch.equal(fused.logits, separate_head[0])
+    assert fused.argmax.tolist() == separate_head[1].tolist()
     assert fused.argmax.tolist() == cpu_kernel.argmax_rows(plain.logits).tolist()

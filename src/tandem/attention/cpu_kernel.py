@@ -187,7 +187,7 @@ def load_library() -> ctypes.CDLL | None:
             ("rms_norm", _RMS_NORM_ARGTYPES, None),
             ("rotary", _ROTARY_ARGTYPES, None),
             ("packed_matmul", _PACKED_MATMUL_ARGTYPES, ctypes.c_int),  # -1: out of memory
-            ("decode_layers", [_ptr, _ptr, _ptr, ctypes.c_int], ctypes.c_int),
+            ("decode_step", [_ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int], ctypes.c_int),
         ):
             function = getattr(library, f"{name}_{suffix}")
             function.argtypes = argtypes

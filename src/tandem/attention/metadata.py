@@ -388,12 +388,13 @@ def _to_device(host: _HostBatch, block_size: int, device: torch.device) -> Batch
 
 
 def copy_to_device(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """Integer host arrays as int64 tensors on `device`. On CPU the arrays themselves (no
-    copy). On a GPU through one pinned buffer and one copy: a step's inputs are many small
-    arrays, and a copy of each pays a fixed cost (from pageable memory, a wait as well); torch's
+    """Integer host arrays as contiguous int64 tensors on `device` (the CPU's fused decode step
+    reads them by pointer). On CPU the arrays themselves where they are so (no copy). On a GPU
+    through one pinned buffer and one copy: a step's inputs are many small arrays, and a copy
+    of each pays a fixed cost (from pageable memory, a wait as well); torch's
     caching host allocator keeps the buffer until the copy has run, so it does not block."""
     if device.type != "cuda":
-        return [torch.from_numpy(array.astype(np.int64, copy=False)) for array in arrays]
+        return [torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)) for array in arrays]
     return split_like(pack(arrays, pin=True).to(device, non_blocking=True), arrays)
 
 

@@ -5,9 +5,10 @@ layer, each costing more than its arithmetic. Where every linear layer's weight 
 the C kernel (GGUF Q4_0 / Q4_1 / Q8_0) and attention runs on the cpu backend, the whole layer
 stack of a step whose tokens are all decode tokens (attention/metadata.py's: a request's one
 new token, the tokens verifying its drafts, a short prompt chunk) runs in C, through
-the kernels the layer-by-layer path calls; the embedding and the LM head stay in torch, the
-final norm is one more kernel call. This is the CPU's counterpart of worker/cuda_graphs.py:
-the model runner asks `fits(batch)`, then `run(batch)` for the final hidden states.
+the kernels the layer-by-layer path calls, from the token ids (the embedding rows) to the
+final norm, and for a greedy batch-1 step on through the packed LM head to the logits and
+their argmax. This is the CPU's counterpart of worker/cuda_graphs.py: the model runner asks
+`fits(batch)`, then `run(batch)` for the final hidden states or `logits_and_argmax(batch)`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tandem.attention import cpu_backend, cpu_kernel
 from tandem.attention.metadata import BatchInputs
 from tandem.models.layers import Linear
 from tandem.models.llama import CausalLM
+from tandem.models.packed import PackedWeight
 from tandem.worker.inference_mode import inference_mode
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -41,13 +43,21 @@ class _DecodeModel(ctypes.Structure):
                 ("num_kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64),
                 ("num_blocks", _i64), ("block_size", _i64), ("int8_min_tokens", _i64),
                 ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("layers", ctypes.POINTER(_DecodeLayer))]  # fmt: skip
+                ("scale", ctypes.c_float), ("layers", ctypes.POINTER(_DecodeLayer)),
+                ("embedding", _ptr), ("embedding_bf16", _i64), ("vocab_size", _i64),
+                ("cos_sin", _ptr), ("max_positions", _i64), ("final_norm", _ptr),
+                ("head", _PackedMatrix), ("head_int8", _i64)]  # fmt: skip
 
 
 class _DecodeStep(ctypes.Structure):
-    _fields_ = [("num_tokens", _i64), ("cos_sin", _ptr), ("slot_mapping", _ptr),
-                ("block_table", _ptr), ("block_table_stride", _i64), ("token_rows", _ptr),
-                ("token_requests", _ptr), ("token_seq_lens", _ptr)]  # fmt: skip
+    _fields_ = [("num_tokens", _i64), ("input_ids", _ptr), ("positions", _ptr),
+                ("slot_mapping", _ptr), ("block_table", _ptr), ("block_table_stride", _i64),
+                ("token_rows", _ptr), ("token_requests", _ptr),
+                ("token_seq_lens", _ptr)]  # fmt: skip
+
+
+# The embedding tables the C step reads (its rows widened to fp32), by torch dtype.
+_EMBEDDING_BF16 = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def unsupported_reason(model: CausalLM) -> str | None:
@@ -56,6 +66,12 @@ def unsupported_reason(model: CausalLM) -> str | None:
     layers = model.model.layers
     if config.qk_norm:
         return "the model normalizes queries and keys"
+    embedding = model.model.embed_tokens.weight
+    if embedding.dtype not in _EMBEDDING_BF16:
+        return f"the embedding is {embedding.dtype}"
+    rotary = model.model.rotary.cos_sin
+    if rotary.dtype != torch.float32 or rotary.shape[1] != config.head_dim:
+        return "the rotary table is not one fp32 row of head_dim per position"
     for layer in layers:
         linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                    layer.mlp.down_proj)  # fmt: skip
@@ -94,16 +110,34 @@ class CpuDecode:
             )
         self._layers = layers
         _, num_blocks, block_size, _, _ = self.kv_caches[0].shape
+        decoder = model.model
+        embedding = decoder.embed_tokens.weight.detach().contiguous()
+        cos_sin = decoder.rotary.cos_sin.contiguous()
+        self._kept += [embedding, cos_sin]
+        # The LM head, where its packed weights take one-row steps (compute_logits_and_argmax's
+        # condition): a greedy batch-1 step may end in its argmax pass.
+        head = model.lm_head_packed
+        self._vocab_size = 0  # 0: no head here
+        head_matrix, head_int8 = _PackedMatrix(), 0
+        if head is not None and head.codes is not None and head.max_tokens >= 1:
+            self._vocab_size = head.out_features
+            head_matrix = self._packed(head, None)
+            head_int8 = int(0 < head.int8_min_tokens <= 1)
         self._model = _DecodeModel(
             config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
             config.num_key_value_heads, config.head_dim, config.intermediate_size, num_blocks,
             block_size, int8_min_tokens, config.rms_norm_eps, attention[0].scale, layers,
+            embedding.data_ptr(), _EMBEDDING_BF16[embedding.dtype], embedding.shape[0],
+            cos_sin.data_ptr(), cos_sin.shape[0], self._fp32(decoder.norm.weight), head_matrix,
+            head_int8,
         )  # fmt: skip
-        self._final_norm = model.model.norm.weight.detach().float().contiguous()
+        self._hidden_size = config.hidden_size
+        # The model's dtype, for the final hidden states (None: fp32, as the C step writes).
+        self._out_dtype = None if embedding.dtype == torch.float32 else embedding.dtype
         library = cpu_kernel.load_library()
         assert library is not None  # unsupported_reason() said the weights are packed for it
         suffix = cpu_kernel.DTYPE_SUFFIXES[self.kv_caches[0].dtype]
-        self._function = getattr(library, f"decode_layers_{suffix}")
+        self._function = getattr(library, f"decode_step_{suffix}")
 
     def _fp32(self, tensor: torch.Tensor | None) -> int | None:
         if tensor is None:
@@ -113,12 +147,14 @@ class CpuDecode:
         return copy.data_ptr()
 
     def _matrix(self, linear: Linear) -> _PackedMatrix:
-        packed = linear.packed
-        assert packed is not None and packed.codes is not None and packed.scales is not None
+        assert linear.packed is not None
+        return self._packed(linear.packed, linear.bias)
+
+    def _packed(self, packed: PackedWeight, bias: torch.Tensor | None) -> _PackedMatrix:
+        assert packed.codes is not None and packed.scales is not None
         return _PackedMatrix(
             packed.codes.data_ptr(), packed.scales.data_ptr(),
-            cpu_kernel.QUANT_TYPE_IDS[packed.quant_type], packed.out_features,
-            self._fp32(linear.bias),
+            cpu_kernel.QUANT_TYPE_IDS[packed.quant_type], packed.out_features, self._fp32(bias),
         )  # fmt: skip
 
     def fits(self, batch: BatchInputs) -> bool:
@@ -133,26 +169,47 @@ class CpuDecode:
             and self.model.model.layers[0].self_attn.kv_cache is self.kv_caches[0]
         )
 
-    @inference_mode
     def run(self, batch: BatchInputs) -> torch.Tensor:
         """The final hidden states `[T, hidden]` in the model's dtype."""
+        final = torch.empty(batch.input_ids.shape[0], self._hidden_size)
+        self._step(batch, final, None, None)
+        return final if self._out_dtype is None else final.to(self._out_dtype)
+
+    def logits_and_argmax(self, batch: BatchInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a step of one token: its logits `[1, vocab]` (fp32) and their first argmax `[1]`
+        from the packed LM head's pass (compute_logits_and_argmax's answer), in the same call
+        as the layers; None where the head is not packed here or the step has more tokens."""
+        if self._vocab_size == 0 or batch.input_ids.shape[0] != 1:
+            return None
+        logits = torch.empty(1, self._vocab_size)
+        token = torch.empty(1, dtype=torch.int64)
+        self._step(batch, torch.empty(1, self._hidden_size), logits, token)
+        return logits, token
+
+    @inference_mode
+    def _step(
+        self,
+        batch: BatchInputs,
+        final: torch.Tensor,
+        logits: torch.Tensor | None,
+        token: torch.Tensor | None,
+    ) -> None:
+        """One C call over the batch's arrays (int64 and contiguous: attention/metadata.py
+        builds them so), into `final` (fp32 [T, hidden]) and, given, the head's outputs."""
         md = batch.attn_metadata
-        decoder = self.model.model
-        hidden = decoder.embed_tokens(batch.input_ids).float().contiguous()
-        cos_sin = decoder.rotary.cos_sin[batch.positions].contiguous()
-        slot_mapping = md.slot_mapping.contiguous()
-        block_table = md.block_table.contiguous()
+        input_ids, block_table = batch.input_ids, md.block_table
         arrays = cpu_backend.decode_token_arrays(md)
         step = _DecodeStep(
-            hidden.shape[0], cos_sin.data_ptr(), slot_mapping.data_ptr(),
-            block_table.data_ptr(), block_table.stride(0), *(a.ctypes.data for a in arrays),
+            input_ids.shape[0], input_ids.data_ptr(), batch.positions.data_ptr(),
+            md.slot_mapping.data_ptr(), block_table.data_ptr(), block_table.stride(0),
+            *(a.ctypes.data for a in arrays),
         )  # fmt: skip
         status = self._function(
-            ctypes.byref(self._model), ctypes.byref(step), hidden.data_ptr(),
-            torch.get_num_threads(),
+            ctypes.byref(self._model), ctypes.byref(step), final.data_ptr(),
+            None if logits is None else logits.data_ptr(),
+            None if token is None else token.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
-        if status != 0:
+        if status == -1:
             raise MemoryError("the fused decode step could not allocate its buffers")
-        normed = cpu_kernel.rms_norm(hidden, self._final_norm, decoder.norm.eps)
-        assert normed is not None  # fp32, contiguous, on the CPU, no autograd
-        return normed.to(decoder.embed_tokens.weight.dtype)
+        if status != 0:
+            raise ValueError("a token id or position of the step is outside the model's tables")

@@ -363,12 +363,17 @@ class ModelRunner:
             if placeholder_token_ids is None:
                 raise ValueError("the batch has placeholder tokens and no ids to fill them in")
             batch.input_ids[batch.placeholder_indices] = placeholder_token_ids
-        hidden = self.hidden_states(batch)
         rows = batch.logits_indices
+        prompt = batch.prompt_logits
+        if argmax and prompt is None and rows.shape[0] == 1 and self._fused_decode(batch):
+            assert self.cpu_decode is not None
+            both = self.cpu_decode.logits_and_argmax(batch)
+            if both is not None:  # the layers and the head's argmax pass in one C call
+                return RunnerOutput(both[0], argmax=both[1])
+        hidden = self.hidden_states(batch)
         # The rows ascend, so as many rows as tokens is every token in order (a decode step):
         # no gather. (shape[0], not len(): a tensor's __len__ is Python, ~3 µs a step here.)
         every_row = rows.shape[0] == hidden.shape[0]
-        prompt = batch.prompt_logits
         if argmax and every_row and prompt is None:
             logits, tokens = self.model.compute_logits_and_argmax(hidden)
             return RunnerOutput(logits, argmax=tokens)
@@ -390,10 +395,15 @@ class ModelRunner:
         fused CPU decode step, or the model layer by layer."""
         if self.decode_graphs is not None and self.decode_graphs.fits(batch):
             return self.decode_graphs.run(batch)
-        if self.cpu_decode is not None and self.cpu_decode.fits(batch):
+        if self._fused_decode(batch):
+            assert self.cpu_decode is not None
             return self.cpu_decode.run(batch)
         with forward_context(batch.attn_metadata):
             return self.model(batch.input_ids, batch.positions)
+
+    def _fused_decode(self, batch: BatchInputs) -> bool:
+        """The step runs in the CPU's fused decode step (CPU only: no decode graphs here)."""
+        return self.cpu_decode is not None and self.cpu_decode.fits(batch)
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host copy of `tensor`, queued on the device's stream (pinned, not waited for: read

@@ -1,14 +1,22 @@
-/* A decode step's decoder layers in one call: no Python, no torch op per layer.
+/* A decode step from its token ids to its final hidden states in one call: no Python, no
+   torch op per layer.
 
    At batch 1 a layer is ~25 small torch ops whose dispatch costs more than their arithmetic;
    here each layer is RMSNorm, the packed QKV matmul, RoPE, the KV store, paged attention,
    the O matmul and residual add, RMSNorm, the packed gate/up matmul, SiLU·mul, the packed
    down matmul and residual add, through the kernels the layer-by-layer path calls (their fp32
-   versions for the norms and RoPE; attention in the cache's element type). The residual
-   stream stays fp32 across layers; the query, keys and values are rounded to the cache's
-   element type, as they are layer by layer. Returns -1 where the scratch buffers cannot be
-   allocated, else 0. Used for steps whose every token is a decode token (a request's one new
-   token, its draft-verification tokens, a short prompt chunk) and whose weights are all packed
+   versions for the norms and RoPE; attention in the cache's element type). The embedding
+   rows, the rotary table's rows and the final RMSNorm are here too: as torch ops around the
+   call they cost ~0.3 ms of a 6 ms batch-1 step on the AVX2 EPYC (the first Python and torch
+   calls after the layers run with every cache emptied by the weights). The residual stream
+   stays fp32 across layers; the query, keys and values are rounded to the cache's element
+   type, as they are layer by layer. With `token`, a step of one token goes on through the
+   packed LM head to its logits and their first argmax (packed_matmul_argmax: a greedy
+   batch-1 step), saving that call's Python too. Returns -1 where the scratch buffers cannot
+   be allocated, -2 for a token id outside the vocabulary or a position outside the rotary
+   table, -3 for an LM head asked of a step it cannot take, else 0.
+   Used for steps whose every token is a decode token (a request's one new token, its
+   draft-verification tokens, a short prompt chunk) and whose weights are all packed
    (worker/cpu_decode.py). */
 
 #include <stdlib.h>
@@ -39,11 +47,18 @@ typedef struct {
     int64_t int8_min_tokens; /* steps of at least this many tokens: int8 activations; 0: never */
     float eps, scale;
     const DecodeLayer *layers;
+    const void *embedding;  /* [vocab_size, hidden], fp32 or bf16 (embedding_bf16) */
+    int64_t embedding_bf16, vocab_size;
+    const float *cos_sin;  /* [max_positions, head_dim]: cos then sin of each position */
+    int64_t max_positions;
+    const float *final_norm;  /* [hidden] fp32 */
+    PackedMatrix head;  /* the LM head without a bias; codes NULL: none packed */
+    int64_t head_int8;  /* its argmax pass quantizes the row to int8 */
 } DecodeModel;
 
 typedef struct {
     int64_t num_tokens;
-    const float *cos_sin;  /* [num_tokens, head_dim]: cos then sin, each token's position */
+    const int64_t *input_ids, *positions;  /* [num_tokens] */
     const int64_t *slot_mapping;  /* [num_tokens] cache slot; < 0: not stored */
     const int64_t *block_table;
     int64_t block_table_stride;
@@ -78,8 +93,31 @@ static void silu_and_mul(const float *gate_up, int64_t num_tokens, int64_t size,
 
 /* SUFFIX: the attention kernels' element type (f32, bf16); heads of 64 and 128 take the
    kernels compiled for them. */
-#define DEFINE_DECODE_LAYERS(NAME, T, LOAD, STORE, SUFFIX)                                         \
-int NAME(const DecodeModel *model, const DecodeStep *step, float *hidden, int num_threads) {       \
+/* The step's embedding rows (fp32) into hidden and its positions' rotary rows into cos_sin;
+   -2 where an id or a position is outside its table. */
+static int gather_inputs(const DecodeModel *model, const DecodeStep *step, float *hidden,
+                         float *cos_sin) {
+    const int64_t width = model->hidden, head_dim = model->head_dim;
+    for (int64_t t = 0; t < step->num_tokens; t++) {
+        const int64_t id = step->input_ids[t], position = step->positions[t];
+        if (id < 0 || id >= model->vocab_size || position < 0 || position >= model->max_positions)
+            return -2;
+        if (model->embedding_bf16) {
+            const uint16_t *row = (const uint16_t *)model->embedding + id * width;
+            for (int64_t i = 0; i < width; i++) hidden[t * width + i] = bf16_load(row[i]);
+        } else {
+            memcpy(hidden + t * width, (const float *)model->embedding + id * width,
+                   sizeof(float) * width);
+        }
+        memcpy(cos_sin + t * head_dim, model->cos_sin + position * head_dim,
+               sizeof(float) * head_dim);
+    }
+    return 0;
+}
+
+#define DEFINE_DECODE_STEP(NAME, T, LOAD, STORE, SUFFIX)                                           \
+int NAME(const DecodeModel *model, const DecodeStep *step, float *final, float *logits,           \
+         int64_t *token, int num_threads) {                                                        \
     __typeof__(paged_decode_attention_##SUFFIX) *attention =                                       \
         model->head_dim == 64    ? paged_decode_attention_##SUFFIX##_64                            \
         : model->head_dim == 128 ? paged_decode_attention_##SUFFIX##_128                           \
@@ -88,10 +126,12 @@ int NAME(const DecodeModel *model, const DecodeStep *step, float *hidden, int nu
     const int64_t q_size = model->num_heads * model->head_dim;                                     \
     const int64_t kv_size = model->num_kv_heads * model->head_dim;                                 \
     const int64_t qkv_size = q_size + 2 * kv_size, inter = model->intermediate;                    \
-    float *normed = malloc(sizeof(float) * tokens * (2 * width + qkv_size + q_size + 3 * inter));  \
+    float *normed = malloc(sizeof(float) * tokens *                                                \
+                           (3 * width + qkv_size + q_size + 3 * inter + model->head_dim));         \
     float *delta = normed + tokens * width, *qkv = delta + tokens * width;                         \
     float *attended = qkv + tokens * qkv_size;                                                     \
     float *gate_up = attended + tokens * q_size, *act = gate_up + tokens * 2 * inter;              \
+    float *hidden = act + tokens * inter, *cos_sin = hidden + tokens * width;                      \
     T *query = malloc(sizeof(T) * tokens * 2 * q_size);                                            \
     const int int8 = model->int8_min_tokens > 0 && tokens >= model->int8_min_tokens;               \
     const int64_t widest = width > q_size ? (width > inter ? width : inter)                        \
@@ -104,6 +144,14 @@ int NAME(const DecodeModel *model, const DecodeStep *step, float *hidden, int nu
         return -1;                                                                                 \
     }                                                                                              \
     T *out = query + tokens * q_size;                                                              \
+    const int refused = token != NULL && (tokens != 1 || model->head.codes == NULL) ? -3           \
+                        : gather_inputs(model, step, hidden, cos_sin);                             \
+    if (refused != 0) {                                                                            \
+        free(scratch);                                                                             \
+        free(query);                                                                               \
+        free(normed);                                                                              \
+        return refused;                                                                            \
+    }                                                                                              \
     for (int64_t l = 0; l < model->num_layers; l++) {                                              \
         const DecodeLayer *layer = model->layers + l;                                              \
         T *key_cache = layer->kv_cache;                                                            \
@@ -111,7 +159,7 @@ int NAME(const DecodeModel *model, const DecodeStep *step, float *hidden, int nu
         rms_norm_f32(hidden, layer->input_norm, normed, tokens, width, model->eps, num_threads);   \
         matmul(&layer->qkv, width, normed, tokens, qkv, scratch, num_threads);                     \
         rotary_f32(qkv, qkv_size, model->num_heads + model->num_kv_heads, model->head_dim,         \
-                   step->cos_sin, model->head_dim, tokens, num_threads);                           \
+                   cos_sin, model->head_dim, tokens, num_threads);                                 \
         for (int64_t t = 0; t < tokens; t++) {                                                     \
             const float *row = qkv + t * qkv_size;                                                 \
             for (int64_t i = 0; i < q_size; i++) query[t * q_size + i] = STORE(row[i]);            \
@@ -137,11 +185,16 @@ int NAME(const DecodeModel *model, const DecodeStep *step, float *hidden, int nu
         matmul(&layer->down, inter, act, tokens, delta, scratch, num_threads);                     \
         for (int64_t i = 0; i < tokens * width; i++) hidden[i] += delta[i];                        \
     }                                                                                              \
+    rms_norm_f32(hidden, model->final_norm, final, tokens, width, model->eps, num_threads);        \
+    if (token != NULL)                                                                             \
+        (model->head_int8 ? packed_matmul_int8_argmax : packed_matmul_argmax)(                     \
+            model->head.codes, model->head.scales, model->head.quant_type,                         \
+            model->head.out_features, width, final, logits, token, num_threads);                   \
     free(scratch);                                                                                 \
     free(query);                                                                                   \
     free(normed);                                                                                  \
     return 0;                                                                                      \
 }
 
-DEFINE_DECODE_LAYERS(decode_layers_f32, float, f32_load, f32_store, f32)
-DEFINE_DECODE_LAYERS(decode_layers_bf16, uint16_t, bf16_load, bf16_store, bf16)
+DEFINE_DECODE_STEP(decode_step_f32, float, f32_load, f32_store, f32)
+DEFINE_DECODE_STEP(decode_step_bf16, uint16_t, bf16_load, bf16_store, bf16)

@@ -27,6 +27,12 @@ void rotary_f32(float *x, int64_t token_stride, int64_t num_heads, int64_t head_
 void packed_matmul(const uint8_t *codes, const uint16_t *scales, int64_t quant_type,
                    int64_t n_out, int64_t k, const float *x, int64_t num_tokens, float *out,
                    int num_threads);
+void packed_matmul_argmax(const uint8_t *codes, const uint16_t *scales, int64_t quant_type,
+                          int64_t n_out, int64_t k, const float *x, float *out, int64_t *token,
+                          int num_threads);
+void packed_matmul_int8_argmax(const uint8_t *codes, const uint16_t *scales, int64_t quant_type,
+                               int64_t n_out, int64_t k, const float *x, float *out,
+                               int64_t *token, int num_threads);
 /* out [n_out] computed a group of group_rows at a time over the threads (compute(context, n)
    writes group n), and the first index of its largest value (NaN skipped; 0 where every value
    is NaN), as argmax_rows finds it: each thread scans the columns it has just written, while
