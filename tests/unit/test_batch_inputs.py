@@ -60,6 +60,29 @@ def test_decode_paths_equal_the_general_one(batch) -> None:
                 assert got.dtype == expected.dtype, (path.__name__, field.name)
 
 
+@pytest.mark.parametrize("table_ids", [0, 8, 1024])
+def test_a_few_decodes_tables_built_inline_or_gathered_are_the_same(monkeypatch, table_ids):
+    """Up to FEW_TABLE_IDS ids the few-request path builds its block table in its one array;
+    past them it gathers it from the runner's BlockTables: either way the general path's."""
+    import tandem.attention.metadata as metadata
+
+    monkeypatch.setattr(metadata, "FEW_TABLE_IDS", table_ids)
+    requests = [
+        Slice(list(range(40)), 35, 1, [9, 4, 7, 2, 6, 11, 12, 13, 14]),
+        Slice(list(range(5)), 2, 1, [3]),
+        Slice(list(range(20)), 16, 1, [1, 8, 5, 10, 15]),
+    ]
+    tables = BlockTables()
+    for mask in (None, [True, False, True]):
+        general = _mixed_arrays(requests, BLOCK_SIZE, mask, None, None, BlockTables())
+        few = _few_decode_arrays(requests, BLOCK_SIZE, mask, tables)
+        for field in dataclasses.fields(few):
+            expected, got = getattr(general, field.name), getattr(few, field.name)
+            if expected is not None:
+                np.testing.assert_array_equal(got, expected, err_msg=field.name)
+                assert got.dtype == expected.dtype, field.name
+
+
 def test_decode_paths_refuse_what_the_general_one_refuses() -> None:
     missing_token = [Slice([1, 2], 2, 1, [0])]
     short_table = [Slice(list(range(6)), 4, 1, [0])]  # position 4 needs a second block

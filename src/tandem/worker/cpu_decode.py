@@ -96,6 +96,7 @@ class CpuDecode:
         self.max_tokens = max_tokens
         attention = model.attention_layers()
         self.kv_caches = [layer.kv_cache for layer in attention]
+        self._first_attention = attention[0]  # fits() checks its cache is still bound
         self._kept: list[torch.Tensor] = []
         layers = (_DecodeLayer * len(model.model.layers))()
         for index, layer in enumerate(model.model.layers):
@@ -132,6 +133,7 @@ class CpuDecode:
             head_int8,
         )  # fmt: skip
         self._hidden_size = config.hidden_size
+        self._one_row = torch.empty(1, config.hidden_size)  # logits_and_argmax's final hidden
         # The model's dtype, for the final hidden states (None: fp32, as the C step writes).
         self._out_dtype = None if embedding.dtype == torch.float32 else embedding.dtype
         library = cpu_kernel.load_library()
@@ -166,7 +168,7 @@ class CpuDecode:
             num_tokens <= self.max_tokens
             and len(md.prefill_indices_cpu) == 0
             and len(md.decode_token_indices_cpu) == num_tokens
-            and self.model.model.layers[0].self_attn.kv_cache is self.kv_caches[0]
+            and self._first_attention.kv_cache is self.kv_caches[0]
         )
 
     def run(self, batch: BatchInputs) -> torch.Tensor:
@@ -183,7 +185,7 @@ class CpuDecode:
             return None
         logits = torch.empty(1, self._vocab_size)
         token = torch.empty(1, dtype=torch.int64)
-        self._step(batch, torch.empty(1, self._hidden_size), logits, token)
+        self._step(batch, self._one_row, logits, token)
         return logits, token
 
     @inference_mode
