@@ -118,10 +118,14 @@ class CpuDecode:
         # The LM head, where its packed weights take one-row steps (compute_logits_and_argmax's
         # condition): a greedy batch-1 step may end in its argmax pass.
         head = model.lm_head_packed
-        self._vocab_size = 0  # 0: no head here
+        # Its logits and token (logits_and_argmax's buffers); None: no head here.
+        self._head_outputs: tuple[torch.Tensor, torch.Tensor] | None = None
         head_matrix, head_int8 = _PackedMatrix(), 0
         if head is not None and head.codes is not None and head.max_tokens >= 1:
-            self._vocab_size = head.out_features
+            self._head_outputs = (
+                torch.empty(1, head.out_features),
+                torch.empty(1, dtype=torch.int64),
+            )
             head_matrix = self._packed(head, None)
             head_int8 = int(0 < head.int8_min_tokens <= 1)
         self._model = _DecodeModel(
@@ -180,11 +184,12 @@ class CpuDecode:
     def logits_and_argmax(self, batch: BatchInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For a step of one token: its logits `[1, vocab]` (fp32) and their first argmax `[1]`
         from the packed LM head's pass (compute_logits_and_argmax's answer), in the same call
-        as the layers; None where the head is not packed here or the step has more tokens."""
-        if self._vocab_size == 0 or batch.input_ids.shape[0] != 1:
+        as the layers; None where the head is not packed here or the step has more tokens.
+        Both are buffers the next such step overwrites, as a CUDA graph's outputs are (a new
+        196 KB logits tensor a step cost its allocation's page faults)."""
+        if self._head_outputs is None or batch.input_ids.shape[0] != 1:
             return None
-        logits = torch.empty(1, self._vocab_size)
-        token = torch.empty(1, dtype=torch.int64)
+        logits, token = self._head_outputs
         self._step(batch, self._one_row, logits, token)
         return logits, token
 

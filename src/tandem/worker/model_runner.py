@@ -358,7 +358,8 @@ class ModelRunner:
         """The device half of a step. `placeholder_token_ids`: the ids of the batch's
         placeholder tokens, sampled by the step before, already on the device. `argmax`: the
         caller takes each row's argmax, so the LM head may find it as it writes the logits
-        (RunnerOutput.argmax; a batch-1 step on packed weights)."""
+        (RunnerOutput.argmax; a batch-1 step on packed weights; in the CPU's fused decode step
+        its logits and argmax are buffers the next such step overwrites)."""
         if batch.placeholder_indices is not None:
             if placeholder_token_ids is None:
                 raise ValueError("the batch has placeholder tokens and no ids to fill them in")
