@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 # Other work beyond the CPUs the measurement leaves spare, in cores, that marks it as
 # contended: an idle machine showed 0.01 over a 10 s probe, one competing busy loop 0.75.
@@ -44,10 +45,23 @@ def other_cores(start: CpuClock, end: CpuClock) -> float | None:
 
 def contended(start: CpuClock, end: CpuClock, cores: int) -> float | None:
     """Other work's CPU count over the interval when it took CPUs that a measurement running
-    `cores` threads needed; None when it did not (or the system does not say)."""
+    `cores` threads needed; None when it did not (or the system does not say). Spare CPUs are
+    counted by physical core: a hyperthread beside a busy thread shares its core."""
     others = other_cores(start, end)
-    spare = max(0, len(_allowed_cpus()) - cores)
+    spare = max(0, physical_cores(_allowed_cpus()) - cores)
     return others if others is not None and others > spare + CONTENDED_CORES else None
+
+
+def physical_cores(cpus: set[int], sysfs: Path = Path("/sys/devices/system/cpu")) -> int:
+    """How many cores the logical CPUs `cpus` are on (their thread-sibling sets in sysfs); one
+    per CPU where the system does not say."""
+    siblings = set()
+    for cpu in cpus:
+        try:
+            siblings.add((sysfs / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text())
+        except OSError:
+            siblings.add(str(cpu))
+    return len(siblings)
 
 
 def _allowed_cpus() -> set[int]:

@@ -83,6 +83,16 @@ def test_a_few_decodes_tables_built_inline_or_gathered_are_the_same(monkeypatch,
                 assert got.dtype == expected.dtype, field.name
 
 
+def test_a_step_of_no_requests_is_an_empty_batch() -> None:
+    general = _mixed_arrays([], BLOCK_SIZE, None, None, None, BlockTables())
+    for path in (_decode_arrays, _few_decode_arrays):
+        empty = path([], BLOCK_SIZE, None, BlockTables())
+        for field in dataclasses.fields(empty):
+            expected, got = getattr(general, field.name), getattr(empty, field.name)
+            if expected is not None:
+                assert got.shape == expected.shape, (path.__name__, field.name)
+
+
 def test_decode_paths_refuse_what_the_general_one_refuses() -> None:
     missing_token = [Slice([1, 2], 2, 1, [0])]
     short_table = [Slice(list(range(6)), 4, 1, [0])]  # position 4 needs a second block

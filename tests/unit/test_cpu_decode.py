@@ -191,13 +191,15 @@ def test_not_built_without_packed_weights_or_the_cpu_attention_backend(tmp_path,
 
 
 @pytest.mark.parametrize("int8_min_tokens", [0, 1], ids=["fp32-activations", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_lone_greedy_row_takes_its_argmax_from_the_lm_head(
-    tmp_path, monkeypatch, int8_min_tokens
+    tmp_path, monkeypatch, int8_min_tokens, dtype
 ):
     """forward(argmax=True) on a batch-1 decode: the packed LM head's argmax pass, in the same C
-    call as the layers, gives the same logits as the head after the layers and argmax_rows'
-    token; with two rows the sampler's own pass stays."""
-    runner = packed_runner(tmp_path, "float32", packed_int8_min_tokens=int8_min_tokens)
+    call as the layers, gives the same logits as the head after the layers (in a bf16 model,
+    over the final row rounded to bf16 as the layers hand it over) and argmax_rows' token;
+    with two rows the sampler's own pass stays."""
+    runner = packed_runner(tmp_path, dtype, packed_int8_min_tokens=int8_min_tokens)
     assert runner.model.lm_head_packed is not None
     requests = prefilled(runner, [5, 40], seed=2)
     step = [Slice(r.token_ids, r.num_new_tokens, 1, r.block_ids) for r in requests]

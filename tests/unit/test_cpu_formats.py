@@ -24,7 +24,7 @@ from tandem.engine.cpu_formats import (
     DECODE_PROBE_TOKENS,
     LARGE_PROBE_TOKENS,
     CpuFormats,
-    _decode_probe_weights,
+    _decode_probe_layers,
     cpu_formats,
     dense_kernel_max_tokens,
     last_level_cache_bytes,
@@ -101,21 +101,30 @@ def test_a_corrupt_cache_is_probed_again(fresh_cache):
 
 
 def test_decode_sizes_stream_a_layer_set_past_the_last_level_cache(tmp_path, monkeypatch):
-    """sysfs says each cache's level and size; the probe's decode-sized matmuls read a set of
-    layers twice the largest (at least DECODE_PROBE_MIN_BYTES), so they stream from memory."""
-    for index, level, size in (("index0", 1, "32K"), ("index2", 2, "512K"), ("index3", 3, "96M")):
-        (tmp_path / index).mkdir()
-        (tmp_path / index / "level").write_text(f"{level}\n")
-        (tmp_path / index / "size").write_text(f"{size}\n")
-    (tmp_path / "index4").mkdir()  # unreadable: skipped
-    assert last_level_cache_bytes(tmp_path) == 96 << 20
-    assert last_level_cache_bytes(tmp_path / "missing") is None
+    """sysfs says each cache's level, size and the CPUs sharing it; the probe's decode-sized
+    matmuls read a set of layers twice what this process's CPUs can cache (at least
+    DECODE_PROBE_MIN_BYTES), so they stream from memory."""
+    # Four CPUs, two L3 caches of 32 MiB (two CCDs), each CPU its own L1 and L2.
+    for cpu in range(4):
+        caches = [("index0", 1, "32K", f"{cpu}"), ("index2", 2, "512K", f"{cpu}"),
+                  ("index3", 3, "32768K", "0-1" if cpu < 2 else "2-3")]  # fmt: skip
+        for index, level, size, shared in caches:
+            folder = tmp_path / f"cpu{cpu}" / "cache" / index
+            folder.mkdir(parents=True)
+            (folder / "level").write_text(f"{level}\n")
+            (folder / "size").write_text(f"{size}\n")
+            (folder / "shared_cpu_list").write_text(f"{shared}\n")
+        (tmp_path / f"cpu{cpu}" / "cache" / "index4").mkdir()  # unreadable: skipped
+    assert last_level_cache_bytes(tmp_path, [0, 1, 2, 3]) == 64 << 20
+    assert last_level_cache_bytes(tmp_path, [0, 1]) == 32 << 20  # one CCD's CPUs
+    assert last_level_cache_bytes(tmp_path, [2]) == 32 << 20
+    assert last_level_cache_bytes(tmp_path / "missing", [0]) is None
     shape = model_config_from_hf({**TINY_HF, "num_hidden_layers": 1000})
+    layer_bytes = 4 * sum(rows * cols for rows, cols in formats_module._layer_shapes(shape))
 
     def probe_bytes() -> int:
-        return sum(4 * weight.numel() for weight in _decode_probe_weights(shape))
+        return _decode_probe_layers(shape) * layer_bytes
 
-    layer_bytes = 4 * sum(rows * cols for rows, cols in formats_module._layer_shapes(shape))
     for cache_bytes, expected in (
         (96 << 20, 192 << 20),
         (8 << 20, DECODE_PROBE_MIN_BYTES),

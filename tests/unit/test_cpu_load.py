@@ -32,8 +32,21 @@ def test_other_work_is_the_busy_time_this_process_did_not_use():
     assert other_cores(start, clock(10.0, 5.0, 100.0)) is None
 
 
+def test_spare_cpus_are_counted_by_core(tmp_path):
+    """Four logical CPUs on two cores (two hyperthreads each), and one whose topology the
+    system does not give (its own core)."""
+    for cpu, siblings in ((0, "0,2"), (1, "1,3"), (2, "0,2"), (3, "1,3")):
+        folder = tmp_path / f"cpu{cpu}" / "topology"
+        folder.mkdir(parents=True)
+        (folder / "thread_siblings_list").write_text(f"{siblings}\n")
+    assert cpu_load.physical_cores({0, 1, 2, 3}, tmp_path) == 2
+    assert cpu_load.physical_cores({0, 2}, tmp_path) == 1
+    assert cpu_load.physical_cores({0, 1, 2, 3, 4}, tmp_path) == 3
+
+
 def test_contention_means_taking_cpus_the_measurement_needed(monkeypatch):
     monkeypatch.setattr(cpu_load, "_allowed_cpus", lambda: {0, 1, 2, 3})
+    monkeypatch.setattr(cpu_load, "physical_cores", len)  # no hyperthreads
     start = clock(0.0, 0.0, 0.0)
     one_core_of_others = clock(1.0, 2.0, 3.0)
     # Two threads on four CPUs leave two spare: a neighbour on one of them is no contention.
@@ -47,6 +60,7 @@ def test_contention_means_taking_cpus_the_measurement_needed(monkeypatch):
 
 def test_a_contended_measurement_is_used_but_not_cached(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("tandem.cache._this_process_only", {})
     busy = [2.5]
     monkeypatch.setattr("tandem.cache.contended", lambda *args: busy[0])
     calls = []

@@ -218,7 +218,7 @@ def _few_decode_arrays(
         slots.append(block_ids[block] * block_size + position % block_size)
         seq_lens.append(position + 1)
         block_lists.append(block_ids)
-    width = max(map(len, block_lists))  # each holds at least its position's block
+    width = max(map(len, block_lists), default=1)  # each holds its position's block
     if num_reqs * width <= FEW_TABLE_IDS:
         # One array for the columns and the zero-padded table: after a forward every numpy
         # call runs with cold caches (the table's gather alone took ~40 us for one request).

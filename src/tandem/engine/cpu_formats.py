@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -172,12 +172,16 @@ def _layer_shapes(config: ModelConfig) -> list[tuple[int, int]]:
 
 def _decode_probe_weights(config: ModelConfig) -> list[torch.Tensor]:
     """fp32 matrices of the model's layer shapes, for enough layers that decode-sized matmuls
-    stream them from memory (_decode_probe_bytes)."""
-    shapes = _layer_shapes(config)
-    layer_bytes = 4 * sum(rows * cols for rows, cols in shapes)
+    stream them from memory."""
+    return [torch.zeros(shape) for _ in range(_decode_probe_layers(config))
+            for shape in _layer_shapes(config)]  # fmt: skip
+
+
+def _decode_probe_layers(config: ModelConfig) -> int:
+    """How many layers' matrices make _decode_probe_bytes in fp32 (all the model's, at most)."""
+    layer_bytes = 4 * sum(rows * cols for rows, cols in _layer_shapes(config))
     probe_bytes = _decode_probe_bytes()
-    num_layers = max(1, min(config.num_hidden_layers, -(-probe_bytes // layer_bytes)))
-    return [torch.zeros(shape) for _ in range(num_layers) for shape in shapes]
+    return max(1, min(config.num_hidden_layers, -(-probe_bytes // layer_bytes)))
 
 
 def _decode_probe_bytes() -> int:
@@ -187,21 +191,27 @@ def _decode_probe_bytes() -> int:
     return max(DECODE_PROBE_MIN_BYTES, 2 * cache_bytes)
 
 
-def last_level_cache_bytes(sysfs: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
-    """The size of the CPU's last-level cache (Linux sysfs: the highest level cpu0 sees);
-    None where the system does not say."""
-    levels = {}
-    for index in sysfs.glob("index*"):
-        try:
-            level = int((index / "level").read_text())
-            size = (index / "size").read_text().strip()
-        except (OSError, ValueError):
-            continue
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:].upper(), 1)
-        digits = size.rstrip("KMGkmg")
-        if digits.isdigit():
-            levels[level] = int(digits) * scale
-    return levels[max(levels)] if levels else None
+def last_level_cache_bytes(
+    sysfs: Path = Path("/sys/devices/system/cpu"), cpus: Iterable[int] | None = None
+) -> int | None:
+    """The last-level cache this process's CPUs (`cpus`: default, its affinity) can fill: the
+    highest level Linux's sysfs lists, times the distinct caches of that level they sit on (a
+    multi-CCD EPYC or a multi-socket Xeon has several); None where the system does not say."""
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    caches: dict[int, dict[str, int]] = {}  # level -> the CPUs sharing a cache -> its bytes
+    for cpu in cpus:
+        for index in (sysfs / f"cpu{cpu}" / "cache").glob("index*"):
+            try:
+                level = int((index / "level").read_text())
+                size = (index / "size").read_text().strip()
+                shared = (index / "shared_cpu_list").read_text().strip()
+            except (OSError, ValueError):
+                continue
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:].upper(), 1)
+            digits = size.rstrip("KMGkmg")
+            if digits.isdigit():
+                caches.setdefault(level, {})[shared] = int(digits) * scale
+    return sum(caches[max(caches)].values()) if caches else None
 
 
 def probe_cpu_formats(config: ModelConfig, packable: bool) -> CpuFormats:

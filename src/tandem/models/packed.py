@@ -238,6 +238,11 @@ class PackedWeight:
                 f"a packed matmul of {self.in_features} inputs got rows of {x.shape[-1]}"
             )
 
+    @property
+    def one_row_int8(self) -> bool:
+        """A one-row step multiplies int8 activations."""
+        return 0 < self.int8_min_tokens <= 1
+
     def matmul_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For one fp32 row without a bias: `matmul`'s product and its first argmax, from one
         pass of the C kernel; None where that kernel would not multiply it."""
@@ -246,7 +251,7 @@ class PackedWeight:
         self._check_width(x)
         return cpu_kernel.packed_matmul_argmax(
             self.codes, self.scales, self.quant_type, self.out_features, x,
-            int8_activations=0 < self.int8_min_tokens <= 1,
+            int8_activations=self.one_row_int8,
         )  # fmt: skip
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

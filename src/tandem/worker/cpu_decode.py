@@ -46,7 +46,8 @@ class _DecodeModel(ctypes.Structure):
                 ("scale", ctypes.c_float), ("layers", ctypes.POINTER(_DecodeLayer)),
                 ("embedding", _ptr), ("embedding_bf16", _i64), ("vocab_size", _i64),
                 ("cos_sin", _ptr), ("max_positions", _i64), ("final_norm", _ptr),
-                ("head", _PackedMatrix), ("head_int8", _i64)]  # fmt: skip
+                ("head", _PackedMatrix), ("head_int8", _i64),
+                ("head_reads_bf16", _i64)]  # fmt: skip
 
 
 class _DecodeStep(ctypes.Structure):
@@ -127,14 +128,14 @@ class CpuDecode:
                 torch.empty(1, dtype=torch.int64),
             )
             head_matrix = self._packed(head, None)
-            head_int8 = int(0 < head.int8_min_tokens <= 1)
+            head_int8 = int(head.one_row_int8)
         self._model = _DecodeModel(
             config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
             config.num_key_value_heads, config.head_dim, config.intermediate_size, num_blocks,
             block_size, int8_min_tokens, config.rms_norm_eps, attention[0].scale, layers,
             embedding.data_ptr(), _EMBEDDING_BF16[embedding.dtype], embedding.shape[0],
             cos_sin.data_ptr(), cos_sin.shape[0], self._fp32(decoder.norm.weight), head_matrix,
-            head_int8,
+            head_int8, int(embedding.dtype == torch.bfloat16),
         )  # fmt: skip
         self._hidden_size = config.hidden_size
         self._one_row = torch.empty(1, config.hidden_size)  # logits_and_argmax's final hidden
@@ -218,5 +219,6 @@ class CpuDecode:
         )  # fmt: skip
         if status == -1:
             raise MemoryError("the fused decode step could not allocate its buffers")
-        if status != 0:
+        if status == -2:
             raise ValueError("a token id or position of the step is outside the model's tables")
+        assert status == 0, "the LM head asked of a step it cannot take"

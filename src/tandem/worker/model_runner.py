@@ -394,17 +394,21 @@ class ModelRunner:
     def hidden_states(self, batch: BatchInputs) -> torch.Tensor:
         """The final hidden state of every token of the batch: a captured CUDA graph, the
         fused CPU decode step, or the model layer by layer."""
-        if self.decode_graphs is not None and self.decode_graphs.fits(batch):
-            return self.decode_graphs.run(batch)
         if self._fused_decode(batch):
             assert self.cpu_decode is not None
             return self.cpu_decode.run(batch)
+        if self.decode_graphs is not None and self.decode_graphs.fits(batch):
+            return self.decode_graphs.run(batch)
         with forward_context(batch.attn_metadata):
             return self.model(batch.input_ids, batch.positions)
 
     def _fused_decode(self, batch: BatchInputs) -> bool:
-        """The step runs in the CPU's fused decode step (CPU only: no decode graphs here)."""
-        return self.cpu_decode is not None and self.cpu_decode.fits(batch)
+        """The step runs in the CPU's fused decode step: no decode graph takes it first."""
+        return (
+            self.cpu_decode is not None
+            and self.cpu_decode.fits(batch)
+            and (self.decode_graphs is None or not self.decode_graphs.fits(batch))
+        )
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host copy of `tensor`, queued on the device's stream (pinned, not waited for: read

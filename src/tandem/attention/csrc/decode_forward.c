@@ -12,7 +12,8 @@
    stays fp32 across layers; the query, keys and values are rounded to the cache's element
    type, as they are layer by layer. With `token`, a step of one token goes on through the
    packed LM head to its logits and their first argmax (packed_matmul_argmax: a greedy
-   batch-1 step), saving that call's Python too. Returns -1 where the scratch buffers cannot
+   batch-1 step), saving that call's Python too; a bf16 model's head reads the final row
+   rounded to bf16, as it does after the layer-by-layer path. Returns -1 where the scratch buffers cannot
    be allocated, -2 for a token id outside the vocabulary or a position outside the rotary
    table, -3 for an LM head asked of a step it cannot take, else 0.
    Used for steps whose every token is a decode token (a request's one new token, its
@@ -54,6 +55,7 @@ typedef struct {
     const float *final_norm;  /* [hidden] fp32 */
     PackedMatrix head;  /* the LM head without a bias; codes NULL: none packed */
     int64_t head_int8;  /* its argmax pass quantizes the row to int8 */
+    int64_t head_reads_bf16;  /* it reads the final row rounded to bf16 (a bf16 model's) */
 } DecodeModel;
 
 typedef struct {
@@ -144,7 +146,8 @@ int NAME(const DecodeModel *model, const DecodeStep *step, float *final, float *
         return -1;                                                                                 \
     }                                                                                              \
     T *out = query + tokens * q_size;                                                              \
-    const int refused = token != NULL && (tokens != 1 || model->head.codes == NULL) ? -3           \
+    const int refused =                                                                            \
+        token != NULL && (tokens != 1 || logits == NULL || model->head.codes == NULL) ? -3         \
                         : gather_inputs(model, step, hidden, cos_sin);                             \
     if (refused != 0) {                                                                            \
         free(scratch);                                                                             \
@@ -186,6 +189,8 @@ int NAME(const DecodeModel *model, const DecodeStep *step, float *final, float *
         for (int64_t i = 0; i < tokens * width; i++) hidden[i] += delta[i];                        \
     }                                                                                              \
     rms_norm_f32(hidden, model->final_norm, final, tokens, width, model->eps, num_threads);        \
+    if (token != NULL && model->head_reads_bf16) /* as the layer-by-layer head reads it */        \
+        for (int64_t i = 0; i < width; i++) final[i] = bf16_load(bf16_store(final[i]));            \
     if (token != NULL)                                                                             \
         (model->head_int8 ? packed_matmul_int8_argmax : packed_matmul_argmax)(                     \
             model->head.codes, model->head.scales, model->head.quant_type,                         \
