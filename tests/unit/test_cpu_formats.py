@@ -22,6 +22,7 @@ from tandem.engine.cpu_formats import (
     DECODE_PROBE_BYTES_UNKNOWN,
     DECODE_PROBE_MIN_BYTES,
     DECODE_PROBE_TOKENS,
+    LARGE_PROBE_ROUNDS,
     LARGE_PROBE_TOKENS,
     CpuFormats,
     _decode_probe_layers,
@@ -79,7 +80,10 @@ def test_probe_measures_both_phases_and_is_cached(fresh_cache, monkeypatch):
     assert bool(chosen.large_ms) == (chosen.packed_max_tokens >= DECODE_PROBE_TOKENS[-1])
     used = "packed int8" if chosen.int8_min_tokens else "packed"
     for rows, dense_ms in chosen.large_ms.get(chosen.dtype, {}).items():
-        assert (chosen.large_ms[used][rows] < dense_ms) == (rows <= chosen.packed_max_tokens)
+        if rows <= chosen.packed_max_tokens:  # the packed form won up to its cut
+            assert chosen.large_ms[used][rows] < dense_ms
+        elif rows == min(r for r in LARGE_PROBE_TOKENS if r > chosen.packed_max_tokens):
+            assert chosen.large_ms[used][rows] >= dense_ms  # and lost at the next size
     assert (cache_root() / "cpu-formats.json").exists()
 
     def no_second_probe(*args):
@@ -165,12 +169,31 @@ def test_packed_weights_take_prefill_sized_steps_where_they_measure_faster(
     if packed_wins_up_to < DECODE_PROBE_TOKENS[-1]:
         assert not large_sizes and not chosen.large_ms
         return
-    assert large_sizes == [r for r in LARGE_PROBE_TOKENS if r <= 2 * expected_max_tokens]
+    assert large_sizes == list(LARGE_PROBE_TOKENS) * LARGE_PROBE_ROUNDS
     assert all(matrices == {4} for rows, matrices in timed if rows in large_sizes)
     int8 = int8_offered and cpu_kernel.int8_matmul_vectorized()
     used = "packed int8" if int8 else "packed"
     assert chosen.int8_min_tokens == (1 if int8 else 0)
     assert set(chosen.large_ms) == {"float32", used}
+
+
+def test_a_slow_moment_does_not_decide_a_prefill_size(fresh_cache, monkeypatch):
+    """The packed weights measure slow at 1,024 rows in the first round over the prefill sizes
+    only (a slow spell of the machine): the second round's time counts, and they keep every
+    size."""
+    calls_at: dict[int, int] = {}
+
+    def fake_timings(candidates, rows):
+        calls_at[rows] = calls_at.get(rows, 0) + 1
+        slow_spell = rows == 1024 and calls_at[rows] == 1
+        packed = (3.0 if slow_spell else 0.5) * rows
+        return {name: 1.0 * rows if name == "float32" else 2.0 * rows if name == "bfloat16"
+                else packed for name in candidates}  # fmt: skip
+
+    monkeypatch.setattr(formats_module, "_interleaved_ms", fake_timings)
+    chosen = cpu_formats(TINY, packable=True)
+    assert chosen.packed_max_tokens == LARGE_PROBE_TOKENS[-1]
+    assert calls_at[1024] == LARGE_PROBE_ROUNDS
 
 
 def fake_choice(monkeypatch, dtype: str, packed_max_tokens: int, int8_min_tokens: int = 0) -> None:
