@@ -48,7 +48,7 @@ def contended(start: CpuClock, end: CpuClock, cores: int) -> float | None:
     `cores` threads needed; None when it did not (or the system does not say). Spare CPUs are
     counted by physical core: a hyperthread beside a busy thread shares its core."""
     others = other_cores(start, end)
-    spare = max(0, physical_cores(_allowed_cpus()) - cores)
+    spare = max(0, physical_cores(allowed_cpus()) - cores)
     return others if others is not None and others > spare + CONTENDED_CORES else None
 
 
@@ -64,7 +64,8 @@ def physical_cores(cpus: set[int], sysfs: Path = Path("/sys/devices/system/cpu")
     return len(siblings)
 
 
-def _allowed_cpus() -> set[int]:
+def allowed_cpus() -> set[int]:
+    """The logical CPUs this process may run on."""
     if hasattr(os, "sched_getaffinity"):
         return os.sched_getaffinity(0)
     return set(range(os.cpu_count() or 1))
@@ -73,7 +74,7 @@ def _allowed_cpus() -> set[int]:
 def _busy_seconds() -> float | None:
     """Busy time (user, nice, system, irq, softirq, steal) of the CPUs this process may run on,
     from /proc/stat; None off Linux."""
-    allowed = _allowed_cpus()
+    allowed = allowed_cpus()
     ticks = 0
     try:
         with open("/proc/stat") as stat:

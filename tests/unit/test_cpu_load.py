@@ -45,7 +45,7 @@ def test_spare_cpus_are_counted_by_core(tmp_path):
 
 
 def test_contention_means_taking_cpus_the_measurement_needed(monkeypatch):
-    monkeypatch.setattr(cpu_load, "_allowed_cpus", lambda: {0, 1, 2, 3})
+    monkeypatch.setattr(cpu_load, "allowed_cpus", lambda: {0, 1, 2, 3})
     monkeypatch.setattr(cpu_load, "physical_cores", len)  # no hyperthreads
     start = clock(0.0, 0.0, 0.0)
     one_core_of_others = clock(1.0, 2.0, 3.0)

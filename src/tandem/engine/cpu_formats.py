@@ -32,6 +32,7 @@ import torch
 from tandem.attention import cpu_kernel
 from tandem.cache import cached_measurement
 from tandem.config import ModelConfig
+from tandem.cpu_load import allowed_cpus
 from tandem.engine.machine_peaks import cpu_name
 from tandem.models.packed import PackedWeight, QuantBlocks
 
@@ -201,7 +202,7 @@ def last_level_cache_bytes(
     """The last-level cache this process's CPUs (`cpus`: default, its affinity) can fill: the
     highest level Linux's sysfs lists, times the distinct caches of that level they sit on (a
     multi-CCD EPYC or a multi-socket Xeon has several); None where the system does not say."""
-    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    cpus = sorted(allowed_cpus() if cpus is None else cpus)
     caches: dict[int, dict[str, int]] = {}  # level -> the CPUs sharing a cache -> its bytes
     for cpu in cpus:
         for index in (sysfs / f"cpu{cpu}" / "cache").glob("index*"):

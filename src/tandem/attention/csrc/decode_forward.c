@@ -13,12 +13,11 @@
    type, as they are layer by layer. With `token`, a step of one token goes on through the
    packed LM head to its logits and their first argmax (packed_matmul_argmax: a greedy
    batch-1 step), saving that call's Python too; a bf16 model's head reads the final row
-   rounded to bf16, as it does after the layer-by-layer path. Returns -1 where the scratch buffers cannot
-   be allocated, -2 for a token id outside the vocabulary or a position outside the rotary
-   table, -3 for an LM head asked of a step it cannot take, else 0.
-   Used for steps whose every token is a decode token (a request's one new token, its
-   draft-verification tokens, a short prompt chunk) and whose weights are all packed
-   (worker/cpu_decode.py). */
+   rounded to bf16, as it does after the layer-by-layer path. Returns -1 where the scratch
+   buffers cannot be allocated, -2 for a token id outside the vocabulary or a position outside
+   the rotary table, -3 for an LM head asked of a step it cannot take, else 0. Used for steps
+   whose every token is a decode token (a request's one new token, its draft-verification
+   tokens, a short prompt chunk) and whose weights are all packed (worker/cpu_decode.py). */
 
 #include <stdlib.h>
 #include <string.h>
@@ -93,8 +92,6 @@ static void silu_and_mul(const float *gate_up, int64_t num_tokens, int64_t size,
     }
 }
 
-/* SUFFIX: the attention kernels' element type (f32, bf16); heads of 64 and 128 take the
-   kernels compiled for them. */
 /* The step's embedding rows (fp32) into hidden and its positions' rotary rows into cos_sin;
    -2 where an id or a position is outside its table. */
 static int gather_inputs(const DecodeModel *model, const DecodeStep *step, float *hidden,
@@ -117,6 +114,8 @@ static int gather_inputs(const DecodeModel *model, const DecodeStep *step, float
     return 0;
 }
 
+/* SUFFIX: the attention kernels' element type (f32, bf16); heads of 64 and 128 take the
+   kernels compiled for them. */
 #define DEFINE_DECODE_STEP(NAME, T, LOAD, STORE, SUFFIX)                                           \
 int NAME(const DecodeModel *model, const DecodeStep *step, float *final, float *logits,           \
          int64_t *token, int num_threads) {                                                        \
@@ -189,12 +188,13 @@ int NAME(const DecodeModel *model, const DecodeStep *step, float *final, float *
         for (int64_t i = 0; i < tokens * width; i++) hidden[i] += delta[i];                        \
     }                                                                                              \
     rms_norm_f32(hidden, model->final_norm, final, tokens, width, model->eps, num_threads);        \
-    if (token != NULL && model->head_reads_bf16) /* as the layer-by-layer head reads it */        \
-        for (int64_t i = 0; i < width; i++) final[i] = bf16_load(bf16_store(final[i]));            \
-    if (token != NULL)                                                                             \
+    if (token != NULL) {                                                                           \
+        if (model->head_reads_bf16) /* as the layer-by-layer head reads it */                      \
+            for (int64_t i = 0; i < width; i++) final[i] = bf16_load(bf16_store(final[i]));        \
         (model->head_int8 ? packed_matmul_int8_argmax : packed_matmul_argmax)(                     \
             model->head.codes, model->head.scales, model->head.quant_type,                         \
             model->head.out_features, width, final, logits, token, num_threads);                   \
+    }                                                                                              \
     free(scratch);                                                                                 \
     free(query);                                                                                   \
     free(normed);                                                                                  \
