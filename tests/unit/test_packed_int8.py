@@ -1,7 +1,8 @@
 """The packed GGUF matmul with int8 activations (csrc/packed_matmul_int8.c): each token row is
-quantized per 8 columns, and the product equals the dequantized weights times the dequantized
-activations up to fp32 rounding; a row's result does not depend on the rows beside it; a layer
-uses it only from `int8_min_tokens` rows, the LM head too."""
+quantized per 8 columns, with scales that are whole multiples of a unit per 32, and the product
+equals the dequantized weights times the dequantized activations up to fp32 rounding, on the
+per-token path and on the wide one (Q4 from 16 rows); a row's result does not depend on the
+rows beside it; a layer uses it only from `int8_min_tokens` rows, the LM head too."""
 
 from __future__ import annotations
 
@@ -33,33 +34,50 @@ def int8_weight(quant_type: str, rows: int = 50, cols: int = 160, seed: int = 0)
 def activations(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
     x[0, :32] = 0.0  # an all-zero block: d = 0
-    x[-1, 32:64] = 1e-30  # a tiny one
+    x[-1, 32:64] = 1e-29  # a tiny one
     x[-1, 64:96] *= 1e4  # a large one
+    x[-1, 96:104] *= 1e-3  # an 8 far below the rest of its 32
     return x
+
+
+def quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes, the scale of every 8 columns (k units) and the sums of every 32."""
+    codes, units, steps, sums = cpu_kernel.quantize_rows_int8(x)
+    return codes, units.repeat_interleave(4, dim=1) * steps.float(), sums
 
 
 def test_activations_round_to_the_nearest_of_127_steps_per_8_columns():
     x = activations(5, 160)
-    codes, scales, sums = cpu_kernel.quantize_rows_int8(x)
+    codes, units, steps, sums = cpu_kernel.quantize_rows_int8(x)
+    _, scales, _ = quantized_activations(x)
     groups = x.reshape(5, 20, 8)
+    amax = groups.abs().amax(-1)
     assert codes.abs().max() <= 127
-    torch.testing.assert_close(scales, groups.abs().amax(-1) / 127, rtol=1e-6, atol=0)
+    # Each 8's scale is the fewest units that cover its largest value, the block's largest K.
+    assert steps.min() >= 0 and steps.max() == 2048
+    assert (steps.reshape(5, 5, 4).amax(-1)[units > 0] == 2048).all()
+    torch.testing.assert_close(
+        units, x.reshape(5, 5, 32).abs().amax(-1) / (127 * 2048), rtol=1e-6, atol=0
+    )
+    assert (scales >= amax / 127 * (1 - 1e-6)).all()
+    assert (scales <= amax / 127 + units.repeat_interleave(4, dim=1) * (1 + 1e-6)).all()
+    assert steps[-1, 12] < 8  # the small 8: its own scale, not its block's
     dequantized = codes.reshape(5, 20, 8).float() * scales[..., None]
     assert ((dequantized - groups).abs() <= scales[..., None] * (0.5 + 1e-5)).all()
-    assert (codes.reshape(5, 20, 8).abs().amax(-1)[scales > 0] == 127).all()
-    assert (codes[0, :32] == 0).all() and (scales[0, :4] == 0).all()
+    assert (codes[0, :32] == 0).all() and (scales[0, :4] == 0).all() and units[0, 0] == 0
     # Sums of 32 terms in another order: within fp32 rounding of their magnitudes.
     magnitudes = dequantized.abs().reshape(5, 5, 32).sum(-1)
     assert ((sums - dequantized.reshape(5, 5, 32).sum(-1)).abs() <= 1e-6 * magnitudes).all()
 
 
 @pytest.mark.parametrize("quant_type", QUANT_TYPES)
-@pytest.mark.parametrize("rows", [1, 3, 8, 11, 20])
+@pytest.mark.parametrize("rows", [1, 3, 8, 11, 16, 20, 37])
 def test_int8_matmul_equals_the_dequantized_product(quant_type, rows):
-    """50 output rows: a partial group of 16; 11 and 20 rows: several passes of 8."""
+    """50 output rows: a partial group of 16; 11 rows: two passes of 8; from 16 rows Q4 takes
+    the wide path (20 and 37: a partial vector of 8 tokens)."""
     weight, packed = int8_weight(quant_type)
     x = activations(rows, 160, seed=rows)
-    codes, scales, _ = cpu_kernel.quantize_rows_int8(x)
+    codes, scales, _ = quantized_activations(x)
     x_int8 = (codes.reshape(rows, 20, 8).double() * scales[..., None].double()).reshape(rows, 160)
     expected = x_int8 @ weight.T
     got = packed.matmul(x)
@@ -82,7 +100,7 @@ def test_a_q8_0_code_of_minus_128_counts_as_minus_128():
     assert weight[3, 0] == -128 * d != 0
     packed = PackedWeight.from_blocks(blocks, max_tokens=64, int8_min_tokens=1)
     x = activations(5, 160)
-    codes, scales, _ = cpu_kernel.quantize_rows_int8(x)
+    codes, scales, _ = quantized_activations(x)
     x_int8 = (codes.reshape(5, 20, 8).double() * scales[..., None].double()).reshape(5, 160)
     expected = x_int8 @ weight.T
     got = packed.matmul(x).double()

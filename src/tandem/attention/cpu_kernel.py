@@ -192,7 +192,7 @@ def load_library() -> ctypes.CDLL | None:
             function = getattr(library, f"{name}_{suffix}")
             function.argtypes = argtypes
             function.restype = restype
-    library.quantize_rows_int8.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr]
+    library.quantize_rows_int8.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr]
     library.quantize_rows_int8.restype = None
     library.packed_matmul_int8_vectorized.restype = ctypes.c_int
     library.sample_rows.argtypes = [_ptr, _i64, _i64, *[_ptr] * 7, ctypes.c_int]
@@ -480,20 +480,25 @@ def packed_matmul_argmax(
     return out, token
 
 
-def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_rows_int8(
+    x: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, K] (fp32; K a multiple of 32) as the int8 matmul quantizes it: codes [T, K], the
-    scale d of every 8 columns [T, K / 8] and Σ d·codes of every 32 [T, K / 32]; for tests."""
+    unit u of every 32 columns [T, K / 32], the multiple k of u that scales every 8 [T, K / 8]
+    (int16) and Σ d·codes of every 32 [T, K / 32]; for tests."""
     library = load_library()
     if library is None:
         raise RuntimeError("the CPU kernels could not be built")
     x = x.float().contiguous()
     codes = torch.empty(x.shape, dtype=torch.int8)
-    scales = torch.empty(x.shape[0], x.shape[1] // 8)
+    units = torch.empty(x.shape[0], x.shape[1] // 32)
+    steps = torch.empty(x.shape[0], x.shape[1] // 8, dtype=torch.int16)
     sums = torch.empty(x.shape[0], x.shape[1] // 32)
     library.quantize_rows_int8(
-        x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(), scales.data_ptr(), sums.data_ptr()
-    )
-    return codes, scales, sums
+        x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(), units.data_ptr(),
+        steps.data_ptr(), sums.data_ptr(),
+    )  # fmt: skip
+    return codes, units, steps, sums
 
 
 def kernel(dtype: torch.dtype, head_dim: int) -> ctypes._CFuncPtr:

@@ -6,17 +6,17 @@ m): w = d·(q − 8), d·q + m, or d·q with q an int8. The dense weights stay b
 prefill-sized steps, where a packed kernel loses to a dense GEMM.
 
 Two kernels multiply them. The C one (attention/csrc/packed_matmul.c, built by cpu_kernel.py)
-takes the blocks' codes and fp16 scales regrouped 16 output rows side by side
-(`kernel_layout`) and widens each weight to fp32 exactly, so its results equal the
-dequantized fp32 matrix's up to the order of the sums. From `int8_min_tokens` rows up (where
-the CPU format probe found it faster) it quantizes the activations to int8 per 8 columns
+takes the blocks' codes and fp16 scales regrouped 16 output rows side by side (`kernel_layout`)
+and widens each weight to fp32 exactly, so its results equal the dequantized fp32 matrix's up
+to the order of the sums. From `int8_min_tokens` rows up (where the CPU format probe found it
+faster) it quantizes the activations to int8 per 8 columns (scales in whole units per 32)
 instead and sums integer products (csrc/packed_matmul_int8.c, llama.cpp's scheme with finer
 activation scales): a few times fewer instructions per weight and token, at the activations'
 rounding. Where it cannot be built, torch's CPU int4 weight-only matmul runs instead: it
 computes w = (q − 8)·scale + zero per 32-weight group, so Q4_0 and Q4_1 map onto it exactly
 (scale = d, zero = 0 or m + 8d), with scales, zeros and activations in bfloat16 (its fast
-path); a Q8_0 block (q = 16·hi + lo with hi in [−8, 7], lo in [0, 15]) is two such groups,
-w = 16d·hi + d·lo, one int4 matrix twice as wide multiplied by the input twice over.
+path); a Q8_0 block (q = 16·hi + lo with hi in [−8, 7], lo in [0, 15]) is two such groups, w =
+16d·hi + d·lo, one int4 matrix twice as wide multiplied by the input twice over.
 """
 
 from __future__ import annotations

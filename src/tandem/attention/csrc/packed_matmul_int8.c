@@ -2,24 +2,27 @@
    steps of many token rows, where the fp32 kernel's cost per row (one FMA per weight and
    token) makes a dense bf16 GEMM win: y = x·Wᵀ.
 
-   Each token row is quantized per 8 columns: d_x = max|x| / 127, q_x = round(x / d_x). (Per
-   32, as llama.cpp's Q8 activations are, the embedded model's greedy tokens, teacher-forced
-   in 16-token steps, agreed with fp32's at 97.7% of positions; per 8 at 98.6%, as with fp32
-   activations: RMSNorm's outlier channels set fewer neighbours' scale.) A weight block's dot
-   product is then four integer sums, four code pairs per lane per instruction (AVX-512
-   VNNI), scaled per 8 columns and per block:
-     Q4 (w = d·q + m, q in 0..15):   d·Σ_s d_xs·Σ q·q_x + m·Σ_s d_xs·Σ q_x
-     Q8_0 (w = d·q, q in −127..127): d·Σ_s d_xs·Σ q·q_x
-   The integer sums are exact and each row's result depends on its own activations only, so
-   a row's output does not depend on the batch around it. The error is the activations'
-   rounding (≤ d_x / 2 per element); models/packed.py keeps this path for the step sizes the
-   probe (engine/cpu_formats.py) found it fastest at.
+   Each token row is quantized per 8 columns, with scales that are integer multiples of one
+   unit per 32: u = max|x| over the 32 / (127·K), and each 8 columns' scale d_x = k·u with
+   k = ⌈K·max|x| over the 8 / max|x| over the 32⌉ (1..K, K = 2048), q_x = round(x / d_x) in
+   −127..127. (Per 32 alone, as llama.cpp's Q8 activations are, the embedded model's greedy
+   tokens, teacher-forced in 16-token steps, agreed with fp32's at 97.7% of positions; per 8
+   at 98.6%, as with fp32 activations: RMSNorm's outlier channels set fewer neighbours'
+   scale. k rounds each 8's scale up by at most 1/k of itself.) A weight block's dot product
+   is then one integer sum, the four 8-column sums weighted by their k, scaled once per block:
+     Q4 (w = d·q + m, q in 0..15):   d·u·Σ_s k_s·Σ q·q_x + m·Σ_s d_xs·Σ q_x
+     Q8_0 (w = d·q, q in −127..127): d·u·Σ_s k_s·Σ q·q_x
+   The integer sums are exact (at most 4·K·8·128·127 < 2³¹) and each row's result depends on
+   its own activations only, so a row's output does not depend on the batch around it. The
+   error is the activations' rounding (≤ d_x / 2 per element); models/packed.py keeps this
+   path for the step sizes the probe (engine/cpu_formats.py) found it fastest at.
 
    On x86 with AVX-512 VNNI and VBMI (VBMI for the Q4 permute): per 16-row group and 32-column
    block the codes are put into VNNI order once (Q4: one byte permute per 64 bytes, then nibble
    masks; Q8_0 is stored in it) and reused by up to 8 token rows held in registers. With AVX2
    (and on a CPU with VNNI but not VBMI, such as Cascade Lake) the AVX2 path below gives the
-   same integer sums in 256-bit vectors. Elsewhere a plain C loop does (tests build all three);
+   same integer sums in 256-bit vectors, and from WIDE_MIN_TOKENS token rows Q4 turns the
+   vectors around (wide_row_group: 8 tokens per vector, the weights broadcast). Elsewhere a plain C loop does (tests build all three);
    the probe offers int8 only where a vector path is built. */
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -35,9 +38,11 @@
 #define BLOCK 32
 #define SUB 8 /* columns per activation scale */
 #define SUBS (BLOCK / SUB)
-#define TINY 1e-35f /* columns below this quantize to 0 (127 / amax would overflow) */
+#define K_STEPS 2048 /* K: an 8-column scale is 1..K units */
+#define TINY 1e-30f /* blocks below this quantize to 0 (1 / u would overflow) */
 #define LANES 16
 #define MAX_ROWS 8 /* token rows per pass over a row group's codes */
+#define WIDE_MIN_TOKENS 16 /* token rows from which the AVX2 path turns to wide_row_group */
 
 #if defined(__clang__)
 #define UNROLL _Pragma("clang loop unroll(full)")
@@ -57,83 +62,86 @@ enum { Q4 = 0, Q8_0 = 1 };
 #else
 #define AVX2_PATH 0
 #endif
+#define WIDE AVX2_PATH /* wide_row_group is built */
 
 /* Whether this build has a vector path (elsewhere the plain C loop is far slower than the
    fp32-activation kernel, and the probe does not offer int8). */
 int packed_matmul_int8_vectorized(void) { return VNNI || AVX2_PATH; }
 
-/* x [k] to codes [k], per 8 columns d_x ([k / 8]) and per 32 Σ d_x·q_x ([k / 32]). Rounds to
-   nearest even either way (the vector conversion under the default rounding mode,
-   nearbyintf). With AVX2 one 8-column group is one vector (the plain loop sums its terms one
-   by one and did not vectorize: ~3% of a 32-request decode step on the AVX2 EPYC). */
-static void quantize_row(const float *x, int64_t k, int8_t *codes, float *scales, float *sums) {
+/* u (returned) and each 8 columns' k (see the top) from the 8s' largest magnitudes; u = 0
+   and every k 0 for a block whose largest is at most TINY, k = 0 for an all-zero 8. */
+static inline float block_unit(const float top[SUBS], int16_t steps[SUBS]) {
+    float block_top = 0.0f;
+    for (int s = 0; s < SUBS; s++) block_top = top[s] > block_top ? top[s] : block_top;
+    const float ratio = block_top > TINY ? K_STEPS / block_top : 0.0f;
+    for (int s = 0; s < SUBS; s++) {
+        const float multiple = ceilf(top[s] * ratio); /* the largest 8's rounds to K or K + 1 */
+        steps[s] = (int16_t)(multiple < K_STEPS ? multiple : K_STEPS);
+    }
+    return block_top > TINY ? block_top * (1.0f / (127.0f * K_STEPS)) : 0.0f;
+}
+
+/* x [k] to codes [k], per 32 columns u ([k / 32]) and Σ d_x·q_x ([k / 32]), per 8 k
+   ([k / 8]). Rounds to nearest even either way (the vector conversion under the default
+   rounding mode, nearbyintf). With AVX2 one 8-column group is one vector (the plain loop sums
+   its terms one by one and did not vectorize: ~3% of a 32-request decode step on the AVX2
+   EPYC). */
+static void quantize_row(const float *x, int64_t k, int8_t *codes, float *units, int16_t *steps,
+                         float *sums) {
     for (int64_t g = 0; g < k / BLOCK; g++) {
         const float *block = x + g * BLOCK;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-        __m512 d[2], q[2];
-        for (int half = 0; half < 2; half++) {
-            const __m512 v = _mm512_loadu_ps(block + 16 * half);
-            __m512 amax = _mm512_abs_ps(v); /* then each lane: its 8 lanes' maximum */
-            amax = _mm512_max_ps(amax, _mm512_permute_ps(amax, 0xB1));
-            amax = _mm512_max_ps(amax, _mm512_permute_ps(amax, 0x4E));
-            amax = _mm512_max_ps(amax, _mm512_shuffle_f32x4(amax, amax, 0xB1));
-            const __mmask16 nonzero = _mm512_cmp_ps_mask(amax, _mm512_set1_ps(TINY), _CMP_GT_OQ);
-            const __m512 inverse = _mm512_maskz_div_ps(nonzero, _mm512_set1_ps(127.0f), amax);
-            d[half] = _mm512_mul_ps(amax, _mm512_set1_ps(1.0f / 127.0f));
-            const __m512i codes32 = _mm512_cvtps_epi32(_mm512_mul_ps(v, inverse));
-            _mm_storeu_si128((__m128i *)(codes + g * BLOCK + 16 * half),
-                             _mm512_cvtepi32_epi8(codes32));
-            q[half] = _mm512_cvtepi32_ps(codes32);
-            _mm512_mask_compressstoreu_ps(scales + g * SUBS + 2 * half, 0x0101, d[half]);
-        }
-        sums[g] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_mul_ps(q[0], d[0]),
-                                                     _mm512_mul_ps(q[1], d[1])));
-#elif defined(__AVX2__) && defined(__FMA__)
-        __m256 sum = _mm256_setzero_ps(); /* one 8-column group per vector */
+        int16_t *block_steps = steps + g * SUBS;
+        float top[SUBS];
+#if defined(__AVX2__) && defined(__FMA__)
+        __m256 v[SUBS];
         for (int s = 0; s < SUBS; s++) {
-            const __m256 v = _mm256_loadu_ps(block + s * SUB);
-            __m256 amax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v);
+            v[s] = _mm256_loadu_ps(block + s * SUB);
+            __m256 amax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[s]);
             amax = _mm256_max_ps(amax, _mm256_permute_ps(amax, 0xB1));
             amax = _mm256_max_ps(amax, _mm256_permute_ps(amax, 0x4E));
             amax = _mm256_max_ps(amax, _mm256_permute2f128_ps(amax, amax, 0x01));
-            const float top = _mm256_cvtss_f32(amax);
-            const float d = top * (1.0f / 127.0f), inverse = top > TINY ? 127.0f / top : 0.0f;
-            const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v, _mm256_set1_ps(inverse)));
+            top[s] = _mm256_cvtss_f32(amax);
+        }
+        const float unit = units[g] = block_unit(top, block_steps);
+        __m256 sum = _mm256_setzero_ps();
+        for (int s = 0; s < SUBS; s++) {
+            const float d = unit * block_steps[s], inverse = d > 0.0f ? 1.0f / d : 0.0f;
+            const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v[s], _mm256_set1_ps(inverse)));
             const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q),
                                                 _mm256_extracti128_si256(q, 1));
             _mm_storel_epi64((__m128i *)(codes + g * BLOCK + s * SUB), _mm_packs_epi16(q16, q16));
             sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(d), sum);
-            scales[g * SUBS + s] = d;
         }
         const __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
         const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
         sums[g] = _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
 #else
+        for (int s = 0; s < SUBS; s++) {
+            top[s] = 0.0f;
+            for (int j = 0; j < SUB; j++) /* not fmaxf: GCC calls libm for it */
+                top[s] = fabsf(block[s * SUB + j]) > top[s] ? fabsf(block[s * SUB + j]) : top[s];
+        }
+        const float unit = units[g] = block_unit(top, block_steps);
         float sum = 0.0f;
         for (int s = 0; s < SUBS; s++) {
-            const float *sub = block + s * SUB;
-            float amax = 0.0f;
-            for (int j = 0; j < SUB; j++) /* not fmaxf: GCC calls libm for it */
-                amax = fabsf(sub[j]) > amax ? fabsf(sub[j]) : amax;
-            const float d = amax * (1.0f / 127.0f), inverse = amax > TINY ? 127.0f / amax : 0.0f;
+            const float d = unit * block_steps[s], inverse = d > 0.0f ? 1.0f / d : 0.0f;
             for (int j = 0; j < SUB; j++) {
-                const int q = (int)nearbyintf(sub[j] * inverse);
+                const int q = (int)nearbyintf(block[s * SUB + j] * inverse);
                 codes[g * BLOCK + s * SUB + j] = (int8_t)q;
                 sum += d * (float)q;
             }
-            scales[g * SUBS + s] = d;
         }
         sums[g] = sum;
 #endif
     }
 }
 
-/* For tests: the activations exactly as the matmul quantizes them (scales [rows, k / 8],
-   sums [rows, k / 32]). */
-void quantize_rows_int8(const float *x, int64_t rows, int64_t k, int8_t *codes, float *scales,
-                        float *sums) {
+/* For tests: the activations exactly as the matmul quantizes them (units and sums
+   [rows, k / 32], steps [rows, k / 8]). */
+void quantize_rows_int8(const float *x, int64_t rows, int64_t k, int8_t *codes, float *units,
+                        int16_t *steps, float *sums) {
     for (int64_t t = 0; t < rows; t++)
-        quantize_row(x + t * k, k, codes + t * k, scales + t * (k / SUB),
+        quantize_row(x + t * k, k, codes + t * k, units + t * (k / BLOCK), steps + t * (k / SUB),
                      sums + t * (k / BLOCK));
 }
 
@@ -161,7 +169,8 @@ static const uint8_t Q4_TO_LANES[64] = {
    constants, so the loops unroll into registers. */
 static inline __attribute__((always_inline)) void row_group(
     const uint8_t *codes, const uint16_t *scales, int64_t k, int quant_type, const int8_t *xq,
-    const float *xd, const float *xs, int tokens, float *out, int64_t n_out, int64_t valid) {
+    const float *xu, const int16_t *xk, const float *xs, int tokens, float *out, int64_t n_out,
+    int64_t valid) {
     const int64_t groups = k / BLOCK;
     const __m512i to_lanes = _mm512_loadu_si512(Q4_TO_LANES), nibble = _mm512_set1_epi8(15);
     const __m512i offset = _mm512_set1_epi8((char)0x80);
@@ -196,7 +205,8 @@ static inline __attribute__((always_inline)) void row_group(
                 const int8_t *xt = xq + t * k + g * BLOCK + s * SUB;
                 const __m512i dot = dot_broadcast(
                     dot_broadcast(_mm512_setzero_si512(), w[2 * s], xt), w[2 * s + 1], xt + 4);
-                const __m512 x_scale = _mm512_set1_ps(xd[(t * groups + g) * SUBS + s]);
+                const __m512 x_scale = _mm512_set1_ps(xu[t * groups + g] *
+                                                      xk[(t * groups + g) * SUBS + s]);
                 block_sum[t] = s == 0 ? _mm512_mul_ps(_mm512_cvtepi32_ps(dot), x_scale)
                                       : _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), x_scale,
                                                         block_sum[t]);
@@ -216,10 +226,11 @@ static inline __attribute__((always_inline)) void row_group(
    8-11, then 4-7 and 12-15 (what in-lane byte shuffles of the column-major codes give; the
    sums go back to row order at the end), Q8_0 rows 0-7, then 8-15 (stored that way). Q8_0's
    signed codes go in as magnitudes with their signs moved onto the activations (maddubs's
-   first operand is unsigned; offset codes, as VNNI takes them, would overflow its int16). Each
-   product of a code and an activation scale d·d_x is formed once per 8 columns, so a row's
-   sum is Σ_s (d·d_xs)·Σ q·q_x: the integer sums equal VNNI's, the float steps differ in
-   order. */
+   first operand is unsigned; offset codes, as VNNI takes them, would overflow its int16). The
+   madd that widens each 8 columns' int16 sums to int32 multiplies them by the 8's k instead
+   of by 1, so a block's four sums add up as integers and meet the floats once per block (per
+   8 columns, a conversion and two multiplies were half the work): the integer sums equal
+   VNNI's, the float steps differ in order. */
 
 /* Byte i of each 128-bit lane of the result: the pairs (column c, c + 1) of rows 0-7 from
    a lane holding 8 rows of column c, then the same rows of column c + 1. */
@@ -235,10 +246,6 @@ static inline __m256i q4_pairs(const uint8_t *columns, __m256i row_pairs) {
     return _mm256_shuffle_epi8(v, row_pairs);
 }
 
-static inline __m256i dot4(__m256i codes, __m256i x4) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x4), _mm256_set1_epi16(1));
-}
-
 /* 8 fp16 scales of rows {a..a+3, b..b+3} as fp32. */
 static inline __m256 scales_of(const uint16_t *s, int a, int b) {
     const __m128i four_a = _mm_loadl_epi64((const __m128i *)(s + a));
@@ -248,20 +255,23 @@ static inline __m256 scales_of(const uint16_t *s, int a, int b) {
 
 static inline __attribute__((always_inline)) void row_group(
     const uint8_t *codes, const uint16_t *scales, int64_t k, int quant_type, const int8_t *xq,
-    const float *xd, const float *xs, int tokens, float *out, int64_t n_out, int64_t valid) {
+    const float *xu, const int16_t *xk, const float *xs, int tokens, float *out, int64_t n_out,
+    int64_t valid) {
     const int64_t groups = k / BLOCK;
     const __m256i row_pairs = _mm256_loadu_si256((const __m256i *)ROW_PAIRS);
     const __m256i nibble = _mm256_set1_epi8(15);
     __m256 acc[MAX_ROWS][2];
     for (int t = 0; t < tokens; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        __m256i w[8][2]; /* per 4 columns, the two vectors of rows */
+        __m256i w[8][2], magnitude[8][2]; /* per 4 columns, the two vectors of rows */
         __m256 d[2], m[2];
         if (quant_type == Q8_0) {
             const uint8_t *quads = codes + g * BLOCK * LANES;
             for (int q = 0; q < 8; q++)
-                for (int h = 0; h < 2; h++)
+                for (int h = 0; h < 2; h++) {
                     w[q][h] = _mm256_loadu_si256((const __m256i *)(quads + q * 4 * LANES + 32 * h));
+                    magnitude[q][h] = _mm256_abs_epi8(w[q][h]);
+                }
             d[0] = scales_of(scales + g * LANES, 0, 4);
             d[1] = scales_of(scales + g * LANES, 8, 12);
         } else {
@@ -282,30 +292,40 @@ static inline __attribute__((always_inline)) void row_group(
             m[0] = scales_of(s + LANES, 0, 8);
             m[1] = scales_of(s + LANES, 4, 12);
         }
-        for (int s = 0; s < SUBS; s++)
-            for (int t = 0; t < tokens; t++) {
-                const int8_t *xt = xq + t * k + g * BLOCK + s * SUB;
-                int32_t four[2];
-                memcpy(four, xt, sizeof four);
-                const __m256i x4[2] = {_mm256_set1_epi32(four[0]), _mm256_set1_epi32(four[1])};
-                const __m256 x_scale = _mm256_set1_ps(xd[(t * groups + g) * SUBS + s]);
-                for (int h = 0; h < 2; h++) {
-                    __m256i dot;
-                    if (quant_type == Q8_0) {
-                        const __m256i a = w[2 * s][h], b = w[2 * s + 1][h];
-                        dot = _mm256_add_epi32(
-                            dot4(_mm256_abs_epi8(a), _mm256_sign_epi8(x4[0], a)),
-                            dot4(_mm256_abs_epi8(b), _mm256_sign_epi8(x4[1], b)));
-                    } else { /* two quads' int16 sums fit: 4 · 15 · 127 */
-                        dot = _mm256_madd_epi16(
-                            _mm256_add_epi16(_mm256_maddubs_epi16(w[2 * s][h], x4[0]),
-                                             _mm256_maddubs_epi16(w[2 * s + 1][h], x4[1])),
-                            _mm256_set1_epi16(1));
-                    }
-                    acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                                                _mm256_mul_ps(d[h], x_scale), acc[t][h]);
-                }
+        for (int t = 0; t < tokens; t++) {
+            const int8_t *xt = xq + t * k + g * BLOCK;
+            const int16_t *steps = xk + (t * groups + g) * SUBS;
+            __m256i x4[8], weight[SUBS];
+            for (int q = 0; q < 8; q++) {
+                int32_t four;
+                memcpy(&four, xt + 4 * q, sizeof four);
+                x4[q] = _mm256_set1_epi32(four);
             }
+            for (int s = 0; s < SUBS; s++) weight[s] = _mm256_set1_epi16(steps[s]);
+            const __m256 unit = _mm256_set1_ps(xu[t * groups + g]);
+            for (int h = 0; h < 2; h++) {
+                __m256i dot = _mm256_setzero_si256();
+                for (int s = 0; s < SUBS; s++) {
+                    const __m256i a = w[2 * s][h], b = w[2 * s + 1][h];
+                    if (quant_type == Q8_0) { /* each maddubs's pair sums: ≤ 2 · 128 · 127 */
+                        const __m256i first = _mm256_maddubs_epi16(
+                            magnitude[2 * s][h], _mm256_sign_epi8(x4[2 * s], a));
+                        const __m256i second = _mm256_maddubs_epi16(
+                            magnitude[2 * s + 1][h], _mm256_sign_epi8(x4[2 * s + 1], b));
+                        dot = _mm256_add_epi32(dot, _mm256_add_epi32(
+                                                        _mm256_madd_epi16(first, weight[s]),
+                                                        _mm256_madd_epi16(second, weight[s])));
+                    } else /* two quads' int16 sums fit: 4 · 15 · 127 */
+                        dot = _mm256_add_epi32(
+                            dot, _mm256_madd_epi16(
+                                     _mm256_add_epi16(_mm256_maddubs_epi16(a, x4[2 * s]),
+                                                      _mm256_maddubs_epi16(b, x4[2 * s + 1])),
+                                     weight[s]));
+                }
+                acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d[h], unit),
+                                            acc[t][h]);
+            }
+        }
         if (quant_type == Q4)
             for (int t = 0; t < tokens; t++)
                 for (int h = 0; h < 2; h++)
@@ -324,10 +344,149 @@ static inline __attribute__((always_inline)) void row_group(
         memcpy(out + t * n_out, rows, sizeof(float) * valid);
     }
 }
+
+/* Q4 at steps of WIDE_MIN_TOKENS token rows or more: the roles turn around. A vector holds 8
+   tokens, each lane one token's 4 codes of a column quad (the activations interleaved so once
+   per step), and one row's 4 weight codes are broadcast against it; a row group's codes are
+   unpacked to bytes once per step and read by every 8 tokens. Per 8 columns the two quads
+   and k of 8 tokens (k in both int16 halves of a lane, so madd weights the lane's two pair
+   sums) serve WIDE_ROWS rows from registers: per two maddubs one madd and about one load,
+   where the path above loads twice per maddubs (its broadcasts and its codes, which do not
+   fit the 16 registers). The integer sums are the same. */
+#define WIDE_ROWS 8
+
+/* The activations of 8 tokens per vector (lanes past the last token zero). */
+typedef struct {
+    int8_t *codes;       /* [vectors][k / 4][8][4] */
+    int32_t *steps;      /* [vectors][k / 8][8] */
+    float *units, *sums; /* [vectors][k / 32][8] */
+} interleaved;
+
+static void interleave(const int8_t *xq, const float *xu, const int16_t *xk, const float *xs,
+                       int64_t num_tokens, int64_t k, int64_t vector, const interleaved *x) {
+    const int64_t groups = k / BLOCK, subs = k / SUB;
+    int32_t *codes = (int32_t *)(x->codes + vector * 8 * k);
+    int32_t *steps = x->steps + vector * 8 * subs;
+    float *units = x->units + vector * 8 * groups, *sums = x->sums + vector * 8 * groups;
+    for (int lane = 0; lane < 8; lane++) {
+        const int64_t t = vector * 8 + lane;
+        const int real = t < num_tokens;
+        for (int64_t q = 0; q < k / 4; q++) {
+            int32_t four = 0;
+            if (real) memcpy(&four, xq + t * k + 4 * q, sizeof four);
+            codes[q * 8 + lane] = four;
+        }
+        for (int64_t s = 0; s < subs; s++)
+            steps[s * 8 + lane] = /* k in both halves */
+                real ? (int32_t)((uint32_t)(uint16_t)xk[t * subs + s] * 0x10001u) : 0;
+        for (int64_t g = 0; g < groups; g++) {
+            units[g * 8 + lane] = real ? xu[t * groups + g] : 0.0f;
+            sums[g * 8 + lane] = real ? xs[t * groups + g] : 0.0f;
+        }
+    }
+}
+
+/* Which of the transpose's vectors holds row r (the unpacks reverse the index's bits). */
+static const uint8_t TRANSPOSED_ROW[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+/* Block g of a Q4 row group (byte r of column j holds row r's codes j and j + 16) as 16 rows
+   of 32 unpacked codes, row r at rows + r·k: a 16×16 byte transpose, then the nibbles. */
+static inline void unpack_q4_block(const uint8_t *column, uint8_t *rows, int64_t k) {
+    __m128i a[16], b[16];
+    for (int j = 0; j < 16; j++) a[j] = _mm_loadu_si128((const __m128i *)(column + 16 * j));
+    for (int i = 0; i < 8; i++) {
+        b[i] = _mm_unpacklo_epi8(a[2 * i], a[2 * i + 1]);
+        b[i + 8] = _mm_unpackhi_epi8(a[2 * i], a[2 * i + 1]);
+    }
+    for (int i = 0; i < 8; i++) {
+        a[i] = _mm_unpacklo_epi16(b[2 * i], b[2 * i + 1]);
+        a[i + 8] = _mm_unpackhi_epi16(b[2 * i], b[2 * i + 1]);
+    }
+    for (int i = 0; i < 8; i++) {
+        b[i] = _mm_unpacklo_epi32(a[2 * i], a[2 * i + 1]);
+        b[i + 8] = _mm_unpackhi_epi32(a[2 * i], a[2 * i + 1]);
+    }
+    for (int i = 0; i < 8; i++) {
+        a[i] = _mm_unpacklo_epi64(b[2 * i], b[2 * i + 1]);
+        a[i + 8] = _mm_unpackhi_epi64(b[2 * i], b[2 * i + 1]);
+    }
+    const __m128i nibble = _mm_set1_epi8(15);
+    for (int r = 0; r < 16; r++) {
+        const __m128i row = a[TRANSPOSED_ROW[r]];
+        _mm_storeu_si128((__m128i *)(rows + r * k), _mm_and_si128(row, nibble));
+        _mm_storeu_si128((__m128i *)(rows + r * k + 16),
+                         _mm_and_si128(_mm_srli_epi16(row, 4), nibble));
+    }
+}
+
+/* One Q4 row group for all tokens (x: their `vectors` interleaved vectors), out[t·n_out + r]
+   for its `valid` rows. */
+static void wide_row_group(const uint8_t *codes, const uint16_t *scales, int64_t k,
+                           const interleaved *x, int64_t num_tokens, float *out, int64_t n_out,
+                           int64_t valid) {
+    const int64_t groups = k / BLOCK, vectors = (num_tokens + 7) / 8;
+    uint8_t rows[LANES * k];
+    float d[groups * LANES], m[groups * LANES];
+    for (int64_t g = 0; g < groups; g++) {
+        unpack_q4_block(codes + g * (BLOCK / 2) * LANES, rows + g * BLOCK, k);
+        for (int h = 0; h < 2; h++) {
+            const uint16_t *s = scales + g * 2 * LANES + 8 * h;
+            _mm256_storeu_ps(d + g * LANES + 8 * h,
+                             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s)));
+            _mm256_storeu_ps(m + g * LANES + 8 * h,
+                             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + LANES))));
+        }
+    }
+    for (int64_t r0 = 0; r0 < valid; r0 += WIDE_ROWS)
+        for (int64_t v = 0; v < vectors; v++) {
+            const int8_t *xc = x->codes + v * 8 * k;
+            const int32_t *xk = x->steps + v * 8 * (k / SUB);
+            const float *xu = x->units + v * 8 * groups, *xs = x->sums + v * 8 * groups;
+            float tile[WIDE_ROWS][8] = {{0.0f}}; /* in memory: registers hold the sums */
+            for (int64_t g = 0; g < groups; g++) {
+                __m256i dot[WIDE_ROWS];
+                UNROLL for (int r = 0; r < WIDE_ROWS; r++) dot[r] = _mm256_setzero_si256();
+                UNROLL for (int s = 0; s < SUBS; s++) {
+                    const int8_t *quads = xc + (g * 8 + 2 * s) * 32;
+                    __m256i first = _mm256_loadu_si256((const __m256i *)quads);
+                    __m256i second = _mm256_loadu_si256((const __m256i *)(quads + 32));
+                    __m256i steps =
+                        _mm256_loadu_si256((const __m256i *)(xk + (g * SUBS + s) * 8));
+                    /* Loaded once into registers: GCC would fold each use into its own load. */
+                    __asm__("" : "+x"(first), "+x"(second), "+x"(steps));
+                    UNROLL for (int r = 0; r < WIDE_ROWS; r++) {
+                        const uint8_t *row = rows + (r0 + r) * k + g * BLOCK + s * SUB;
+                        int32_t four[2];
+                        memcpy(four, row, sizeof four);
+                        const __m256i pairs = _mm256_add_epi16( /* ≤ 4 · 15 · 127 */
+                            _mm256_maddubs_epi16(_mm256_set1_epi32(four[0]), first),
+                            _mm256_maddubs_epi16(_mm256_set1_epi32(four[1]), second));
+                        dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, steps));
+                        __asm__("" : "+x"(dot[r])); /* a running sum, not an add tree to spill */
+                    }
+                }
+                const __m256 unit = _mm256_loadu_ps(xu + g * 8), sum = _mm256_loadu_ps(xs + g * 8);
+                UNROLL for (int r = 0; r < WIDE_ROWS; r++) {
+                    __m256 acc = _mm256_fmadd_ps(
+                        _mm256_cvtepi32_ps(dot[r]),
+                        _mm256_mul_ps(_mm256_set1_ps(d[g * LANES + r0 + r]), unit),
+                        _mm256_loadu_ps(tile[r]));
+                    _mm256_storeu_ps(tile[r], _mm256_fmadd_ps(_mm256_set1_ps(m[g * LANES + r0 + r]),
+                                                              sum, acc));
+                }
+            }
+            const int64_t lanes = num_tokens - v * 8 < 8 ? num_tokens - v * 8 : 8;
+            const int64_t tile_rows = valid - r0 < WIDE_ROWS ? valid - r0 : WIDE_ROWS;
+            for (int64_t lane = 0; lane < lanes; lane++)
+                for (int64_t r = 0; r < tile_rows; r++)
+                    out[(v * 8 + lane) * n_out + r0 + r] = tile[r][lane];
+        }
+}
 #else
 static inline void row_group(const uint8_t *codes, const uint16_t *scales, int64_t k,
-                             int quant_type, const int8_t *xq, const float *xd, const float *xs,
-                             int tokens, float *out, int64_t n_out, int64_t valid) {
+                             int quant_type, const int8_t *xq, const float *xu, const int16_t *xk,
+                             const float *xs, int tokens, float *out, int64_t n_out,
+                             int64_t valid) {
     const int64_t groups = k / BLOCK;
     for (int t = 0; t < tokens; t++) {
         const int8_t *xt = xq + t * k;
@@ -352,10 +511,10 @@ static inline void row_group(const uint8_t *codes, const uint16_t *scales, int64
                     d = f16_load(scales[g * 2 * LANES + r]);
                     m = f16_load(scales[g * 2 * LANES + LANES + r]);
                 }
-                float block_sum = 0.0f;
+                int32_t block_sum = 0;
                 for (int s = 0; s < SUBS; s++)
-                    block_sum += (float)dot[s] * xd[(t * groups + g) * SUBS + s];
-                acc += block_sum * d;
+                    block_sum += dot[s] * xk[(t * groups + g) * SUBS + s];
+                acc += (float)block_sum * (d * xu[t * groups + g]);
                 if (quant_type == Q4) acc += m * xs[t * groups + g];
             }
             out[t * n_out + r] = acc;
@@ -365,12 +524,13 @@ static inline void row_group(const uint8_t *codes, const uint16_t *scales, int64
 #endif
 
 typedef void (*group_fn)(const uint8_t *, const uint16_t *, int64_t, const int8_t *,
-                         const float *, const float *, float *, int64_t, int64_t);
+                         const float *, const int16_t *, const float *, float *, int64_t, int64_t);
 
 #define DEFINE_GROUP(NAME, QUANT_TYPE, TOKENS)                                                  \
 static void NAME(const uint8_t *codes, const uint16_t *scales, int64_t k, const int8_t *xq,     \
-                 const float *xd, const float *xs, float *out, int64_t n_out, int64_t valid) {  \
-    row_group(codes, scales, k, QUANT_TYPE, xq, xd, xs, TOKENS, out, n_out, valid);             \
+                 const float *xu, const int16_t *xk, const float *xs, float *out, int64_t n_out, \
+                 int64_t valid) {                                                               \
+    row_group(codes, scales, k, QUANT_TYPE, xq, xu, xk, xs, TOKENS, out, n_out, valid);         \
 }
 
 DEFINE_1_TO_8(DEFINE_GROUP, group_q4, Q4)
@@ -379,9 +539,15 @@ DEFINE_1_TO_8(DEFINE_GROUP, group_q8_0, Q8_0)
 static const group_fn GROUP_BY_TYPE[2][MAX_ROWS] = {TABLE_1_TO_8(group_q4),
                                                     TABLE_1_TO_8(group_q8_0)};
 
-/* Bytes of scratch packed_matmul_int8_into needs: the activations' codes and block terms. */
+/* Bytes of scratch packed_matmul_int8_into needs: the activations' codes and block terms,
+   then (for wide_row_group) the same interleaved per 8 tokens. */
 int64_t packed_matmul_int8_scratch(int64_t num_tokens, int64_t k) {
-    return num_tokens * k + (int64_t)sizeof(float) * num_tokens * (k / SUB + k / BLOCK);
+    const int64_t padded = (num_tokens + 7) / 8 * 8;
+    return num_tokens * k + (int64_t)sizeof(int16_t) * num_tokens * (k / SUB) +
+           (int64_t)sizeof(float) * num_tokens * 2 * (k / BLOCK) +
+           (WIDE ? padded * k + (int64_t)sizeof(int32_t) * padded * (k / SUB) +
+                       (int64_t)sizeof(float) * padded * 2 * (k / BLOCK)
+                 : 0);
 }
 
 /* out [num_tokens, n_out] = x [num_tokens, k] · Wᵀ through int8 activations, fp32 in and out,
@@ -392,23 +558,48 @@ void packed_matmul_int8_into(const uint8_t *codes, const uint16_t *scales, int64
                              int64_t n_out, int64_t k, const float *x, int64_t num_tokens,
                              float *out, void *scratch, int num_threads) {
     const int64_t groups = k / BLOCK, row_groups = (n_out + LANES - 1) / LANES;
-    float *xd = scratch, *xs = xd + num_tokens * groups * SUBS;
-    int8_t *xq = (int8_t *)(xs + num_tokens * groups);
+    float *xu = scratch, *xs = xu + num_tokens * groups;
+    int16_t *xk = (int16_t *)(xs + num_tokens * groups);
+    int8_t *xq = (int8_t *)(xk + num_tokens * groups * SUBS);
     const group_fn *by_tokens = GROUP_BY_TYPE[quant_type];
+#if WIDE
+    const int wide = quant_type == Q4 && num_tokens >= WIDE_MIN_TOKENS;
+    const int64_t vectors = (num_tokens + 7) / 8;
+    int8_t *interleaved_codes = xq + num_tokens * k;
+    int32_t *interleaved_steps = (int32_t *)(interleaved_codes + vectors * 8 * k);
+    float *interleaved_units = (float *)(interleaved_steps + vectors * 8 * (k / SUB));
+    const interleaved by_vector = {interleaved_codes, interleaved_steps, interleaved_units,
+                                   interleaved_units + vectors * 8 * groups};
+#endif
     #pragma omp parallel num_threads(num_threads) if(n_out * k * num_tokens >= 65536)
     {
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < num_tokens; t++)
-            quantize_row(x + t * k, k, xq + t * k, xd + t * groups * SUBS, xs + t * groups);
+            quantize_row(x + t * k, k, xq + t * k, xu + t * groups, xk + t * groups * SUBS,
+                         xs + t * groups);
+#if WIDE
+        if (wide) {
+            #pragma omp for schedule(static)
+            for (int64_t v = 0; v < vectors; v++)
+                interleave(xq, xu, xk, xs, num_tokens, k, v, &by_vector);
+        }
+#endif
         #pragma omp for schedule(static)
         for (int64_t n = 0; n < row_groups; n++) {
             const int64_t valid = n_out - n * LANES < LANES ? n_out - n * LANES : LANES;
             const uint8_t *group_codes = codes + n * groups * (quant_type == Q8_0 ? 512 : 256);
             const uint16_t *group_scales = scales + n * groups * (quant_type == Q8_0 ? 16 : 32);
+#if WIDE
+            if (wide) {
+                wide_row_group(group_codes, group_scales, k, &by_vector, num_tokens,
+                               out + n * LANES, n_out, valid);
+                continue;
+            }
+#endif
             for (int64_t t = 0; t < num_tokens; t += MAX_ROWS) {
                 const int64_t tokens = num_tokens - t < MAX_ROWS ? num_tokens - t : MAX_ROWS;
-                by_tokens[tokens - 1](group_codes, group_scales, k, xq + t * k,
-                                      xd + t * groups * SUBS, xs + t * groups,
+                by_tokens[tokens - 1](group_codes, group_scales, k, xq + t * k, xu + t * groups,
+                                      xk + t * groups * SUBS, xs + t * groups,
                                       out + t * n_out + n * LANES, n_out, valid);
             }
         }
@@ -420,7 +611,9 @@ typedef struct {
     const uint16_t *scales;
     int64_t quant_type, n_out, k;
     const int8_t *xq;
-    const float *xd, *xs;
+    const float *xu;
+    const int16_t *xk;
+    const float *xs;
     float *out;
 } one_row;
 
@@ -431,8 +624,8 @@ static void one_row_group(const void *context, int64_t n) {
     const int64_t valid = a->n_out - n * LANES < LANES ? a->n_out - n * LANES : LANES;
     GROUP_BY_TYPE[a->quant_type][0](
         a->codes + n * groups * (a->quant_type == Q8_0 ? 512 : 256),
-        a->scales + n * groups * (a->quant_type == Q8_0 ? 16 : 32), a->k, a->xq, a->xd, a->xs,
-        a->out + n * LANES, a->n_out, valid);
+        a->scales + n * groups * (a->quant_type == Q8_0 ? 16 : 32), a->k, a->xq, a->xu, a->xk,
+        a->xs, a->out + n * LANES, a->n_out, valid);
 }
 
 /* packed_matmul_argmax through int8 activations: packed_matmul_int8's products. */
@@ -440,10 +633,11 @@ void packed_matmul_int8_argmax(const uint8_t *codes, const uint16_t *scales, int
                                int64_t n_out, int64_t k, const float *x, float *out,
                                int64_t *token, int num_threads) {
     const int64_t groups = k / BLOCK;
-    float xd[groups * SUBS], xs[groups];
+    float xu[groups], xs[groups];
+    int16_t xk[groups * SUBS];
     int8_t xq[k];
-    quantize_row(x, k, xq, xd, xs);
-    const one_row args = {codes, scales, quant_type, n_out, k, xq, xd, xs, out};
+    quantize_row(x, k, xq, xu, xk, xs);
+    const one_row args = {codes, scales, quant_type, n_out, k, xq, xu, xk, xs, out};
     *token = row_groups_argmax(n_out, LANES, out, one_row_group, &args, num_threads);
 }
 
