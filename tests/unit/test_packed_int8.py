@@ -73,15 +73,16 @@ def test_activations_round_to_the_nearest_of_127_steps_per_8_columns():
 @pytest.mark.parametrize("quant_type", QUANT_TYPES)
 @pytest.mark.parametrize("rows", [1, 3, 8, 11, 16, 20, 37])
 def test_int8_matmul_equals_the_dequantized_product(quant_type, rows):
-    """50 output rows: a partial group of 16; 11 rows: two passes of 8; from 16 rows Q4 takes
-    the wide path (20 and 37: a partial vector of 8 tokens)."""
-    weight, packed = int8_weight(quant_type)
+    """59 output rows: a last group of 11 (the wide path's tiles of 8 rows: 8 and 3); 11 rows:
+    two passes of 8; from 16 rows Q4 takes the wide path (20 and 37: a partial vector of 8
+    tokens)."""
+    weight, packed = int8_weight(quant_type, rows=59)
     x = activations(rows, 160, seed=rows)
     codes, scales, _ = quantized_activations(x)
     x_int8 = (codes.reshape(rows, 20, 8).double() * scales[..., None].double()).reshape(rows, 160)
     expected = x_int8 @ weight.T
     got = packed.matmul(x)
-    assert got.dtype == torch.float32 and got.shape == (rows, 50)
+    assert got.dtype == torch.float32 and got.shape == (rows, 59)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max())
     # ... which is the fp32 product up to the activations' rounding.
     exact = x.double() @ weight.T

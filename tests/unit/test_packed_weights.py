@@ -172,15 +172,15 @@ def test_a_layer_with_a_shard_in_another_format_stays_dense():
 @pytest.mark.parametrize("march", ["haswell", "x86-64"])  # AVX2 + FMA + F16C; SSE2 only
 def test_the_c_kernel_built_for_older_x86_gives_the_same_results(older_x86_kernels, march):
     """The machines tandem runs on differ (AVX2 only, AVX-512): the kernel's AVX2 and plain-C
-    paths give the native build's results."""
+    paths (int8 Q4 at 20 rows: AVX2's wide kernel) give the native build's results."""
     function = older_x86_kernels(march).packed_matmul_f32
     function.argtypes = cpu_kernel._PACKED_MATMUL_ARGTYPES
     torch.manual_seed(0)
     for quant_type in QUANT_TYPES:
         _, blocks = quantized(59, 160, quant_type)  # a last group of 11 rows: 8 and 3
-        packed = PackedWeight.from_blocks(blocks, max_tokens=16)
+        packed = PackedWeight.from_blocks(blocks, max_tokens=32)
         for int8, native in ((0, packed), (1, replace(packed, int8_min_tokens=1))):
-            for rows in (1, 3, 11):
+            for rows in (1, 3, 11, 20):  # from 16 rows int8 Q4 takes AVX2's wide kernel
                 x = torch.randn(rows, 160)
                 out = torch.empty(rows, 59)
                 function(packed.codes.data_ptr(), packed.scales.data_ptr(),

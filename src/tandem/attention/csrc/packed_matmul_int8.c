@@ -3,13 +3,14 @@
    token) makes a dense bf16 GEMM win: y = x·Wᵀ.
 
    Each token row is quantized per 8 columns, with scales that are integer multiples of one
-   unit per 32: u = max|x| over the 32 / (127·K), and each 8 columns' scale d_x = k·u with
-   k = ⌈K·max|x| over the 8 / max|x| over the 32⌉ (1..K, K = 2048), q_x = round(x / d_x) in
-   −127..127. (Per 32 alone, as llama.cpp's Q8 activations are, the embedded model's greedy
-   tokens, teacher-forced in 16-token steps, agreed with fp32's at 97.7% of positions; per 8
-   at 98.6%, as with fp32 activations: RMSNorm's outlier channels set fewer neighbours'
-   scale. k rounds each 8's scale up by at most 1/k of itself.) A weight block's dot product
-   is then one integer sum, the four 8-column sums weighted by their k, scaled once per block:
+   unit per 32: u = max|x| over the 32 / (127·K), and each 8 columns' scale d_x = k·u with k =
+   ⌈K·max|x| over the 8 / max|x| over the 32⌉ (1..K, K = 2048; 0 for an all-zero 8), q_x =
+   round(x / d_x) in −127..127. (Per 32 alone, as llama.cpp's Q8 activations are, the embedded
+   model's greedy tokens, teacher-forced in 16-token steps, agreed with fp32's at 97.7% of
+   positions; per 8 at 98.6%, as with fp32 activations: RMSNorm's outlier channels set fewer
+   neighbours' scale. k rounds each 8's scale up by at most 1/k of itself.) A weight block's
+   dot product is then an integer sum per 8 columns, weighted by its k (as integers on AVX2 and
+   in plain C, which meet the floats once per block; as floats, u·k, with VNNI):
      Q4 (w = d·q + m, q in 0..15):   d·u·Σ_s k_s·Σ q·q_x + m·Σ_s d_xs·Σ q_x
      Q8_0 (w = d·q, q in −127..127): d·u·Σ_s k_s·Σ q·q_x
    The integer sums are exact (at most 4·K·8·128·127 < 2³¹) and each row's result depends on
@@ -21,9 +22,10 @@
    block the codes are put into VNNI order once (Q4: one byte permute per 64 bytes, then nibble
    masks; Q8_0 is stored in it) and reused by up to 8 token rows held in registers. With AVX2
    (and on a CPU with VNNI but not VBMI, such as Cascade Lake) the AVX2 path below gives the
-   same integer sums in 256-bit vectors, and from WIDE_MIN_TOKENS token rows Q4 turns the
-   vectors around (wide_row_group: 8 tokens per vector, the weights broadcast). Elsewhere a plain C loop does (tests build all three);
-   the probe offers int8 only where a vector path is built. */
+   same 8-column integer sums in 256-bit vectors, and from WIDE_MIN_TOKENS token rows Q4 turns
+   the vectors around (wide_row_group: 8 tokens per vector, the weights broadcast). Elsewhere
+   a plain C loop does (tests build all three); the probe offers int8 only where a vector path
+   is built. */
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -109,7 +111,9 @@ static void quantize_row(const float *x, int64_t k, int8_t *codes, float *units,
             const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v[s], _mm256_set1_ps(inverse)));
             const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q),
                                                 _mm256_extracti128_si256(q, 1));
-            _mm_storel_epi64((__m128i *)(codes + g * BLOCK + s * SUB), _mm_packs_epi16(q16, q16));
+            /* Never −128 (a NaN converts to it), which the Q8_0 sign trick could not negate. */
+            const __m128i q8 = _mm_max_epi8(_mm_packs_epi16(q16, q16), _mm_set1_epi8(-127));
+            _mm_storel_epi64((__m128i *)(codes + g * BLOCK + s * SUB), q8);
             sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(d), sum);
         }
         const __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
@@ -229,8 +233,8 @@ static inline __attribute__((always_inline)) void row_group(
    first operand is unsigned; offset codes, as VNNI takes them, would overflow its int16). The
    madd that widens each 8 columns' int16 sums to int32 multiplies them by the 8's k instead
    of by 1, so a block's four sums add up as integers and meet the floats once per block (per
-   8 columns, a conversion and two multiplies were half the work): the integer sums equal
-   VNNI's, the float steps differ in order. */
+   8 columns, a conversion and two multiplies were half the work): the 8-column integer sums
+   equal VNNI's, the float steps differ in order. */
 
 /* Byte i of each 128-bit lane of the result: the pairs (column c, c + 1) of rows 0-7 from
    a lane holding 8 rows of column c, then the same rows of column c + 1. */
@@ -552,8 +556,9 @@ int64_t packed_matmul_int8_scratch(int64_t num_tokens, int64_t k) {
 
 /* out [num_tokens, n_out] = x [num_tokens, k] · Wᵀ through int8 activations, fp32 in and out,
    contiguous; k a multiple of 32; `scratch` of packed_matmul_int8_scratch bytes, 4-aligned.
-   Each thread quantizes some rows, then multiplies whole row groups, their codes staying in
-   cache while every pass of 8 token rows reads them. */
+   Each thread quantizes some rows (for wide_row_group then interleaves some vectors of 8),
+   then multiplies whole row groups, their codes staying in cache while every pass of 8 token
+   rows reads them. */
 void packed_matmul_int8_into(const uint8_t *codes, const uint16_t *scales, int64_t quant_type,
                              int64_t n_out, int64_t k, const float *x, int64_t num_tokens,
                              float *out, void *scratch, int num_threads) {
