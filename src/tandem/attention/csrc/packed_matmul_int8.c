@@ -393,27 +393,22 @@ static void interleave(const int8_t *xq, const float *xu, const int16_t *xk, con
 /* Which of the transpose's vectors holds row r (the unpacks reverse the index's bits). */
 static const uint8_t TRANSPOSED_ROW[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
 
+/* A round of the transpose: each pair of vectors interleaved at one width, lows then highs. */
+#define TRANSPOSE_ROUND(WIDTH, FROM, TO)                                                        \
+    for (int i = 0; i < 8; i++) {                                                               \
+        TO[i] = _mm_unpacklo_epi##WIDTH(FROM[2 * i], FROM[2 * i + 1]);                          \
+        TO[i + 8] = _mm_unpackhi_epi##WIDTH(FROM[2 * i], FROM[2 * i + 1]);                      \
+    }
+
 /* Block g of a Q4 row group (byte r of column j holds row r's codes j and j + 16) as 16 rows
    of 32 unpacked codes, row r at rows + r·k: a 16×16 byte transpose, then the nibbles. */
 static inline void unpack_q4_block(const uint8_t *column, uint8_t *rows, int64_t k) {
     __m128i a[16], b[16];
     for (int j = 0; j < 16; j++) a[j] = _mm_loadu_si128((const __m128i *)(column + 16 * j));
-    for (int i = 0; i < 8; i++) {
-        b[i] = _mm_unpacklo_epi8(a[2 * i], a[2 * i + 1]);
-        b[i + 8] = _mm_unpackhi_epi8(a[2 * i], a[2 * i + 1]);
-    }
-    for (int i = 0; i < 8; i++) {
-        a[i] = _mm_unpacklo_epi16(b[2 * i], b[2 * i + 1]);
-        a[i + 8] = _mm_unpackhi_epi16(b[2 * i], b[2 * i + 1]);
-    }
-    for (int i = 0; i < 8; i++) {
-        b[i] = _mm_unpacklo_epi32(a[2 * i], a[2 * i + 1]);
-        b[i + 8] = _mm_unpackhi_epi32(a[2 * i], a[2 * i + 1]);
-    }
-    for (int i = 0; i < 8; i++) {
-        a[i] = _mm_unpacklo_epi64(b[2 * i], b[2 * i + 1]);
-        a[i + 8] = _mm_unpackhi_epi64(b[2 * i], b[2 * i + 1]);
-    }
+    TRANSPOSE_ROUND(8, a, b)
+    TRANSPOSE_ROUND(16, b, a)
+    TRANSPOSE_ROUND(32, a, b)
+    TRANSPOSE_ROUND(64, b, a)
     const __m128i nibble = _mm_set1_epi8(15);
     for (int r = 0; r < 16; r++) {
         const __m128i row = a[TRANSPOSED_ROW[r]];
