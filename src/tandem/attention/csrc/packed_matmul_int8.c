@@ -350,13 +350,14 @@ static inline __attribute__((always_inline)) void row_group(
 }
 
 /* Q4 at steps of WIDE_MIN_TOKENS token rows or more: the roles turn around. A vector holds 8
-   tokens, each lane one token's 4 codes of a column quad (the activations interleaved so once
-   per step), and one row's 4 weight codes are broadcast against it; a row group's codes are
-   unpacked to bytes once per step and read by every 8 tokens. Per 8 columns the two quads
-   and k of 8 tokens (k in both int16 halves of a lane, so madd weights the lane's two pair
-   sums) serve WIDE_ROWS rows from registers: per two maddubs one madd and about one load,
-   where the path above loads twice per maddubs (its broadcasts and its codes, which do not
-   fit the 16 registers). The integer sums are the same. */
+   tokens, each lane one token's 4 codes of a column quad (the activations are interleaved
+   that way once per step), and one row's 4 weight codes are broadcast against it; a row
+   group's codes are unpacked to bytes once per step and read by every 8 tokens. Per 8 columns
+   the two quads and k of 8 tokens (k in both int16 halves of a lane, so madd weights the
+   lane's two pair sums) serve WIDE_ROWS rows from registers: per two maddubs one madd and
+   about one load, where the path above loads twice per maddubs (its broadcasts and its codes,
+   which do not fit the 16 registers). Its integer sums and float steps per block are the path
+   above's, so a row's result is the same bit for bit on either. */
 #define WIDE_ROWS 8
 
 /* The activations of 8 tokens per vector (lanes past the last token zero). */
