@@ -42,26 +42,26 @@ def activations(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
 
 def quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes, the scale of every 8 columns (k units) and the sums of every 32."""
-    codes, units, steps, sums = cpu_kernel.quantize_rows_int8(x)
-    return codes, units.repeat_interleave(4, dim=1) * steps.float(), sums
+    codes, units, multiples, sums = cpu_kernel.quantize_rows_int8(x)
+    return codes, units.repeat_interleave(4, dim=1) * multiples.float(), sums
 
 
 def test_activations_round_to_the_nearest_of_127_steps_per_8_columns():
     x = activations(5, 160)
-    codes, units, steps, sums = cpu_kernel.quantize_rows_int8(x)
+    codes, units, multiples, sums = cpu_kernel.quantize_rows_int8(x)
     _, scales, _ = quantized_activations(x)
     groups = x.reshape(5, 20, 8)
     amax = groups.abs().amax(-1)
     assert codes.abs().max() <= 127
     # Each 8's scale is the fewest units that cover its largest value, the block's largest K.
-    assert steps.min() >= 0 and steps.max() == 2048
-    assert (steps.reshape(5, 5, 4).amax(-1)[units > 0] == 2048).all()
+    assert multiples.min() >= 0 and multiples.max() == 2048
+    assert (multiples.reshape(5, 5, 4).amax(-1)[units > 0] == 2048).all()
     torch.testing.assert_close(
         units, x.reshape(5, 5, 32).abs().amax(-1) / (127 * 2048), rtol=1e-6, atol=0
     )
     assert (scales >= amax / 127 * (1 - 1e-6)).all()
     assert (scales <= amax / 127 + units.repeat_interleave(4, dim=1) * (1 + 1e-6)).all()
-    assert steps[-1, 12] < 8  # the small 8: its own scale, not its block's
+    assert multiples[-1, 12] < 8  # the small 8: its own scale, not its block's
     dequantized = codes.reshape(5, 20, 8).float() * scales[..., None]
     assert ((dequantized - groups).abs() <= scales[..., None] * (0.5 + 1e-5)).all()
     assert (codes[0, :32] == 0).all() and (scales[0, :4] == 0).all() and units[0, 0] == 0

@@ -492,13 +492,13 @@ def quantize_rows_int8(
     x = x.float().contiguous()
     codes = torch.empty(x.shape, dtype=torch.int8)
     units = torch.empty(x.shape[0], x.shape[1] // 32)
-    steps = torch.empty(x.shape[0], x.shape[1] // 8, dtype=torch.int16)
+    multiples = torch.empty(x.shape[0], x.shape[1] // 8, dtype=torch.int16)
     sums = torch.empty(x.shape[0], x.shape[1] // 32)
     library.quantize_rows_int8(
         x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(), units.data_ptr(),
-        steps.data_ptr(), sums.data_ptr(),
+        multiples.data_ptr(), sums.data_ptr(),
     )  # fmt: skip
-    return codes, units, steps, sums
+    return codes, units, multiples, sums
 
 
 def kernel(dtype: torch.dtype, head_dim: int) -> ctypes._CFuncPtr:

@@ -46,8 +46,7 @@ class _DecodeModel(ctypes.Structure):
                 ("scale", ctypes.c_float), ("layers", ctypes.POINTER(_DecodeLayer)),
                 ("embedding", _ptr), ("embedding_bf16", _i64), ("vocab_size", _i64),
                 ("cos_sin", _ptr), ("max_positions", _i64), ("final_norm", _ptr),
-                ("head", _PackedMatrix), ("head_int8", _i64),
-                ("head_reads_bf16", _i64)]  # fmt: skip
+                ("head", _PackedMatrix), ("head_int8", _i64)]  # fmt: skip
 
 
 class _DecodeStep(ctypes.Structure):
@@ -135,7 +134,7 @@ class CpuDecode:
             block_size, int8_min_tokens, config.rms_norm_eps, attention[0].scale, layers,
             embedding.data_ptr(), _EMBEDDING_BF16[embedding.dtype], embedding.shape[0],
             cos_sin.data_ptr(), cos_sin.shape[0], self._fp32(decoder.norm.weight), head_matrix,
-            head_int8, int(embedding.dtype == torch.bfloat16),
+            head_int8,
         )  # fmt: skip
         self._hidden_size = config.hidden_size
         self._one_row = torch.empty(1, config.hidden_size)  # logits_and_argmax's final hidden

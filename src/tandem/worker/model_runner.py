@@ -366,12 +366,12 @@ class ModelRunner:
             batch.input_ids[batch.placeholder_indices] = placeholder_token_ids
         rows = batch.logits_indices
         prompt = batch.prompt_logits
-        if argmax and prompt is None and rows.shape[0] == 1 and self._fused_decode(batch):
-            assert self.cpu_decode is not None
-            both = self.cpu_decode.logits_and_argmax(batch)
+        fused = self._fused_decode(batch)
+        if fused is not None and argmax and prompt is None and rows.shape[0] == 1:
+            both = fused.logits_and_argmax(batch)
             if both is not None:  # the layers and the head's argmax pass in one C call
                 return RunnerOutput(both[0], argmax=both[1])
-        hidden = self.hidden_states(batch)
+        hidden = self._hidden_states(batch, fused)
         # The rows ascend, so as many rows as tokens is every token in order (a decode step):
         # no gather. (shape[0], not len(): a tensor's __len__ is Python, ~3 µs a step here.)
         every_row = rows.shape[0] == hidden.shape[0]
@@ -394,21 +394,24 @@ class ModelRunner:
     def hidden_states(self, batch: BatchInputs) -> torch.Tensor:
         """The final hidden state of every token of the batch: a captured CUDA graph, the
         fused CPU decode step, or the model layer by layer."""
-        if self._fused_decode(batch):
-            assert self.cpu_decode is not None
-            return self.cpu_decode.run(batch)
+        return self._hidden_states(batch, self._fused_decode(batch))
+
+    def _hidden_states(self, batch: BatchInputs, fused: CpuDecode | None) -> torch.Tensor:
+        if fused is not None:
+            return fused.run(batch)
         if self.decode_graphs is not None and self.decode_graphs.fits(batch):
             return self.decode_graphs.run(batch)
         with forward_context(batch.attn_metadata):
             return self.model(batch.input_ids, batch.positions)
 
-    def _fused_decode(self, batch: BatchInputs) -> bool:
-        """The step runs in the CPU's fused decode step: no decode graph takes it first."""
-        return (
-            self.cpu_decode is not None
-            and self.cpu_decode.fits(batch)
-            and (self.decode_graphs is None or not self.decode_graphs.fits(batch))
-        )
+    def _fused_decode(self, batch: BatchInputs) -> CpuDecode | None:
+        """The CPU's fused decode step where it takes the batch (a decode graph that fits it
+        comes first)."""
+        if self.cpu_decode is None or not self.cpu_decode.fits(batch):
+            return None
+        if self.decode_graphs is not None and self.decode_graphs.fits(batch):
+            return None
+        return self.cpu_decode
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host copy of `tensor`, queued on the device's stream (pinned, not waited for: read

@@ -47,14 +47,13 @@ typedef struct {
     int64_t int8_min_tokens; /* steps of at least this many tokens: int8 activations; 0: never */
     float eps, scale;
     const DecodeLayer *layers;
-    const void *embedding;  /* [vocab_size, hidden], fp32 or bf16 (embedding_bf16) */
-    int64_t embedding_bf16, vocab_size;
+    const void *embedding;  /* [vocab_size, hidden], fp32 or bf16 (a bf16 model's) */
+    int64_t embedding_bf16, vocab_size;  /* embedding_bf16: the model computes in bf16 */
     const float *cos_sin;  /* [max_positions, head_dim]: cos then sin of each position */
     int64_t max_positions;
     const float *final_norm;  /* [hidden] fp32 */
     PackedMatrix head;  /* the LM head without a bias; codes NULL: none packed */
     int64_t head_int8;  /* its argmax pass quantizes the row to int8 */
-    int64_t head_reads_bf16;  /* it reads the final row rounded to bf16 (a bf16 model's) */
 } DecodeModel;
 
 typedef struct {
@@ -138,22 +137,12 @@ int NAME(const DecodeModel *model, const DecodeStep *step, float *final, float *
     const int64_t widest = width > q_size ? (width > inter ? width : inter)                        \
                                           : (q_size > inter ? q_size : inter);                     \
     void *scratch = int8 ? malloc(packed_matmul_int8_scratch(tokens, widest)) : NULL;              \
-    if (normed == NULL || query == NULL || (int8 && scratch == NULL)) {                            \
-        free(normed);                                                                              \
-        free(query);                                                                               \
-        free(scratch);                                                                             \
-        return -1;                                                                                 \
-    }                                                                                              \
+    const int status =                                                                             \
+        normed == NULL || query == NULL || (int8 && scratch == NULL) ? -1                          \
+        : token != NULL && (tokens != 1 || logits == NULL || model->head.codes == NULL) ? -3       \
+        : gather_inputs(model, step, hidden, cos_sin);                                             \
+    if (status != 0) goto done;                                                                    \
     T *out = query + tokens * q_size;                                                              \
-    const int refused =                                                                            \
-        token != NULL && (tokens != 1 || logits == NULL || model->head.codes == NULL) ? -3         \
-                        : gather_inputs(model, step, hidden, cos_sin);                             \
-    if (refused != 0) {                                                                            \
-        free(scratch);                                                                             \
-        free(query);                                                                               \
-        free(normed);                                                                              \
-        return refused;                                                                            \
-    }                                                                                              \
     for (int64_t l = 0; l < model->num_layers; l++) {                                              \
         const DecodeLayer *layer = model->layers + l;                                              \
         T *key_cache = layer->kv_cache;                                                            \
@@ -189,16 +178,17 @@ int NAME(const DecodeModel *model, const DecodeStep *step, float *final, float *
     }                                                                                              \
     rms_norm_f32(hidden, model->final_norm, final, tokens, width, model->eps, num_threads);        \
     if (token != NULL) {                                                                           \
-        if (model->head_reads_bf16) /* as the layer-by-layer head reads it */                      \
+        if (model->embedding_bf16) /* a bf16 model's head reads the row rounded to bf16 */         \
             for (int64_t i = 0; i < width; i++) final[i] = bf16_load(bf16_store(final[i]));        \
         (model->head_int8 ? packed_matmul_int8_argmax : packed_matmul_argmax)(                     \
             model->head.codes, model->head.scales, model->head.quant_type,                         \
             model->head.out_features, width, final, logits, token, num_threads);                   \
     }                                                                                              \
+done:                                                                                              \
     free(scratch);                                                                                 \
     free(query);                                                                                   \
     free(normed);                                                                                  \
-    return 0;                                                                                      \
+    return status;                                                                                 \
 }
 
 DEFINE_DECODE_STEP(decode_step_f32, float, f32_load, f32_store, f32)

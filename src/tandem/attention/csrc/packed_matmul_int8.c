@@ -40,7 +40,7 @@
 #define BLOCK 32
 #define SUB 8 /* columns per activation scale */
 #define SUBS (BLOCK / SUB)
-#define K_STEPS 2048 /* K: an 8-column scale is 1..K units */
+#define MAX_MULTIPLE 2048 /* K: an 8-column scale is 1..K units */
 #define TINY 1e-30f /* blocks below this quantize to 0 (1 / u would overflow) */
 #define LANES 16
 #define MAX_ROWS 8 /* token rows per pass over a row group's codes */
@@ -72,15 +72,15 @@ int packed_matmul_int8_vectorized(void) { return VNNI || AVX2_PATH; }
 
 /* u (returned) and each 8 columns' k (see the top) from the 8s' largest magnitudes; u = 0
    and every k 0 for a block whose largest is at most TINY, k = 0 for an all-zero 8. */
-static inline float block_unit(const float top[SUBS], int16_t steps[SUBS]) {
+static inline float block_unit(const float top[SUBS], int16_t multiples[SUBS]) {
     float block_top = 0.0f;
     for (int s = 0; s < SUBS; s++) block_top = top[s] > block_top ? top[s] : block_top;
-    const float ratio = block_top > TINY ? K_STEPS / block_top : 0.0f;
+    const float ratio = block_top > TINY ? MAX_MULTIPLE / block_top : 0.0f;
     for (int s = 0; s < SUBS; s++) {
         const float multiple = ceilf(top[s] * ratio); /* the largest 8's rounds to K or K + 1 */
-        steps[s] = (int16_t)(multiple < K_STEPS ? multiple : K_STEPS);
+        multiples[s] = (int16_t)(multiple < MAX_MULTIPLE ? multiple : MAX_MULTIPLE);
     }
-    return block_top > TINY ? block_top * (1.0f / (127.0f * K_STEPS)) : 0.0f;
+    return block_top > TINY ? block_top * (1.0f / (127.0f * MAX_MULTIPLE)) : 0.0f;
 }
 
 /* x [k] to codes [k], per 32 columns u ([k / 32]) and Σ d_x·q_x ([k / 32]), per 8 k
@@ -88,11 +88,11 @@ static inline float block_unit(const float top[SUBS], int16_t steps[SUBS]) {
    rounding mode, nearbyintf). With AVX2 one 8-column group is one vector (the plain loop sums
    its terms one by one and did not vectorize: ~3% of a 32-request decode step on the AVX2
    EPYC). */
-static void quantize_row(const float *x, int64_t k, int8_t *codes, float *units, int16_t *steps,
-                         float *sums) {
+static void quantize_row(const float *x, int64_t k, int8_t *codes, float *units,
+                         int16_t *multiples, float *sums) {
     for (int64_t g = 0; g < k / BLOCK; g++) {
         const float *block = x + g * BLOCK;
-        int16_t *block_steps = steps + g * SUBS;
+        int16_t *block_multiples = multiples + g * SUBS;
         float top[SUBS];
 #if defined(__AVX2__) && defined(__FMA__)
         __m256 v[SUBS];
@@ -104,10 +104,10 @@ static void quantize_row(const float *x, int64_t k, int8_t *codes, float *units,
             amax = _mm256_max_ps(amax, _mm256_permute2f128_ps(amax, amax, 0x01));
             top[s] = _mm256_cvtss_f32(amax);
         }
-        const float unit = units[g] = block_unit(top, block_steps);
+        const float unit = units[g] = block_unit(top, block_multiples);
         __m256 sum = _mm256_setzero_ps();
         for (int s = 0; s < SUBS; s++) {
-            const float d = unit * block_steps[s], inverse = d > 0.0f ? 1.0f / d : 0.0f;
+            const float d = unit * block_multiples[s], inverse = d > 0.0f ? 1.0f / d : 0.0f;
             const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v[s], _mm256_set1_ps(inverse)));
             const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q),
                                                 _mm256_extracti128_si256(q, 1));
@@ -125,10 +125,10 @@ static void quantize_row(const float *x, int64_t k, int8_t *codes, float *units,
             for (int j = 0; j < SUB; j++) /* not fmaxf: GCC calls libm for it */
                 top[s] = fabsf(block[s * SUB + j]) > top[s] ? fabsf(block[s * SUB + j]) : top[s];
         }
-        const float unit = units[g] = block_unit(top, block_steps);
+        const float unit = units[g] = block_unit(top, block_multiples);
         float sum = 0.0f;
         for (int s = 0; s < SUBS; s++) {
-            const float d = unit * block_steps[s], inverse = d > 0.0f ? 1.0f / d : 0.0f;
+            const float d = unit * block_multiples[s], inverse = d > 0.0f ? 1.0f / d : 0.0f;
             for (int j = 0; j < SUB; j++) {
                 const int q = (int)nearbyintf(block[s * SUB + j] * inverse);
                 codes[g * BLOCK + s * SUB + j] = (int8_t)q;
@@ -141,12 +141,12 @@ static void quantize_row(const float *x, int64_t k, int8_t *codes, float *units,
 }
 
 /* For tests: the activations exactly as the matmul quantizes them (units and sums
-   [rows, k / 32], steps [rows, k / 8]). */
+   [rows, k / 32], multiples [rows, k / 8]). */
 void quantize_rows_int8(const float *x, int64_t rows, int64_t k, int8_t *codes, float *units,
-                        int16_t *steps, float *sums) {
+                        int16_t *multiples, float *sums) {
     for (int64_t t = 0; t < rows; t++)
-        quantize_row(x + t * k, k, codes + t * k, units + t * (k / BLOCK), steps + t * (k / SUB),
-                     sums + t * (k / BLOCK));
+        quantize_row(x + t * k, k, codes + t * k, units + t * (k / BLOCK),
+                     multiples + t * (k / SUB), sums + t * (k / BLOCK));
 }
 
 #if VNNI
@@ -233,8 +233,9 @@ static inline __attribute__((always_inline)) void row_group(
    first operand is unsigned; offset codes, as VNNI takes them, would overflow its int16). The
    madd that widens each 8 columns' int16 sums to int32 multiplies them by the 8's k instead
    of by 1, so a block's four sums add up as integers and meet the floats once per block (per
-   8 columns, a conversion and two multiplies were half the work): the 8-column integer sums
-   equal VNNI's, the float steps differ in order. */
+   8 columns, the float multiply and FMA had been two of every five instructions on the pipes
+   the integer multiplies use): the 8-column integer sums equal VNNI's, the float steps differ
+   in order. */
 
 /* Byte i of each 128-bit lane of the result: the pairs (column c, c + 1) of rows 0-7 from
    a lane holding 8 rows of column c, then the same rows of column c + 1. */
@@ -298,14 +299,14 @@ static inline __attribute__((always_inline)) void row_group(
         }
         for (int t = 0; t < tokens; t++) {
             const int8_t *xt = xq + t * k + g * BLOCK;
-            const int16_t *steps = xk + (t * groups + g) * SUBS;
-            __m256i x4[8], weight[SUBS];
+            const int16_t *token_multiples = xk + (t * groups + g) * SUBS;
+            __m256i x4[8], multiple[SUBS];
             for (int q = 0; q < 8; q++) {
                 int32_t four;
                 memcpy(&four, xt + 4 * q, sizeof four);
                 x4[q] = _mm256_set1_epi32(four);
             }
-            for (int s = 0; s < SUBS; s++) weight[s] = _mm256_set1_epi16(steps[s]);
+            for (int s = 0; s < SUBS; s++) multiple[s] = _mm256_set1_epi16(token_multiples[s]);
             const __m256 unit = _mm256_set1_ps(xu[t * groups + g]);
             for (int h = 0; h < 2; h++) {
                 __m256i dot = _mm256_setzero_si256();
@@ -317,14 +318,14 @@ static inline __attribute__((always_inline)) void row_group(
                         const __m256i second = _mm256_maddubs_epi16(
                             magnitude[2 * s + 1][h], _mm256_sign_epi8(x4[2 * s + 1], b));
                         dot = _mm256_add_epi32(dot, _mm256_add_epi32(
-                                                        _mm256_madd_epi16(first, weight[s]),
-                                                        _mm256_madd_epi16(second, weight[s])));
+                                                        _mm256_madd_epi16(first, multiple[s]),
+                                                        _mm256_madd_epi16(second, multiple[s])));
                     } else /* two quads' int16 sums fit: 4 · 15 · 127 */
                         dot = _mm256_add_epi32(
                             dot, _mm256_madd_epi16(
                                      _mm256_add_epi16(_mm256_maddubs_epi16(a, x4[2 * s]),
                                                       _mm256_maddubs_epi16(b, x4[2 * s + 1])),
-                                     weight[s]));
+                                     multiple[s]));
                 }
                 acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d[h], unit),
                                             acc[t][h]);
@@ -362,16 +363,16 @@ static inline __attribute__((always_inline)) void row_group(
 
 /* The activations of 8 tokens per vector (lanes past the last token zero). */
 typedef struct {
-    int8_t *codes;       /* [vectors][k / 4][8][4] */
-    int32_t *steps;      /* [vectors][k / 8][8] */
-    float *units, *sums; /* [vectors][k / 32][8] */
+    int8_t *codes;  /* [vectors][k / 4][8][4] */
+    int32_t *multiples;  /* [vectors][k / 8][8] */
+    float *units, *sums;  /* [vectors][k / 32][8] */
 } interleaved;
 
 static void interleave(const int8_t *xq, const float *xu, const int16_t *xk, const float *xs,
                        int64_t num_tokens, int64_t k, int64_t vector, const interleaved *x) {
     const int64_t groups = k / BLOCK, subs = k / SUB;
     int32_t *codes = (int32_t *)(x->codes + vector * 8 * k);
-    int32_t *steps = x->steps + vector * 8 * subs;
+    int32_t *multiples = x->multiples + vector * 8 * subs;
     float *units = x->units + vector * 8 * groups, *sums = x->sums + vector * 8 * groups;
     for (int lane = 0; lane < 8; lane++) {
         const int64_t t = vector * 8 + lane;
@@ -382,7 +383,7 @@ static void interleave(const int8_t *xq, const float *xu, const int16_t *xk, con
             codes[q * 8 + lane] = four;
         }
         for (int64_t s = 0; s < subs; s++)
-            steps[s * 8 + lane] = /* k in both halves */
+            multiples[s * 8 + lane] = /* k in both halves */
                 real ? (int32_t)((uint32_t)(uint16_t)xk[t * subs + s] * 0x10001u) : 0;
         for (int64_t g = 0; g < groups; g++) {
             units[g * 8 + lane] = real ? xu[t * groups + g] : 0.0f;
@@ -440,7 +441,7 @@ static void wide_row_group(const uint8_t *codes, const uint16_t *scales, int64_t
     for (int64_t r0 = 0; r0 < valid; r0 += WIDE_ROWS)
         for (int64_t v = 0; v < vectors; v++) {
             const int8_t *xc = x->codes + v * 8 * k;
-            const int32_t *xk = x->steps + v * 8 * (k / SUB);
+            const int32_t *xk = x->multiples + v * 8 * (k / SUB);
             const float *xu = x->units + v * 8 * groups, *xs = x->sums + v * 8 * groups;
             float tile[WIDE_ROWS][8] = {{0.0f}}; /* in memory: registers hold the sums */
             for (int64_t g = 0; g < groups; g++) {
@@ -450,10 +451,10 @@ static void wide_row_group(const uint8_t *codes, const uint16_t *scales, int64_t
                     const int8_t *quads = xc + (g * 8 + 2 * s) * 32;
                     __m256i first = _mm256_loadu_si256((const __m256i *)quads);
                     __m256i second = _mm256_loadu_si256((const __m256i *)(quads + 32));
-                    __m256i steps =
+                    __m256i multiples =
                         _mm256_loadu_si256((const __m256i *)(xk + (g * SUBS + s) * 8));
                     /* Loaded once into registers: GCC would fold each use into its own load. */
-                    __asm__("" : "+x"(first), "+x"(second), "+x"(steps));
+                    __asm__("" : "+x"(first), "+x"(second), "+x"(multiples));
                     UNROLL for (int r = 0; r < WIDE_ROWS; r++) {
                         const uint8_t *row = rows + (r0 + r) * k + g * BLOCK + s * SUB;
                         int32_t four[2];
@@ -461,7 +462,7 @@ static void wide_row_group(const uint8_t *codes, const uint16_t *scales, int64_t
                         const __m256i pairs = _mm256_add_epi16( /* ≤ 4 · 15 · 127 */
                             _mm256_maddubs_epi16(_mm256_set1_epi32(four[0]), first),
                             _mm256_maddubs_epi16(_mm256_set1_epi32(four[1]), second));
-                        dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, steps));
+                        dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, multiples));
                         __asm__("" : "+x"(dot[r])); /* a running sum, not an add tree to spill */
                     }
                 }
@@ -567,9 +568,9 @@ void packed_matmul_int8_into(const uint8_t *codes, const uint16_t *scales, int64
     const int wide = quant_type == Q4 && num_tokens >= WIDE_MIN_TOKENS;
     const int64_t vectors = (num_tokens + 7) / 8;
     int8_t *interleaved_codes = xq + num_tokens * k;
-    int32_t *interleaved_steps = (int32_t *)(interleaved_codes + vectors * 8 * k);
-    float *interleaved_units = (float *)(interleaved_steps + vectors * 8 * (k / SUB));
-    const interleaved by_vector = {interleaved_codes, interleaved_steps, interleaved_units,
+    int32_t *interleaved_multiples = (int32_t *)(interleaved_codes + vectors * 8 * k);
+    float *interleaved_units = (float *)(interleaved_multiples + vectors * 8 * (k / SUB));
+    const interleaved by_vector = {interleaved_codes, interleaved_multiples, interleaved_units,
                                    interleaved_units + vectors * 8 * groups};
 #endif
     #pragma omp parallel num_threads(num_threads) if(n_out * k * num_tokens >= 65536)
