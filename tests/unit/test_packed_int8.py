@@ -1,7 +1,7 @@
 """The packed GGUF matmul with int8 activations (csrc/packed_matmul_int8.c): each token row is
 quantized per 8 columns, with scales that are whole multiples of a unit per 32, and the product
 equals the dequantized weights times the dequantized activations up to fp32 rounding, on the
-per-token path and on the wide one (Q4 from 16 rows); a row's result does not depend on the
+per-token path and on the wide one (from 16 rows); a row's result does not depend on the
 rows beside it; a layer uses it only from `int8_min_tokens` rows, the LM head too."""
 
 from __future__ import annotations
@@ -74,8 +74,7 @@ def test_activations_round_to_the_nearest_of_127_steps_per_8_columns():
 @pytest.mark.parametrize("rows", [1, 3, 8, 11, 16, 20, 37])
 def test_int8_matmul_equals_the_dequantized_product(quant_type, rows):
     """59 output rows: a last group of 11 (the wide path's tiles of 8 rows: 8 and 3); 11 rows:
-    two passes of 8; from 16 rows Q4 takes the wide path (20 and 37: a partial vector of 8
-    tokens)."""
+    two passes of 8; from 16 rows the wide path (20 and 37: a partial vector of 8 tokens)."""
     weight, packed = int8_weight(quant_type, rows=59)
     x = activations(rows, 160, seed=rows)
     codes, scales, _ = quantized_activations(x)
@@ -89,9 +88,11 @@ def test_int8_matmul_equals_the_dequantized_product(quant_type, rows):
     assert (got.double() - exact).abs().max() <= 0.02 * exact.abs().max()
 
 
-def test_a_q8_0_code_of_minus_128_counts_as_minus_128():
+@pytest.mark.parametrize("tokens", [5, 20])
+def test_a_q8_0_code_of_minus_128_counts_as_minus_128(tokens):
     """GGUF's quantizer writes codes within ±127, but a file may hold int8's −128; the AVX2
-    path takes Q8_0 codes as magnitudes, whose |−128| must read as 128."""
+    path takes Q8_0 codes as magnitudes, whose |−128| must read as 128, and the wide one
+    (20 tokens) leaves the row groups holding one (rows 0-47 here, not 48-49) to it."""
     _, blocks = quantized(50, 160, "Q8_0")
     data = blocks.data.copy()
     data[3:40:3, 2:34:5] = 0x80  # codes of the first block of every third row (after fp16 d)
@@ -100,9 +101,11 @@ def test_a_q8_0_code_of_minus_128_counts_as_minus_128():
     d = float(data[3, :2].view(np.float16)[0])
     assert weight[3, 0] == -128 * d != 0
     packed = PackedWeight.from_blocks(blocks, max_tokens=64, int8_min_tokens=1)
-    x = activations(5, 160)
+    x = activations(tokens, 160)
     codes, scales, _ = quantized_activations(x)
-    x_int8 = (codes.reshape(5, 20, 8).double() * scales[..., None].double()).reshape(5, 160)
+    x_int8 = (codes.reshape(tokens, 20, 8).double() * scales[..., None].double()).reshape(
+        tokens, 160
+    )
     expected = x_int8 @ weight.T
     got = packed.matmul(x).double()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max())

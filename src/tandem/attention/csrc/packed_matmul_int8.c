@@ -22,7 +22,7 @@
    block the codes are put into VNNI order once (Q4: one byte permute per 64 bytes, then nibble
    masks; Q8_0 is stored in it) and reused by up to 8 token rows held in registers. With AVX2
    (and on a CPU with VNNI but not VBMI, such as Cascade Lake) the AVX2 path below gives the
-   same 8-column integer sums in 256-bit vectors, and from WIDE_MIN_TOKENS token rows Q4 turns
+   same 8-column integer sums in 256-bit vectors, and from WIDE_MIN_TOKENS token rows turns
    the vectors around (wide_row_group: 8 tokens per vector, the weights broadcast). Elsewhere
    a plain C loop does (tests build all three); the probe offers int8 only where a vector path
    is built. */
@@ -350,15 +350,17 @@ static inline __attribute__((always_inline)) void row_group(
     }
 }
 
-/* Q4 at steps of WIDE_MIN_TOKENS token rows or more: the roles turn around. A vector holds 8
+/* Steps of WIDE_MIN_TOKENS token rows or more: the roles turn around. A vector holds 8
    tokens, each lane one token's 4 codes of a column quad (the activations are interleaved
-   that way once per step), and one row's 4 weight codes are broadcast against it; a row
-   group's codes are unpacked to bytes once per step and read by every 8 tokens. Per 8 columns
-   the two quads and k of 8 tokens (k in both int16 halves of a lane, so madd weights the
-   lane's two pair sums) serve WIDE_ROWS rows from registers: per two maddubs one madd and
-   about one load, where the path above loads twice per maddubs (its broadcasts and its codes,
-   which do not fit the 16 registers). Its integer sums and float steps per block are the path
-   above's, so a row's result is the same bit for bit on either. */
+   that way once per step), and one row's 4 weight codes are broadcast against it; a Q4 row
+   group's codes are unpacked to bytes once per step (Q8_0's are read in place) and read by
+   every 8 tokens. Per 8 columns the two quads and k of 8 tokens (k in both int16 halves of a
+   lane, so madd weights the lane's two pair sums) serve WIDE_ROWS rows from registers: Q4 per
+   two maddubs one madd and about one load, where the path above loads twice per maddubs (its
+   broadcasts and its codes, which do not fit the 16 registers); Q8_0 per two maddubs two
+   signs, two madds and two broadcasts (the LM head at 32 rows: 1.3-1.6x the path above on
+   the AVX2 EPYC). Its integer sums and float steps per block are the path above's, so a
+   row's result is the same bit for bit on either. */
 #define WIDE_ROWS 8
 
 /* The activations of 8 tokens per vector (lanes past the last token zero). */
@@ -420,62 +422,110 @@ static inline void unpack_q4_block(const uint8_t *column, uint8_t *rows, int64_t
     }
 }
 
-/* One Q4 row group for all tokens (x: their `vectors` interleaved vectors), out[t·n_out + r]
-   for its `valid` rows. */
+/* The sums of WIDE_ROWS rows (from r0) for one interleaved vector of 8 tokens, block by block,
+   into tile[row][lane]. Q4: `codes` are the row group's unpacked rows (row r at r·k) and
+   each block adds m·Σ d_x·q_x. Q8_0: `codes` are the group's own (row r's quad q of block g
+   at g·512 + q·64 + r·4), signed, so each row's four codes take the activations' signs and
+   meet their magnitudes (a code of −128 would not negate: the caller keeps such groups on the
+   per-token path); a Q8_0 8's two pair sums (each up to 2·127·127) are widened one by one. */
+static inline __attribute__((always_inline)) void wide_tile(
+    int quant_type, const uint8_t *codes, int64_t k, const float *d, const float *m,
+    const interleaved *x, int64_t v, int64_t r0, float tile[WIDE_ROWS][8]) {
+    const int64_t groups = k / BLOCK;
+    const int8_t *xc = x->codes + v * 8 * k;
+    const int32_t *xk = x->multiples + v * 8 * (k / SUB);
+    const float *xu = x->units + v * 8 * groups, *xs = x->sums + v * 8 * groups;
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i dot[WIDE_ROWS];
+        UNROLL for (int r = 0; r < WIDE_ROWS; r++) dot[r] = _mm256_setzero_si256();
+        UNROLL for (int s = 0; s < SUBS; s++) {
+            const int8_t *quads = xc + (g * 8 + 2 * s) * 32;
+            __m256i first = _mm256_loadu_si256((const __m256i *)quads);
+            __m256i second = _mm256_loadu_si256((const __m256i *)(quads + 32));
+            __m256i multiples = _mm256_loadu_si256((const __m256i *)(xk + (g * SUBS + s) * 8));
+            /* Loaded once into registers: GCC would fold each use into its own load. */
+            __asm__("" : "+x"(first), "+x"(second), "+x"(multiples));
+            if (quant_type == Q4) {
+                UNROLL for (int r = 0; r < WIDE_ROWS; r++) {
+                    int32_t four[2];
+                    memcpy(four, codes + (r0 + r) * k + g * BLOCK + s * SUB, sizeof four);
+                    const __m256i pairs = _mm256_add_epi16( /* ≤ 4 · 15 · 127 */
+                        _mm256_maddubs_epi16(_mm256_set1_epi32(four[0]), first),
+                        _mm256_maddubs_epi16(_mm256_set1_epi32(four[1]), second));
+                    dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, multiples));
+                    __asm__("" : "+x"(dot[r])); /* a running sum, not an add tree to spill */
+                }
+            } else {
+                __m256i first_magnitude = _mm256_abs_epi8(first);
+                __m256i second_magnitude = _mm256_abs_epi8(second);
+                __asm__("" : "+x"(first_magnitude), "+x"(second_magnitude));
+                UNROLL for (int r = 0; r < WIDE_ROWS; r++) {
+                    const uint8_t *row = codes + (g * BLOCK + 2 * s * 4) * LANES + (r0 + r) * 4;
+                    int32_t four[2];
+                    memcpy(&four[0], row, sizeof four[0]);
+                    memcpy(&four[1], row + 4 * LANES, sizeof four[1]);
+                    const __m256i a = _mm256_maddubs_epi16(
+                        first_magnitude, _mm256_sign_epi8(_mm256_set1_epi32(four[0]), first));
+                    const __m256i b = _mm256_maddubs_epi16(
+                        second_magnitude, _mm256_sign_epi8(_mm256_set1_epi32(four[1]), second));
+                    const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(a, multiples),
+                                                          _mm256_madd_epi16(b, multiples));
+                    dot[r] = _mm256_add_epi32(dot[r], sums);
+                    __asm__("" : "+x"(dot[r]));
+                }
+            }
+        }
+        const __m256 unit = _mm256_loadu_ps(xu + g * 8);
+        UNROLL for (int r = 0; r < WIDE_ROWS; r++) {
+            __m256 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]),
+                                         _mm256_mul_ps(_mm256_set1_ps(d[g * LANES + r0 + r]), unit),
+                                         _mm256_loadu_ps(tile[r]));
+            if (quant_type == Q4)
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(m[g * LANES + r0 + r]),
+                                      _mm256_loadu_ps(xs + g * 8), acc);
+            _mm256_storeu_ps(tile[r], acc);
+        }
+    }
+}
+
+/* Whether a Q8_0 row group's codes hold a −128 (which wide_tile cannot negate). */
+static int holds_minimum(const uint8_t *codes, int64_t groups) {
+    __m256i found = _mm256_setzero_si256();
+    for (int64_t i = 0; i < groups * BLOCK * LANES; i += 32)
+        found = _mm256_or_si256(found, _mm256_cmpeq_epi8(
+                                           _mm256_loadu_si256((const __m256i *)(codes + i)),
+                                           _mm256_set1_epi8((char)0x80)));
+    return !_mm256_testz_si256(found, found);
+}
+
+/* One row group for all tokens (x: their `vectors` interleaved vectors), out[t·n_out + r] for
+   its `valid` rows: Q4's codes unpacked once, then tiles of WIDE_ROWS rows by 8 tokens (the
+   tile in memory: the registers hold the integer sums). */
 static void wide_row_group(const uint8_t *codes, const uint16_t *scales, int64_t k,
-                           const interleaved *x, int64_t num_tokens, float *out, int64_t n_out,
-                           int64_t valid) {
+                           int quant_type, const interleaved *x, int64_t num_tokens, float *out,
+                           int64_t n_out, int64_t valid) {
     const int64_t groups = k / BLOCK, vectors = (num_tokens + 7) / 8;
-    uint8_t rows[LANES * k];
+    uint8_t rows[quant_type == Q4 ? LANES * k : 1];
     float d[groups * LANES], m[groups * LANES];
     for (int64_t g = 0; g < groups; g++) {
-        unpack_q4_block(codes + g * (BLOCK / 2) * LANES, rows + g * BLOCK, k);
+        if (quant_type == Q4)
+            unpack_q4_block(codes + g * (BLOCK / 2) * LANES, rows + g * BLOCK, k);
+        const uint16_t *s = scales + g * (quant_type == Q4 ? 2 : 1) * LANES;
         for (int h = 0; h < 2; h++) {
-            const uint16_t *s = scales + g * 2 * LANES + 8 * h;
             _mm256_storeu_ps(d + g * LANES + 8 * h,
-                             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s)));
-            _mm256_storeu_ps(m + g * LANES + 8 * h,
-                             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + LANES))));
+                             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 8 * h))));
+            if (quant_type == Q4)
+                _mm256_storeu_ps(m + g * LANES + 8 * h, _mm256_cvtph_ps(_mm_loadu_si128(
+                                                            (const __m128i *)(s + LANES + 8 * h))));
         }
     }
     for (int64_t r0 = 0; r0 < valid; r0 += WIDE_ROWS)
         for (int64_t v = 0; v < vectors; v++) {
-            const int8_t *xc = x->codes + v * 8 * k;
-            const int32_t *xk = x->multiples + v * 8 * (k / SUB);
-            const float *xu = x->units + v * 8 * groups, *xs = x->sums + v * 8 * groups;
-            float tile[WIDE_ROWS][8] = {{0.0f}}; /* in memory: registers hold the sums */
-            for (int64_t g = 0; g < groups; g++) {
-                __m256i dot[WIDE_ROWS];
-                UNROLL for (int r = 0; r < WIDE_ROWS; r++) dot[r] = _mm256_setzero_si256();
-                UNROLL for (int s = 0; s < SUBS; s++) {
-                    const int8_t *quads = xc + (g * 8 + 2 * s) * 32;
-                    __m256i first = _mm256_loadu_si256((const __m256i *)quads);
-                    __m256i second = _mm256_loadu_si256((const __m256i *)(quads + 32));
-                    __m256i multiples =
-                        _mm256_loadu_si256((const __m256i *)(xk + (g * SUBS + s) * 8));
-                    /* Loaded once into registers: GCC would fold each use into its own load. */
-                    __asm__("" : "+x"(first), "+x"(second), "+x"(multiples));
-                    UNROLL for (int r = 0; r < WIDE_ROWS; r++) {
-                        const uint8_t *row = rows + (r0 + r) * k + g * BLOCK + s * SUB;
-                        int32_t four[2];
-                        memcpy(four, row, sizeof four);
-                        const __m256i pairs = _mm256_add_epi16( /* ≤ 4 · 15 · 127 */
-                            _mm256_maddubs_epi16(_mm256_set1_epi32(four[0]), first),
-                            _mm256_maddubs_epi16(_mm256_set1_epi32(four[1]), second));
-                        dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, multiples));
-                        __asm__("" : "+x"(dot[r])); /* a running sum, not an add tree to spill */
-                    }
-                }
-                const __m256 unit = _mm256_loadu_ps(xu + g * 8), sum = _mm256_loadu_ps(xs + g * 8);
-                UNROLL for (int r = 0; r < WIDE_ROWS; r++) {
-                    __m256 acc = _mm256_fmadd_ps(
-                        _mm256_cvtepi32_ps(dot[r]),
-                        _mm256_mul_ps(_mm256_set1_ps(d[g * LANES + r0 + r]), unit),
-                        _mm256_loadu_ps(tile[r]));
-                    _mm256_storeu_ps(tile[r], _mm256_fmadd_ps(_mm256_set1_ps(m[g * LANES + r0 + r]),
-                                                              sum, acc));
-                }
-            }
+            float tile[WIDE_ROWS][8] = {{0.0f}};
+            if (quant_type == Q4)
+                wide_tile(Q4, rows, k, d, m, x, v, r0, tile);
+            else
+                wide_tile(Q8_0, codes, k, d, m, x, v, r0, tile);
             const int64_t lanes = num_tokens - v * 8 < 8 ? num_tokens - v * 8 : 8;
             const int64_t tile_rows = valid - r0 < WIDE_ROWS ? valid - r0 : WIDE_ROWS;
             for (int64_t lane = 0; lane < lanes; lane++)
@@ -565,7 +615,7 @@ void packed_matmul_int8_into(const uint8_t *codes, const uint16_t *scales, int64
     int8_t *xq = (int8_t *)(xk + num_tokens * groups * SUBS);
     const group_fn *by_tokens = GROUP_BY_TYPE[quant_type];
 #if WIDE
-    const int wide = quant_type == Q4 && num_tokens >= WIDE_MIN_TOKENS;
+    const int wide = num_tokens >= WIDE_MIN_TOKENS;
     const int64_t vectors = (num_tokens + 7) / 8;
     int8_t *interleaved_codes = xq + num_tokens * k;
     int32_t *interleaved_multiples = (int32_t *)(interleaved_codes + vectors * 8 * k);
@@ -592,8 +642,8 @@ void packed_matmul_int8_into(const uint8_t *codes, const uint16_t *scales, int64
             const uint8_t *group_codes = codes + n * groups * (quant_type == Q8_0 ? 512 : 256);
             const uint16_t *group_scales = scales + n * groups * (quant_type == Q8_0 ? 16 : 32);
 #if WIDE
-            if (wide) {
-                wide_row_group(group_codes, group_scales, k, &by_vector, num_tokens,
+            if (wide && (quant_type == Q4 || !holds_minimum(group_codes, groups))) {
+                wide_row_group(group_codes, group_scales, k, quant_type, &by_vector, num_tokens,
                                out + n * LANES, n_out, valid);
                 continue;
             }
