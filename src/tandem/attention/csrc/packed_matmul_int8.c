@@ -370,28 +370,70 @@ typedef struct {
     float *units, *sums;  /* [vectors][k / 32][8] */
 } interleaved;
 
+/* v[i] lane j to v[j] lane i: an 8×8 transpose of 32-bit elements. */
+static inline void transpose8x8(__m256i v[8]) {
+    __m256i a[8], b[8];
+    for (int i = 0; i < 4; i++) {
+        a[2 * i] = _mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+        a[2 * i + 1] = _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int h = 0; h < 2; h++) {
+            b[4 * i + 2 * h] = _mm256_unpacklo_epi64(a[4 * i + h], a[4 * i + 2 + h]);
+            b[4 * i + 2 * h + 1] = _mm256_unpackhi_epi64(a[4 * i + h], a[4 * i + 2 + h]);
+        }
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_permute2x128_si256(b[i], b[4 + i], 0x20);
+        v[4 + i] = _mm256_permute2x128_si256(b[i], b[4 + i], 0x31);
+    }
+}
+
+/* Vector `vector`'s 8 tokens of the quantized activations, interleaved: their codes' quads and
+   their multiples by 8×8 transposes (k / 4 is a multiple of 8), lanes past the last token
+   zero. */
 static void interleave(const int8_t *xq, const float *xu, const int16_t *xk, const float *xs,
                        int64_t num_tokens, int64_t k, int64_t vector, const interleaved *x) {
     const int64_t groups = k / BLOCK, subs = k / SUB;
-    int32_t *codes = (int32_t *)(x->codes + vector * 8 * k);
-    int32_t *multiples = x->multiples + vector * 8 * subs;
-    float *units = x->units + vector * 8 * groups, *sums = x->sums + vector * 8 * groups;
-    for (int lane = 0; lane < 8; lane++) {
-        const int64_t t = vector * 8 + lane;
-        const int real = t < num_tokens;
-        for (int64_t q = 0; q < k / 4; q++) {
-            int32_t four = 0;
-            if (real) memcpy(&four, xq + t * k + 4 * q, sizeof four);
-            codes[q * 8 + lane] = four;
-        }
-        for (int64_t s = 0; s < subs; s++)
-            multiples[s * 8 + lane] = /* k in both halves */
-                real ? (int32_t)((uint32_t)(uint16_t)xk[t * subs + s] * 0x10001u) : 0;
-        for (int64_t g = 0; g < groups; g++) {
-            units[g * 8 + lane] = real ? xu[t * groups + g] : 0.0f;
-            sums[g * 8 + lane] = real ? xs[t * groups + g] : 0.0f;
-        }
+    const int64_t first = vector * 8;
+    const int lanes = num_tokens - first < 8 ? (int)(num_tokens - first) : 8;
+    int32_t *codes = (int32_t *)(x->codes + first * k);
+    int32_t *multiples = x->multiples + first * subs;
+    float *units = x->units + first * groups, *sums = x->sums + first * groups;
+    for (int64_t q = 0; q < k / 4; q += 8) {
+        __m256i v[8];
+        for (int lane = 0; lane < 8; lane++)
+            v[lane] = lane < lanes ? _mm256_loadu_si256(
+                                         (const __m256i *)(xq + (first + lane) * k + 4 * q))
+                                   : _mm256_setzero_si256();
+        transpose8x8(v);
+        for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i *)(codes + (q + j) * 8), v[j]);
     }
+    int64_t s = 0;
+    for (; s + 8 <= subs; s += 8) {
+        __m256i v[8];
+        for (int lane = 0; lane < 8; lane++) {
+            if (lane >= lanes) {
+                v[lane] = _mm256_setzero_si256();
+                continue;
+            }
+            const __m256i wide = _mm256_cvtepu16_epi32(
+                _mm_loadu_si128((const __m128i *)(xk + (first + lane) * subs + s)));
+            v[lane] = _mm256_or_si256(wide, _mm256_slli_epi32(wide, 16)); /* k in both halves */
+        }
+        transpose8x8(v);
+        for (int j = 0; j < 8; j++)
+            _mm256_storeu_si256((__m256i *)(multiples + (s + j) * 8), v[j]);
+    }
+    for (; s < subs; s++) /* k / 8 is a multiple of 4: the last 4 one by one */
+        for (int lane = 0; lane < 8; lane++) {
+            const uint32_t multiple = lane < lanes ? (uint16_t)xk[(first + lane) * subs + s] : 0;
+            multiples[s * 8 + lane] = (int32_t)(multiple * 0x10001u);
+        }
+    for (int lane = 0; lane < 8; lane++)
+        for (int64_t g = 0; g < groups; g++) {
+            units[g * 8 + lane] = lane < lanes ? xu[(first + lane) * groups + g] : 0.0f;
+            sums[g * 8 + lane] = lane < lanes ? xs[(first + lane) * groups + g] : 0.0f;
+        }
 }
 
 /* Which of the transpose's vectors holds row r (the unpacks reverse the index's bits). */
@@ -427,15 +469,25 @@ static inline void unpack_q4_block(const uint8_t *column, uint8_t *rows, int64_t
    each block adds m·Σ d_x·q_x. Q8_0: `codes` are the group's own (row r's quad q of block g
    at g·512 + q·64 + r·4), signed, so each row's four codes take the activations' signs and
    meet their magnitudes (a code of −128 would not negate: the caller keeps such groups on the
-   per-token path); a Q8_0 8's two pair sums (each up to 2·127·127) are widened one by one. */
+   per-token path); a Q8_0 8's two pair sums (each up to 2·127·127) are widened one by one.
+   `next`, `next_scales` (NULL: none): the next row group's codes and scales, fetched into
+   the cache a block a time meanwhile. */
 static inline __attribute__((always_inline)) void wide_tile(
     int quant_type, const uint8_t *codes, int64_t k, const float *d, const float *m,
-    const interleaved *x, int64_t v, int64_t r0, float tile[WIDE_ROWS][8]) {
+    const interleaved *x, int64_t v, int64_t r0, const uint8_t *next,
+    const uint16_t *next_scales, float tile[WIDE_ROWS][8]) {
     const int64_t groups = k / BLOCK;
+    const int64_t block_bytes = (quant_type == Q4 ? BLOCK / 2 : BLOCK) * LANES;
+    const int64_t block_scales = (quant_type == Q4 ? 2 : 1) * LANES;
     const int8_t *xc = x->codes + v * 8 * k;
     const int32_t *xk = x->multiples + v * 8 * (k / SUB);
     const float *xu = x->units + v * 8 * groups, *xs = x->sums + v * 8 * groups;
     for (int64_t g = 0; g < groups; g++) {
+        if (next) {
+            for (int64_t line = 0; line < block_bytes; line += 64)
+                _mm_prefetch((const char *)(next + g * block_bytes + line), _MM_HINT_T0);
+            _mm_prefetch((const char *)(next_scales + g * block_scales), _MM_HINT_T0);
+        }
         __m256i dot[WIDE_ROWS];
         UNROLL for (int r = 0; r < WIDE_ROWS; r++) dot[r] = _mm256_setzero_si256();
         UNROLL for (int s = 0; s < SUBS; s++) {
@@ -500,11 +552,17 @@ static int holds_minimum(const uint8_t *codes, int64_t groups) {
 
 /* One row group for all tokens (x: their `vectors` interleaved vectors), out[t·n_out + r] for
    its `valid` rows: Q4's codes unpacked once, then tiles of WIDE_ROWS rows by 8 tokens (the
-   tile in memory: the registers hold the integer sums). */
+   tile in memory: the registers hold the integer sums). With `last` 0, the next row group's
+   codes and scales (contiguous after this one's) are fetched during the first tile: its first
+   pass over them (Q4's unpacking, Q8_0's check for −128) would wait for memory otherwise,
+   with nothing else to do. */
 static void wide_row_group(const uint8_t *codes, const uint16_t *scales, int64_t k,
                            int quant_type, const interleaved *x, int64_t num_tokens, float *out,
-                           int64_t n_out, int64_t valid) {
+                           int64_t n_out, int64_t valid, int last) {
     const int64_t groups = k / BLOCK, vectors = (num_tokens + 7) / 8;
+    const int64_t block_bytes = (quant_type == Q4 ? BLOCK / 2 : BLOCK) * LANES;
+    const uint8_t *next = last ? NULL : codes + groups * block_bytes;
+    const uint16_t *next_scales = scales + groups * (quant_type == Q4 ? 2 : 1) * LANES;
     uint8_t rows[quant_type == Q4 ? LANES * k : 1];
     float d[groups * LANES], m[groups * LANES];
     for (int64_t g = 0; g < groups; g++) {
@@ -522,10 +580,11 @@ static void wide_row_group(const uint8_t *codes, const uint16_t *scales, int64_t
     for (int64_t r0 = 0; r0 < valid; r0 += WIDE_ROWS)
         for (int64_t v = 0; v < vectors; v++) {
             float tile[WIDE_ROWS][8] = {{0.0f}};
+            const uint8_t *fetch = r0 == 0 && v == 0 ? next : NULL;
             if (quant_type == Q4)
-                wide_tile(Q4, rows, k, d, m, x, v, r0, tile);
+                wide_tile(Q4, rows, k, d, m, x, v, r0, fetch, next_scales, tile);
             else
-                wide_tile(Q8_0, codes, k, d, m, x, v, r0, tile);
+                wide_tile(Q8_0, codes, k, d, m, x, v, r0, fetch, next_scales, tile);
             const int64_t lanes = num_tokens - v * 8 < 8 ? num_tokens - v * 8 : 8;
             const int64_t tile_rows = valid - r0 < WIDE_ROWS ? valid - r0 : WIDE_ROWS;
             for (int64_t lane = 0; lane < lanes; lane++)
@@ -648,7 +707,7 @@ void packed_matmul_int8_into(const uint8_t *codes, const uint16_t *scales, int64
 #if WIDE
             if (wide && (quant_type == Q4 || !holds_minimum(group_codes, groups))) {
                 wide_row_group(group_codes, group_scales, k, quant_type, &by_vector, num_tokens,
-                               out + n * LANES, n_out, valid);
+                               out + n * LANES, n_out, valid, n + 1 == row_groups);
                 continue;
             }
 #endif
