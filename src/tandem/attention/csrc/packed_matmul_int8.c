@@ -84,12 +84,13 @@ static inline float block_unit(const float top[SUBS], int16_t multiples[SUBS]) {
 }
 
 /* x [k] to codes [k], per 32 columns u ([k / 32]) and Σ d_x·q_x ([k / 32]), per 8 k
-   ([k / 8]). Rounds to nearest even either way (the vector conversion under the default
+   ([k / 8]) and, where `scales` is not NULL, d_x = u·k ([k / 8]: what the VNNI path multiplies
+   each 8's sum by, read in place of working it out per row group). Rounds to nearest even either way (the vector conversion under the default
    rounding mode, nearbyintf). With AVX2 one 8-column group is one vector (the plain loop sums
    its terms one by one and did not vectorize: ~3% of a 32-request decode step on the AVX2
    EPYC). */
 static void quantize_row(const float *x, int64_t k, int8_t *codes, float *units,
-                         int16_t *multiples, float *sums) {
+                         int16_t *multiples, float *sums, float *scales) {
     for (int64_t g = 0; g < k / BLOCK; g++) {
         const float *block = x + g * BLOCK;
         int16_t *block_multiples = multiples + g * SUBS;
@@ -108,6 +109,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *codes, float *units,
         __m256 sum = _mm256_setzero_ps();
         for (int s = 0; s < SUBS; s++) {
             const float d = unit * block_multiples[s], inverse = d > 0.0f ? 1.0f / d : 0.0f;
+            if (scales) scales[g * SUBS + s] = d;
             const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v[s], _mm256_set1_ps(inverse)));
             const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q),
                                                 _mm256_extracti128_si256(q, 1));
@@ -129,6 +131,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *codes, float *units,
         float sum = 0.0f;
         for (int s = 0; s < SUBS; s++) {
             const float d = unit * block_multiples[s], inverse = d > 0.0f ? 1.0f / d : 0.0f;
+            if (scales) scales[g * SUBS + s] = d;
             for (int j = 0; j < SUB; j++) {
                 const int q = (int)nearbyintf(block[s * SUB + j] * inverse);
                 codes[g * BLOCK + s * SUB + j] = (int8_t)q;
@@ -146,7 +149,7 @@ void quantize_rows_int8(const float *x, int64_t rows, int64_t k, int8_t *codes, 
                         int16_t *multiples, float *sums) {
     for (int64_t t = 0; t < rows; t++)
         quantize_row(x + t * k, k, codes + t * k, units + t * (k / BLOCK),
-                     multiples + t * (k / SUB), sums + t * (k / BLOCK));
+                     multiples + t * (k / SUB), sums + t * (k / BLOCK), NULL);
 }
 
 #if VNNI
@@ -173,8 +176,8 @@ static const uint8_t Q4_TO_LANES[64] = {
    constants, so the loops unroll into registers. */
 static inline __attribute__((always_inline)) void row_group(
     const uint8_t *codes, const uint16_t *scales, int64_t k, int quant_type, const int8_t *xq,
-    const float *xu, const int16_t *xk, const float *xs, int tokens, float *out, int64_t n_out,
-    int64_t valid) {
+    const float *xu, const int16_t *xk, const float *xs, const float *xd, int tokens, float *out,
+    int64_t n_out, int64_t valid) {
     const int64_t groups = k / BLOCK;
     const __m512i to_lanes = _mm512_loadu_si512(Q4_TO_LANES), nibble = _mm512_set1_epi8(15);
     const __m512i offset = _mm512_set1_epi8((char)0x80);
@@ -209,8 +212,7 @@ static inline __attribute__((always_inline)) void row_group(
                 const int8_t *xt = xq + t * k + g * BLOCK + s * SUB;
                 const __m512i dot = dot_broadcast(
                     dot_broadcast(_mm512_setzero_si512(), w[2 * s], xt), w[2 * s + 1], xt + 4);
-                const __m512 x_scale = _mm512_set1_ps(xu[t * groups + g] *
-                                                      xk[(t * groups + g) * SUBS + s]);
+                const __m512 x_scale = _mm512_set1_ps(xd[(t * groups + g) * SUBS + s]);
                 block_sum[t] = s == 0 ? _mm512_mul_ps(_mm512_cvtepi32_ps(dot), x_scale)
                                       : _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), x_scale,
                                                         block_sum[t]);
@@ -260,8 +262,8 @@ static inline __m256 scales_of(const uint16_t *s, int a, int b) {
 
 static inline __attribute__((always_inline)) void row_group(
     const uint8_t *codes, const uint16_t *scales, int64_t k, int quant_type, const int8_t *xq,
-    const float *xu, const int16_t *xk, const float *xs, int tokens, float *out, int64_t n_out,
-    int64_t valid) {
+    const float *xu, const int16_t *xk, const float *xs, const float *xd, int tokens, float *out,
+    int64_t n_out, int64_t valid) {
     const int64_t groups = k / BLOCK;
     const __m256i row_pairs = _mm256_loadu_si256((const __m256i *)ROW_PAIRS);
     const __m256i nibble = _mm256_set1_epi8(15);
@@ -595,8 +597,8 @@ static void wide_row_group(const uint8_t *codes, const uint16_t *scales, int64_t
 #else
 static inline void row_group(const uint8_t *codes, const uint16_t *scales, int64_t k,
                              int quant_type, const int8_t *xq, const float *xu, const int16_t *xk,
-                             const float *xs, int tokens, float *out, int64_t n_out,
-                             int64_t valid) {
+                             const float *xs, const float *xd, int tokens, float *out,
+                             int64_t n_out, int64_t valid) {
     const int64_t groups = k / BLOCK;
     for (int t = 0; t < tokens; t++) {
         const int8_t *xt = xq + t * k;
@@ -634,13 +636,14 @@ static inline void row_group(const uint8_t *codes, const uint16_t *scales, int64
 #endif
 
 typedef void (*group_fn)(const uint8_t *, const uint16_t *, int64_t, const int8_t *,
-                         const float *, const int16_t *, const float *, float *, int64_t, int64_t);
+                         const float *, const int16_t *, const float *, const float *, float *,
+                         int64_t, int64_t);
 
 #define DEFINE_GROUP(NAME, QUANT_TYPE, TOKENS)                                                  \
 static void NAME(const uint8_t *codes, const uint16_t *scales, int64_t k, const int8_t *xq,     \
-                 const float *xu, const int16_t *xk, const float *xs, float *out, int64_t n_out, \
-                 int64_t valid) {                                                               \
-    row_group(codes, scales, k, QUANT_TYPE, xq, xu, xk, xs, TOKENS, out, n_out, valid);         \
+                 const float *xu, const int16_t *xk, const float *xs, const float *xd,          \
+                 float *out, int64_t n_out, int64_t valid) {                                    \
+    row_group(codes, scales, k, QUANT_TYPE, xq, xu, xk, xs, xd, TOKENS, out, n_out, valid);     \
 }
 
 DEFINE_1_TO_8(DEFINE_GROUP, group_q4, Q4)
@@ -649,12 +652,14 @@ DEFINE_1_TO_8(DEFINE_GROUP, group_q8_0, Q8_0)
 static const group_fn GROUP_BY_TYPE[2][MAX_ROWS] = {TABLE_1_TO_8(group_q4),
                                                     TABLE_1_TO_8(group_q8_0)};
 
-/* Bytes of scratch packed_matmul_int8_into needs: the activations' codes and block terms,
-   then (for wide_row_group) the same interleaved per 8 tokens. */
+/* Bytes of scratch packed_matmul_int8_into needs: the activations' codes and block terms
+   (with VNNI their per-8 scales too), then (for wide_row_group) the same interleaved per 8
+   tokens. */
 int64_t packed_matmul_int8_scratch(int64_t num_tokens, int64_t k) {
     const int64_t padded = (num_tokens + 7) / 8 * 8;
     return num_tokens * k + (int64_t)sizeof(int16_t) * num_tokens * (k / SUB) +
            (int64_t)sizeof(float) * num_tokens * 2 * (k / BLOCK) +
+           (VNNI ? (int64_t)sizeof(float) * num_tokens * (k / SUB) : 0) +
            (WIDE ? padded * k + (int64_t)sizeof(int32_t) * padded * (k / SUB) +
                        (int64_t)sizeof(float) * padded * 2 * (k / BLOCK)
                  : 0);
@@ -670,7 +675,8 @@ void packed_matmul_int8_into(const uint8_t *codes, const uint16_t *scales, int64
                              float *out, void *scratch, int num_threads) {
     const int64_t groups = k / BLOCK, row_groups = (n_out + LANES - 1) / LANES;
     float *xu = scratch, *xs = xu + num_tokens * groups;
-    int16_t *xk = (int16_t *)(xs + num_tokens * groups);
+    float *xd = VNNI ? xs + num_tokens * groups : NULL; /* per 8: u·k */
+    int16_t *xk = (int16_t *)(xs + num_tokens * groups * (VNNI ? 1 + SUBS : 1));
     int8_t *xq = (int8_t *)(xk + num_tokens * groups * SUBS);
     const group_fn *by_tokens = GROUP_BY_TYPE[quant_type];
 #if WIDE
@@ -687,7 +693,7 @@ void packed_matmul_int8_into(const uint8_t *codes, const uint16_t *scales, int64
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < num_tokens; t++)
             quantize_row(x + t * k, k, xq + t * k, xu + t * groups, xk + t * groups * SUBS,
-                         xs + t * groups);
+                         xs + t * groups, xd ? xd + t * groups * SUBS : NULL);
 #if WIDE
         if (wide) {
             #pragma omp for schedule(static)
@@ -715,6 +721,7 @@ void packed_matmul_int8_into(const uint8_t *codes, const uint16_t *scales, int64
                 const int64_t tokens = num_tokens - t < MAX_ROWS ? num_tokens - t : MAX_ROWS;
                 by_tokens[tokens - 1](group_codes, group_scales, k, xq + t * k, xu + t * groups,
                                       xk + t * groups * SUBS, xs + t * groups,
+                                      xd ? xd + t * groups * SUBS : NULL,
                                       out + t * n_out + n * LANES, n_out, valid);
             }
         }
@@ -728,7 +735,7 @@ typedef struct {
     const int8_t *xq;
     const float *xu;
     const int16_t *xk;
-    const float *xs;
+    const float *xs, *xd;
     float *out;
 } one_row;
 
@@ -740,7 +747,7 @@ static void one_row_group(const void *context, int64_t n) {
     GROUP_BY_TYPE[a->quant_type][0](
         a->codes + n * groups * (a->quant_type == Q8_0 ? 512 : 256),
         a->scales + n * groups * (a->quant_type == Q8_0 ? 16 : 32), a->k, a->xq, a->xu, a->xk,
-        a->xs, a->out + n * LANES, a->n_out, valid);
+        a->xs, a->xd, a->out + n * LANES, a->n_out, valid);
 }
 
 /* packed_matmul_argmax through int8 activations: packed_matmul_int8's products. */
@@ -748,11 +755,11 @@ void packed_matmul_int8_argmax(const uint8_t *codes, const uint16_t *scales, int
                                int64_t n_out, int64_t k, const float *x, float *out,
                                int64_t *token, int num_threads) {
     const int64_t groups = k / BLOCK;
-    float xu[groups], xs[groups];
+    float xu[groups], xs[groups], xd[groups * SUBS];
     int16_t xk[groups * SUBS];
     int8_t xq[k];
-    quantize_row(x, k, xq, xu, xk, xs);
-    const one_row args = {codes, scales, quant_type, n_out, k, xq, xu, xk, xs, out};
+    quantize_row(x, k, xq, xu, xk, xs, VNNI ? xd : NULL);
+    const one_row args = {codes, scales, quant_type, n_out, k, xq, xu, xk, xs, xd, out};
     *token = row_groups_argmax(n_out, LANES, out, one_row_group, &args, num_threads);
 }
 
