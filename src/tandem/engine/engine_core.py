@@ -167,8 +167,10 @@ class EngineCore:
         # StepStats to complete, its sums, its proposer's seconds, its wall-clock time.
         self._unfinished_stats: list[tuple[StepStats, BatchSums, float, float]] = []
         # The scheduler forecasts steps from the cost model (an ITL target, or adaptive
-        # speculation, which weighs drafts by their cost): it learns from each step at once.
-        self._telemetry_each_step = scheduler_config.target_step_time is not None or (
+        # speculation, which weighs drafts by their cost): it learns from each step at once;
+        # with speculation alone, only before steps its guard lets verify drafts.
+        self._telemetry_each_step = scheduler_config.target_step_time is not None
+        self._telemetry_before_drafts = (
             self.proposer is not None and scheduler_config.adaptive_speculation
         )
         self._num_stats_finished = 0  # steps whose telemetry is in _step_stats
@@ -958,7 +960,8 @@ class EngineCore:
         forward every line of Python runs at a third of its speed, its code and data pushed
         out of the caches by the weights; a batch of steps runs at the full speed. A scheduler
         that forecasts steps gets each step's learning before it plans the next (with async
-        scheduling, as before, the one after). With async scheduling a batch is worked out
+        scheduling, as before, the one after; with adaptive speculation and no ITL target,
+        before each step whose drafts it may weigh). With async scheduling a batch is worked out
         while the next step's forward runs: where the host, not the forward, sets the pace,
         every 16th step's time includes it (the total is less than step by step)."""
         self.num_steps += 1
@@ -997,6 +1000,10 @@ class EngineCore:
             self._telemetry_each_step
             or len(self._unfinished_stats) >= TELEMETRY_BATCH
             or not scheduler.has_schedulable_requests()
+            or (
+                self._telemetry_before_drafts
+                and scheduler.speculation_guard.peek(scheduler.num_running)
+            )
         ):
             self.finish_stats()
 
