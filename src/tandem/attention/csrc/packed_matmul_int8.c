@@ -85,10 +85,10 @@ static inline float block_unit(const float top[SUBS], int16_t multiples[SUBS]) {
 
 /* x [k] to codes [k], per 32 columns u ([k / 32]) and Σ d_x·q_x ([k / 32]), per 8 k
    ([k / 8]) and, where `scales` is not NULL, d_x = u·k ([k / 8]: what the VNNI path multiplies
-   each 8's sum by, read in place of working it out per row group). Rounds to nearest even either way (the vector conversion under the default
-   rounding mode, nearbyintf). With AVX2 one 8-column group is one vector (the plain loop sums
-   its terms one by one and did not vectorize: ~3% of a 32-request decode step on the AVX2
-   EPYC). */
+   each 8's sum by, read in place of working it out per row group). Rounds to nearest even
+   either way (the vector conversion under the default rounding mode, nearbyintf). With AVX2
+   one 8-column group is one vector (the plain loop sums its terms one by one and did not
+   vectorize: ~3% of a 32-request decode step on the AVX2 EPYC). */
 static void quantize_row(const float *x, int64_t k, int8_t *codes, float *units,
                          int16_t *multiples, float *sums, float *scales) {
     for (int64_t g = 0; g < k / BLOCK; g++) {
