@@ -668,16 +668,7 @@ class EngineCore:
             else:
                 live.append(request)
         if self.config.scheduler.adaptive_speculation:
-            declined = False
-            if self.proposer.costly:
-                proposed = any(r.spec_token_ids for r in self.scheduler.running)
-                if num_verified:
-                    self.num_declined_proposals = 0
-                elif proposed:
-                    self.num_declined_proposals += 1
-                declined = (
-                    self.num_declined_proposals >= 2 and self.num_steps % RETRY_DECLINED_EVERY
-                )
+            declined = self.proposer.costly and self._proposals_declined(num_verified)
             if declined or not self.scheduler.speculation_guard.peek(self.scheduler.num_running):
                 for request in live:
                     request.spec_token_ids = []
@@ -685,6 +676,15 @@ class EngineCore:
         limits = [self.scheduler.max_drafts(r) for r in live]
         for request, drafts in zip(live, self.proposer.propose(live, limits), strict=True):
             request.spec_token_ids = drafts
+
+    def _proposals_declined(self, num_verified: int) -> bool:
+        """Whether a costly proposer skips this step: the scheduler declined its guesses two
+        steps in a row, and this is not one of the RETRY_DECLINED_EVERY steps that try again."""
+        if num_verified:
+            self.num_declined_proposals = 0
+        elif any(r.spec_token_ids for r in self.scheduler.running):
+            self.num_declined_proposals += 1
+        return bool(self.num_declined_proposals >= 2 and self.num_steps % RETRY_DECLINED_EVERY)
 
     # -- prompt logprobs -----------------------------------------------------------------------
 
