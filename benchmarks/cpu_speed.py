@@ -8,7 +8,8 @@ auto mode's quality beside fp32: teacher-forced over a fixed text (the Python li
 thousand tokens), in prefill-sized and in decode-sized steps, top-1 agreement and perplexity.
 Nothing else may compute meanwhile (two OpenMP processes on 2 cores slow each other 10-30x).
 
-    .venv/bin/python benchmarks/cpu_speed.py [--rounds 3] [--offline] [--breakdown-only]
+    .venv/bin/python benchmarks/cpu_speed.py [--rounds 3] [--offline] [--single-step]
+        [--breakdown-only]
 """
 
 from __future__ import annotations
@@ -62,17 +63,20 @@ class Tandem:
         compilation_level: int = 0,
         attention_backend: str = "auto",
         kv_cache_dtype: str = "auto",
+        num_scheduler_steps: int | None = None,
     ) -> None:
         self.name = f"tandem {dtype}" + (" compiled" if compilation_level else "")
         if attention_backend != "auto":
             self.name += f" ({attention_backend} attention)"
         if kv_cache_dtype != "auto":
             self.name += f" ({kv_cache_dtype} KV cache)"
+        if num_scheduler_steps is not None:
+            self.name += f" ({num_scheduler_steps} forwards a step at most)"
         # No prefix caching: the same prompts run every round.
         self.llm = LLM(
             "default", dtype=dtype, kv_cache_memory=KV_CACHE, enable_prefix_caching=False,
             compilation_config=compilation_level, attention_backend=attention_backend,
-            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_dtype=kv_cache_dtype, num_scheduler_steps=num_scheduler_steps,
         )  # fmt: skip
 
     def _generate(self, prompts: list[list[int]], max_tokens: int) -> float:
@@ -187,7 +191,8 @@ def step_breakdown(engine: Tandem, rounds: int) -> dict[str, float]:
     """Milliseconds per step of a batch-1 decode: input preparation, the forward (with the
     logits), sampling, the engine core's other work, and the front end's (output processing,
     detokenizing), each the least of `rounds` generations. Timed by wrapping the functions
-    the step calls."""
+    the step calls (a multi-step burst's forwards, inside decode_steps, count as the forward;
+    the parts are per token)."""
     runs = [_one_breakdown(engine) for _ in range(rounds)]
     return {part: min(run[part] for run in runs) for part in runs[0]}
 
@@ -210,6 +215,7 @@ def _one_breakdown(engine: Tandem) -> dict[str, float]:
         (runner_module, "build_batch", timed("input", runner_module.build_batch)),
         (engine_core_module, "sample", timed("sampling", engine_core_module.sample)),
         (core.runner, "run", timed("run", core.runner.run)),
+        (core.runner, "decode_steps", timed("run", core.runner.decode_steps)),
         (core, "step", timed("step", core.step)),
     ]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
@@ -336,6 +342,9 @@ def main() -> None:
                              "is bfloat16 on CPU)")  # fmt: skip
     parser.add_argument("--speed-only", action="store_true",
                         help="only the speed rows (no breakdown, start-up or quality)")  # fmt: skip
+    parser.add_argument("--single-step", action="store_true",
+                        help="also dtype='auto' with one forward a step "
+                        "(num_scheduler_steps=1: no multi-step bursts)")  # fmt: skip
     parser.add_argument("--breakdown-only", action="store_true",
                         help="only the batch-1 step's breakdown, tandem's engines")  # fmt: skip
     parser.add_argument("--dtypes", nargs="+", choices=TANDEM_DTYPES, default=TANDEM_DTYPES,
@@ -349,17 +358,20 @@ def main() -> None:
         f"# cpu_speed  {datetime.datetime.now():%Y-%m-%d %H:%M}  {platform.machine()}  "
         f"{torch.get_num_threads()} threads  torch {torch.__version__}  commit {commit}"
     )
-    auto = EngineConfig.create("default", device="cpu").runner
+    auto_config = EngineConfig.create("default", device="cpu")
+    auto = auto_config.runner
     print(
         f"dtype='auto' here: {auto.dtype}, packed 4-bit weights for steps of at most "
         f"{auto.packed_max_tokens} tokens, int8 activations from "
-        f"{auto.packed_int8_min_tokens or 'none'}"
+        f"{auto.packed_int8_min_tokens or 'none'}; up to "
+        f"{auto_config.scheduler.num_scheduler_steps} forwards a step for a lone greedy decode"
     )
 
+    single_step = [Tandem("auto", num_scheduler_steps=1)] if args.single_step else []
     if args.breakdown_only:
-        print_breakdown([Tandem(dtype) for dtype in args.dtypes], args.rounds)
+        print_breakdown([*(Tandem(dtype) for dtype in args.dtypes), *single_step], args.rounds)
         return
-    engines = [HF(), *(Tandem(dtype) for dtype in args.dtypes)]
+    engines = [HF(), *(Tandem(dtype) for dtype in args.dtypes), *single_step]
     if args.compile:
         engines.append(Tandem("auto", compilation_level=3))
     if args.torch_attention:

@@ -87,9 +87,11 @@ def replayed(steps: list[dict], packed_max_tokens: int) -> list[float]:
     model = StepCostModel(shape, MachinePeaks("replay", 1e11, 1e10))
     forecasts = []
     for step in steps:
-        num_new = step["num_prefill_tokens"] + step["num_decode_tokens"]
+        num_steps = step.get("num_steps", 1)  # multi-step scheduling's forwards, as the engine
+        num_new = step["num_prefill_tokens"] + step["num_decode_tokens"] // num_steps
         sums = BatchSums(num_new, step["num_attended"], step["num_context"], step["num_sampled"])
-        forecasts.append(model.observe(sums, step["step_time"] - step["propose_time"]))
+        seconds = (step["step_time"] - step["propose_time"]) / num_steps
+        forecasts.append(num_steps * model.observe(sums, seconds))
     return forecasts
 
 

@@ -104,6 +104,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=None, help="schedule the next step while the forward runs "
                         "(default: on for CUDA, off on CPU)")  # fmt: skip
+    parser.add_argument("--num-scheduler-steps", type=int, default=None,
+                        help="most forwards a step runs for a lone greedy decode (vLLM v0's "
+                        "multi-step scheduling; default: up to 8 where a CPU's decode steps "
+                        "run fused, within 16 ms a step; else 1)")  # fmt: skip
     # vLLM's, accepted and logged where they change nothing (docs/coming-from-vllm.md).
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--swap-space", type=float, default=None)
@@ -181,6 +185,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         speculative_config=args.speculative_config,
         async_scheduling=args.async_scheduling,
         attention_backend=args.attention_backend,
+        num_scheduler_steps=args.num_scheduler_steps,
     )
 
 

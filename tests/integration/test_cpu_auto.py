@@ -50,10 +50,11 @@ def test_auto_greedy_equals_fp32_up_to_near_ties(monkeypatch):
 def test_a_lone_greedy_request_takes_its_tokens_from_the_lm_heads_argmax(monkeypatch):
     """A batch-1 greedy decode step asks the packed LM head's kernel for the argmax (no pass
     of the sampler's after the forward); a request whose logits something processes (here a
-    repetition penalty) does not ask; the tokens are those of the sampler's pass."""
+    repetition penalty) does not ask; the tokens are those of the sampler's pass. (One
+    forward a step: several are the next test's.)"""
     chosen = CpuFormats("bfloat16", 8, {}, {})
     monkeypatch.setattr(formats_module, "cpu_formats", lambda config, packable: chosen)
-    llm = LLM("default", kv_cache_memory=256 << 20)
+    llm = LLM("default", kv_cache_memory=256 << 20, num_scheduler_steps=1)
     core = llm.engine.core
     model = core.runner.model
     assert model.lm_head_packed is not None
@@ -83,3 +84,44 @@ def test_a_lone_greedy_request_takes_its_tokens_from_the_lm_heads_argmax(monkeyp
     monkeypatch.setattr(model, "compute_logits_and_argmax",
                         lambda hidden: (model.compute_logits(hidden), None))  # fmt: skip
     assert llm.generate(PROMPTS[0], greedy, use_tqdm=False)[0].outputs[0].token_ids == fused
+
+
+def test_multi_step_scheduling_gives_one_forward_a_steps_tokens(monkeypatch):
+    """The default on a CPU whose decode steps run fused: a lone greedy request decodes in
+    bursts of forwards; its tokens, finish and stop reasons are those of one forward a step
+    (lone requests, then a batch whose last request decodes alone after the others end),
+    whether max_tokens, EOS or a stop token id ends it, and every block comes back."""
+    chosen = CpuFormats("bfloat16", 8, {}, {})
+    monkeypatch.setattr(formats_module, "cpu_formats", lambda config, packable: chosen)
+    bursts = LLM("default", kv_cache_memory=256 << 20)
+    single = LLM("default", kv_cache_memory=256 << 20, num_scheduler_steps=1)
+    core = bursts.engine.core
+    assert core.scheduler.config.num_scheduler_steps == 8
+    assert single.engine.core.scheduler.config.num_scheduler_steps == 1
+    forty = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    reference = single.generate(PROMPTS[0], forty, use_tqdm=False)[0].outputs[0].token_ids
+    cases = [
+        SamplingParams(temperature=0, max_tokens=37, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=200),  # EOS ends it
+        SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[reference[21]]),
+    ]
+
+    def outcome(llm, prompts, params):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
+                for o in outputs]  # fmt: skip
+
+    reasons = set()
+    for params in cases:
+        for prompt in PROMPTS[:2]:
+            ours = outcome(bursts, prompt, params)
+            assert ours == outcome(single, prompt, params)
+            reasons.add(ours[0][1:])
+    assert {("length", None), ("stop", None), ("stop", reference[21])} <= reasons
+    uneven = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 9, 30)]
+    assert outcome(bursts, PROMPTS[:3], uneven) == outcome(single, PROMPTS[:3], uneven)
+    stats = list(core.step_stats)
+    assert max(s.num_steps for s in stats) > 1
+    assert all(s.num_steps == 1 or s.num_seqs == 1 for s in stats)
+    assert sum(s.num_decode_tokens for s in stats) == core.num_decode_tokens
+    assert core.kv_cache_manager.usage == 0.0

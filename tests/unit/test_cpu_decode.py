@@ -220,3 +220,51 @@ def test_a_lone_greedy_row_takes_its_argmax_from_the_lm_head(
     assert torch.equal(fused.logits, separate_head[0])
     assert fused.argmax.tolist() == separate_head[1].tolist()
     assert fused.argmax.tolist() == cpu_kernel.argmax_rows(plain.logits).tolist()
+
+
+def greedy_steps(runner: ModelRunner, request: Slice, num_steps: int) -> list[int]:
+    """num_steps fused greedy steps of one request, each in its own call, fed the last."""
+    tokens = list(request.token_ids[: request.num_new_tokens + 1])
+    for _ in range(num_steps):
+        step = Slice(tokens, len(tokens) - 1, 1, request.block_ids)
+        tokens += runner.forward(build_batch([step], BLOCK_SIZE, runner.device),
+                                 argmax=True).argmax.tolist()  # fmt: skip
+    return tokens[request.num_new_tokens + 1 :]
+
+
+@pytest.mark.parametrize("int8_min_tokens", [0, 1], ids=["fp32-activations", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_steps_are_the_single_steps_in_one_call(tmp_path, dtype, int8_min_tokens):
+    """Multi-step scheduling's call: the tokens, and the cache they leave, of as many greedy
+    steps run one call each; a stop id ends them after it."""
+    runner = packed_runner(tmp_path, dtype, packed_int8_min_tokens=int8_min_tokens)
+    assert runner.decodes_steps
+    (request,) = prefilled(runner, [13], seed=6)  # its steps cross a block boundary
+    before = [cache.clone() for cache in runner.kv_caches]
+    expected = greedy_steps(runner, request, 6)
+    after = [cache.clone() for cache in runner.kv_caches]
+    first = Slice(request.token_ids, request.num_new_tokens, 1, request.block_ids)
+    for cache, saved in zip(runner.kv_caches, before, strict=True):
+        cache.copy_(saved)
+    assert runner.decode_steps(first, 6, frozenset()) == expected
+    assert all(torch.equal(c, a) for c, a in zip(runner.kv_caches, after, strict=True))
+    stop = expected[2]
+    cut = expected[: expected.index(stop) + 1]
+    assert runner.decode_steps(first, 6, frozenset({stop, -5})) == cut
+
+
+def test_decode_steps_refuse_a_position_past_the_requests_blocks(tmp_path):
+    runner = packed_runner(tmp_path, "float32")
+    (request,) = prefilled(runner, [15], seed=7)
+    first = Slice(request.token_ids, 15, 1, request.block_ids[:1])  # positions 0..15
+    assert len(runner.decode_steps(first, 1, frozenset())) == 1
+    with pytest.raises(ValueError, match="past the request's blocks"):
+        runner.decode_steps(first, 2, frozenset())
+
+
+def test_decode_steps_need_the_fused_step_and_its_packed_head(tmp_path):
+    runner = packed_runner(tmp_path, "float32", attention_backend="torch")
+    assert not runner.decodes_steps
+    (request,) = prefilled(runner, [5], seed=8)
+    with pytest.raises(ValueError, match="fused decode path"):
+        runner.decode_steps(Slice(request.token_ids, 5, 1, request.block_ids), 2, frozenset())

@@ -55,6 +55,17 @@ def test_defaults_are_vllms(folder):
             r"gpu_memory_utilization must be in \(0, 1]",
         ),
         (dict(swap_space=-1), ValueError, "swap_space must be >= 0"),
+        (dict(num_scheduler_steps=0), ValueError, "num_scheduler_steps must be >= 1"),
+        (dict(num_scheduler_steps=True), ValueError, "num_scheduler_steps must be an int"),
+        (dict(num_scheduler_steps=4, async_scheduling=True), ValueError, "async_scheduling"),
+        (
+            dict(
+                num_scheduler_steps=4,
+                speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+            ),
+            ValueError,
+            "cannot be combined with speculative decoding",
+        ),
         (dict(tokenizer="/nonexistent/tok"), FileNotFoundError, "tokenizer path"),
         (dict(generation_config="/nonexistent"), FileNotFoundError, "generation_config="),
         (
@@ -180,9 +191,10 @@ def test_cli_flags_feed_the_same_config(folder):
         "--batching-policy", "prefill-first", "--no-enable-chunked-prefill",
         "--max-logprobs", "5", "--logprobs-mode", "processed_logits", "--generation-config",
         "vllm", "--override-generation-config", '{"top_k": 3}', "--no-enable-prefix-caching",
-        "--disable-log-stats",
+        "--disable-log-stats", "--num-scheduler-steps", "3",
     ])  # fmt: skip
     config = EngineConfig.create(folder, **engine_kwargs(args))
+    assert config.scheduler.num_scheduler_steps == 3
     assert config.runner.dtype == "float16" and config.seed == 7
     assert config.scheduler.scheduling_policy == "priority"
     assert config.scheduler.batching_policy == "prefill-first"
@@ -243,3 +255,17 @@ def test_attention_backend_and_decode_graphs_per_device(folder):
     eager_torch = runner(device="cuda", attention_backend="torch")
     assert (eager_torch.attention_backend, eager_torch.decode_graph_max_batch) == ("torch", 0)
     assert runner(device="cuda", block_size=8).attention_backend == "triton"
+
+
+def test_multi_step_scheduling_is_on_by_default_only_where_decode_steps_run_fused(folder):
+    """Several forwards a step where a CPU's decode steps run fused (packed weights, the cpu
+    attention backend), and nowhere else unless asked; never with async scheduling."""
+    fp32 = EngineConfig.create(folder, device="cpu", dtype="float32")
+    assert fp32.runner.packed_max_tokens == 0 and fp32.scheduler.num_scheduler_steps == 1
+    asked = EngineConfig.create(folder, device="cpu", dtype="float32", num_scheduler_steps=4)
+    assert asked.scheduler.num_scheduler_steps == 4  # the engine core falls back to one
+    overlapped = EngineConfig.create(folder, device="cpu", async_scheduling=True)
+    assert overlapped.scheduler.num_scheduler_steps == 1
+    auto = EngineConfig.create(folder, device="cpu")
+    fused = auto.runner.packed_max_tokens > 0 and auto.runner.attention_backend == "cpu"
+    assert auto.scheduler.num_scheduler_steps == (8 if fused else 1)

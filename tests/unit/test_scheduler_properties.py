@@ -40,6 +40,8 @@ class FakeModelRunner:
         self.slots: dict[int, int] = {}
 
     def execute(self, output: SchedulerOutput) -> dict[str, list[int]]:
+        if output.num_steps > 1:
+            return self._decode_steps(output)
         block_size = self.kv.block_size
         written: set[int] = set()
         sampled: dict[str, list[int]] = {}
@@ -63,6 +65,23 @@ class FakeModelRunner:
                 sampled[scheduled.request_id] = [model_token(scheduled.token_ids[:end])]
         return sampled
 
+    def _decode_steps(self, output: SchedulerOutput) -> dict[str, list[int]]:
+        """Multi-step scheduling: one request's forwards, each fed the token the one before
+        chose, until a token that may end it (as the C loop: its stop ids)."""
+        ((scheduled,), (request,)) = output.scheduled, output.requests
+        assert scheduled.num_new_tokens == 1 and scheduled.sample and request.argmax_only
+        context = list(scheduled.token_ids)
+        tokens: list[int] = []
+        for _ in range(output.num_steps):
+            entry = copy.copy(scheduled)  # a record: a msgspec Struct or a dataclass
+            entry.token_ids, entry.num_computed_tokens = context, len(context) - 1
+            step = dataclasses.replace(output, scheduled=[entry], num_steps=1)
+            tokens += self.execute(step)[scheduled.request_id]
+            context = context + tokens[-1:]
+            if tokens[-1] in request.stop_check_ids:
+                break
+        return {scheduled.request_id: tokens}
+
 
 @dataclass
 class RequestSpec:
@@ -81,6 +100,8 @@ class Workload:
     block_size: int
     enable_caching: bool
     requests: list[RequestSpec]
+    # Requests that sample greedily with nothing else (Request.argmax_only): multi-step's.
+    argmax_only: list[bool] = dataclasses.field(default_factory=list)
 
 
 @st.composite
@@ -99,6 +120,7 @@ def workloads(draw: st.DrawFn) -> Workload:
         batching_policy=draw(st.sampled_from(["decode-first", "prefill-first"])),
         scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
         enable_chunked_prefill=chunked,
+        num_scheduler_steps=draw(st.sampled_from([1, 1, 3, 8])),
     )
     priorities = st.integers(-2, 2) if config.scheduling_policy == "priority" else st.just(0)
     max_prompt_len = min(config.max_model_len, num_blocks * block_size)
@@ -131,7 +153,8 @@ def workloads(draw: st.DrawFn) -> Workload:
                 priority=draw(priorities),
             )
         )
-    return Workload(config, num_blocks, block_size, draw(st.booleans()), specs)
+    argmax_only = [draw(st.integers(0, 3)) > 0 for _ in specs]
+    return Workload(config, num_blocks, block_size, draw(st.booleans()), specs, argmax_only)
 
 
 def check_queue_order(
@@ -239,18 +262,22 @@ def make_request(index: int, spec: RequestSpec, priority: int | None = None) -> 
 
 
 def run(workload: Workload) -> tuple[Scheduler, list[Request], int]:
+    """The workload run to its end, checked at every step; the scheduler, the requests, and
+    how many steps ran several forwards."""
     kv = KVCacheManager(workload.num_blocks, workload.block_size, workload.enable_caching)
     scheduler = Scheduler(workload.config, kv)
     runner = FakeModelRunner(kv)
     specs = workload.requests
     requests = [make_request(index, spec) for index, spec in enumerate(specs)]
+    for request, argmax_only in zip(requests, workload.argmax_only, strict=True):
+        request.argmax_only = argmax_only
     prompt_lens = {r.request_id: r.num_prompt_tokens for r in requests}
     last_arrival = max(spec.arrival_step for spec in specs)
     max_steps = last_arrival + 4 * sum(
         len(spec.prompt_token_ids) + (spec.params.max_tokens or scheduler.max_model_len)
         for spec in specs
     )
-    step = 0
+    step = num_bursts = 0
     while step <= last_arrival or scheduler.has_unfinished_requests():
         for spec, request in zip(specs, requests, strict=True):
             if spec.arrival_step == step:
@@ -272,6 +299,7 @@ def run(workload: Workload) -> tuple[Scheduler, list[Request], int]:
         check_queue_order(scheduler, output, queue_before, running_before)
         assert output.sums == batch_sums(output.scheduled), "cost sums drifted while planning"
         sampled = runner.execute(output)
+        num_bursts += output.num_steps > 1
         aborts = [
             r.request_id
             for s, r in zip(specs, requests, strict=True)
@@ -282,18 +310,19 @@ def run(workload: Workload) -> tuple[Scheduler, list[Request], int]:
         check_blocks(scheduler, requests)
         step += 1
         assert step <= max_steps, "no end in sight: preempt/resume loop?"
-    return scheduler, requests, step
+    return scheduler, requests, num_bursts
 
 
 @settings(max_examples=600, deadline=None)
 @given(workloads())
 def test_random_workloads_keep_every_invariant(workload: Workload) -> None:
-    scheduler, requests, _ = run(workload)
+    scheduler, requests, num_bursts = run(workload)
     # Coverage of the interesting paths (pytest --hypothesis-show-statistics).
     event(f"preempted: {any(r.num_preemptions for r in requests)}")
     event(f"prefix-cache hit: {any(r.num_cached_tokens for r in requests)}")
     event(f"aborted: {any(r.status is RequestStatus.FINISHED_ABORTED for r in requests)}")
     event(f"policy: {workload.config.scheduling_policy}")
+    event(f"several forwards a step: {num_bursts > 0}")
     assert all(r.is_finished for r in requests)
     assert scheduler.num_waiting == scheduler.num_running == 0
     kv = scheduler.kv_cache_manager

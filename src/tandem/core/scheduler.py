@@ -75,6 +75,9 @@ class SchedulerOutput:
     finished_request_ids: list[str]  # finished or aborted since the previous schedule()
     sums: BatchSums  # what the step's cost depends on (core/roofline.py), summed while planning
     num_draft_tokens: int = 0  # of the decode tokens, those that verify guesses
+    # Multi-step scheduling: the forwards the step runs one after another, each decoding the
+    # token the one before chose (a lone greedy decode; 1: one forward, as in any step).
+    num_steps: int = 1
     # Disaggregation (decode side): prompt KV to pull for requests whose blocks were allocated
     # this step; they compute nothing until it has arrived.
     kv_loads: list[KVLoad] = field(default_factory=list)
@@ -109,6 +112,10 @@ ACCEPTANCE_DECAY = 0.9
 # step's expected tokens per second by at least this much: the model's error (~5-10% per
 # step) must not turn a forecast gain into a loss.
 MIN_SPECULATION_GAIN = 0.05
+# Multi-step scheduling keeps a burst within this many seconds (forecast), or the ITL target
+# where shorter: the burst's tokens reach the client together, at least once per display
+# frame (60 Hz), and a request that arrives meanwhile waits at most this long for a seat.
+MULTI_STEP_WINDOW = 0.016
 # The draft_token_ids of every entry without drafts (read only: one list, not one per entry).
 _NO_DRAFTS: list[int] = []
 
@@ -126,6 +133,7 @@ class _StepPlan:
     has_prefill: bool = False  # a prompt chunk was sized against the ITL target
     drafts: dict[str, int] = field(default_factory=dict)  # request id -> draft tokens
     kv_loads: list[KVLoad] = field(default_factory=list)
+    num_steps: int = 1  # multi-step scheduling's forwards (SchedulerOutput.num_steps)
     # BatchSums' fields, summed over the entries.
     num_new_tokens: int = 0
     num_attended: int = 0
@@ -356,15 +364,16 @@ class Scheduler:
             num_drafts = len(scheduled.draft_token_ids)
             if not token_ids:
                 raise ValueError(f"no sampled token for request {request_id!r}")
-            if len(token_ids) > num_drafts + 1:
+            if len(token_ids) > num_drafts + scheduler_output.num_steps:
                 raise ValueError(
                     f"request {request_id!r} got {len(token_ids)} tokens from a step that "
-                    f"verified {num_drafts} drafts"
+                    f"verified {num_drafts} drafts in {scheduler_output.num_steps} forwards"
                 )
             if request.first_token_time is None:
                 request.first_token_time = now
             if num_drafts:
                 self._record_verification(request, num_drafts, len(token_ids) - 1)
+            if len(token_ids) > 1:
                 finished_status = self._append_until_stop(request, token_ids, now)
             else:  # the common case, inline
                 token_id = token_ids[0]
@@ -400,8 +409,11 @@ class Scheduler:
         step can be scheduled while it runs. Its tokens count as computed, and each sampling
         request gets a placeholder output token (the runner fills in its id on the device
         when the next step reads it); settle_in_flight writes the real ids."""
-        if scheduler_output.num_draft_tokens:
-            raise ValueError("a step verifying drafts cannot run in flight: its tokens decide")
+        if scheduler_output.num_draft_tokens or scheduler_output.num_steps > 1:
+            raise ValueError(
+                "a step verifying drafts or running several forwards cannot run in flight: its "
+                "tokens decide"
+            )
         max_model_len = self.max_model_len
         for scheduled, request in zip(
             scheduler_output.scheduled, scheduler_output.requests, strict=True
@@ -491,6 +503,7 @@ class Scheduler:
         # 3. new (and preempted) requests, in queue order.
         if not self.waiting:
             self._schedule_drafts(plan)
+            self._schedule_steps(plan)
             return
         num_partial = sum(
             1
@@ -540,6 +553,7 @@ class Scheduler:
             self._schedule_running_requests(plan, None, limit)
             if not plan.preempted:
                 self._schedule_drafts(plan)
+                self._schedule_steps(plan)
 
     def _admit_whole_prompts(self, plan: _StepPlan) -> None:
         while self.waiting and plan.token_budget > 0:
@@ -725,6 +739,35 @@ class Scheduler:
                 continue
             if self.kv_cache_manager.allocate_slots(request, 1 + num_drafts) is not None:
                 plan.add(request, 1 + num_drafts, num_drafts)
+
+    def _schedule_steps(self, plan: _StepPlan) -> None:
+        """Multi-step scheduling (vLLM v0's num_scheduler_steps): a step whose only work is one
+        greedy request's next token runs several forwards, each fed the token the one before
+        chose, so the engine's per-step work (scheduling, input preparation, outputs,
+        telemetry: ~7% of a small model's batch-1 step on a CPU) is paid once per burst. As
+        many as num_scheduler_steps, the request's length limit and MULTI_STEP_WINDOW (or the
+        ITL target) allow by the step-cost model's forecast; the burst's blocks are allocated
+        here. Not while any request waits for a seat or its KV (it would wait for the burst),
+        and not for a request's first token (its time to first token stays one forward)."""
+        max_steps = self.config.num_scheduler_steps
+        if max_steps == 1 or len(plan.entries) != 1 or plan.drafts or self.waiting:
+            return
+        if self.receiving:
+            return
+        ((request, num_new_tokens),) = plan.entries.values()
+        if not (
+            num_new_tokens == 1 == request.num_uncomputed_tokens
+            and request.argmax_only
+            and request.num_output_tokens >= max(1, request.sampling_params.min_tokens)
+        ):
+            return
+        target = self.config.target_step_time
+        window = MULTI_STEP_WINDOW if target is None else min(MULTI_STEP_WINDOW, target)
+        if self.cost_model is not None:
+            max_steps = min(max_steps, int(window / self.cost_model.predict(plan.sums)))
+        num_steps = min(max_steps, request.length_limit - request.num_tokens)
+        if num_steps > 1 and self.kv_cache_manager.allocate_slots(request, num_steps) is not None:
+            plan.num_steps = num_steps
 
     def _draft_limit(self, request: Request) -> int:
         return min(len(request.spec_token_ids), self.max_drafts(request))
@@ -1014,5 +1057,6 @@ class Scheduler:
             finished_request_ids=finished_ids,
             sums=plan.sums,
             num_draft_tokens=sum(plan.drafts.values()),
+            num_steps=plan.num_steps,
             kv_loads=plan.kv_loads,
         )

@@ -43,6 +43,11 @@ DTYPE_CHOICES = ("auto", *DTYPES, *DTYPE_ALIASES)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # with chunked prefill (vLLM's offline default too)
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's
+# num_scheduler_steps=None on a CPU whose decode steps run fused (packed weights, the cpu
+# attention backend): up to this many forwards a step for a lone greedy decode, as many as fit
+# the scheduler's MULTI_STEP_WINDOW (a batch-1 step of the default model's ~220 us of engine
+# work is then ~2% of its tokens' time instead of ~7%: BENCHMARKS.md).
+DEFAULT_CPU_SCHEDULER_STEPS = 8
 GENERATION_CONFIG_SOURCES = ("auto", "vllm")  # or a folder holding generation_config.json
 
 
@@ -121,12 +126,15 @@ class EngineConfig:
         async_scheduling: bool | None = None,
         kv_transfer_config: KVTransferConfig | None = None,
         attention_backend: str | None = "auto",
+        num_scheduler_steps: int | None = None,
     ) -> EngineConfig:
         """Validate every knob before anything heavy loads; raises ValueError/FileNotFoundError
         naming what to change. None for gpu_memory_utilization, swap_space and enforce_eager
         means "not given" (vLLM's defaults: 0.9, 4 GiB, False). async_scheduling None: on
         for CUDA, off on CPU (where the forward's threads use every core and overlap measured
-        slower: BENCHMARKS.md), and off with speculative decoding."""
+        slower: BENCHMARKS.md), and off with speculative decoding or num_scheduler_steps > 1.
+        num_scheduler_steps None: DEFAULT_CPU_SCHEDULER_STEPS where a CPU's decode steps run
+        fused (and neither async scheduling nor speculative decoding is on), else 1."""
         if trust_remote_code:
             raise ValueError(
                 "trust_remote_code=True: tandem never runs code shipped with a checkpoint; the "
@@ -160,6 +168,7 @@ class EngineConfig:
             raise ValueError(f"seed must be an int or None, got {seed!r}")
         check_kv_cache_dtype(kv_cache_dtype)
         speculative = SpeculativeConfig.parse(speculative_config)
+        multi_step = _check_scheduler_steps(num_scheduler_steps, async_scheduling, speculative)
         if async_scheduling and speculative is not None:
             raise ValueError(
                 "async_scheduling cannot be combined with speculative decoding (which drafts "
@@ -222,7 +231,11 @@ class EngineConfig:
                 runner.eager_max_tokens,
             )
         if async_scheduling is None:
-            async_scheduling = device.startswith("cuda") and speculative is None
+            async_scheduling = device.startswith("cuda") and speculative is None and not multi_step
+        if num_scheduler_steps is None:
+            fused = packed_max_tokens > 0 and attention == "cpu" and device == "cpu"
+            steps_apply = fused and speculative is None and not async_scheduling
+            num_scheduler_steps = DEFAULT_CPU_SCHEDULER_STEPS if steps_apply else 1
         draft_runner = None
         if speculative is not None and speculative.method == "draft_model":
             if profile_memory:
@@ -246,6 +259,7 @@ class EngineConfig:
             adaptive_speculation=speculative is None or speculative.adaptive,
             speculation_max_running=None if speculative is None
             else speculative.disable_by_batch_size,
+            num_scheduler_steps=num_scheduler_steps,
         )  # fmt: skip
         return cls(
             model_path=model_path,
@@ -518,3 +532,31 @@ def _note_no_effect(
             "are for CUDA devices)",
             enforce_eager,
         )
+
+
+def _check_scheduler_steps(
+    num_scheduler_steps: int | None,
+    async_scheduling: bool | None,
+    speculative: SpeculativeConfig | None,
+) -> bool:
+    """Whether num_scheduler_steps asks for several forwards a step; raises where it cannot
+    be."""
+    if num_scheduler_steps is None:
+        return False
+    if isinstance(num_scheduler_steps, bool) or not isinstance(num_scheduler_steps, int):
+        raise ValueError(f"num_scheduler_steps must be an int >= 1, got {num_scheduler_steps!r}")
+    if num_scheduler_steps < 1:
+        raise ValueError(f"num_scheduler_steps must be >= 1, got {num_scheduler_steps}")
+    if num_scheduler_steps == 1:
+        return False
+    if async_scheduling:
+        raise ValueError(
+            "num_scheduler_steps > 1 runs its forwards inside the step, so it cannot be "
+            "combined with async_scheduling: drop one of them"
+        )
+    if speculative is not None:
+        raise ValueError(
+            "num_scheduler_steps > 1 cannot be combined with speculative decoding (both decode "
+            "several tokens a step): drop one of them"
+        )
+    return True

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from tandem.core.kv_cache_manager import KVCacheManager
-from tandem.core.roofline import BatchSums, ModelShape, place_step, sums_work
+from tandem.core.roofline import BatchSums, ModelShape, StepWork, place_step, sums_work
 from tandem.core.scheduler import Scheduler, SchedulerOutput
 from tandem.core.spec_stats import SpecDecodeStats
 from tandem.core.step_cost import StepCostModel
@@ -149,6 +149,13 @@ class EngineCore:
         )
         self._init_telemetry(config)
         self.cost_model = StepCostModel(self.model_shape, self.peaks)
+        if scheduler_config.num_scheduler_steps > 1 and not self.runner.decodes_steps:
+            logger.info(
+                "num_scheduler_steps=%d: one forward per step here (several need the CPU's "
+                "fused decode step: every matrix packed, the LM head too, the cpu attention "
+                "backend)", scheduler_config.num_scheduler_steps,
+            )  # fmt: skip
+            scheduler_config = dataclasses.replace(scheduler_config, num_scheduler_steps=1)
         self.scheduler = Scheduler(
             scheduler_config, self.kv_cache_manager, cost_model=self.cost_model
         )
@@ -573,13 +580,24 @@ class EngineCore:
             and sampled_requests[0].argmax_only
             and not self._min_tokens_ids
         )
-        run = self.runner.run(entries, sample_mask, prompt_ranges, num_prompt_top, drafts, argmax)
-        if run.argmax is not None:
-            sampled, logprobs_by_id = {sampled_requests[0].request_id: run.argmax.tolist()}, {}
+        num_steps = scheduled.num_steps
+        if num_steps > 1:  # multi-step: a lone greedy decode's forwards, one after another
+            request = sampled_requests[0]
+            tokens = self.runner.decode_steps(entries[0], num_steps, request.stop_check_ids)
+            sampled, logprobs_by_id, prompt_logprobs = {request.request_id: tokens}, {}, None
+            num_steps = len(tokens)  # fewer where a stop token ended them
         else:
-            sampled, logprobs_by_id = self._sample(run.logits, sampled_requests, scheduled)
-        prompt_logprobs_by_id = self._prompt_logprobs(entries, prompt_ranges, run.prompt_logprobs)
-        if drafts is None:  # one token each
+            run = self.runner.run(
+                entries, sample_mask, prompt_ranges, num_prompt_top, drafts, argmax
+            )
+            if run.argmax is not None:
+                sampled = {sampled_requests[0].request_id: run.argmax.tolist()}
+                logprobs_by_id = {}
+            else:
+                sampled, logprobs_by_id = self._sample(run.logits, sampled_requests, scheduled)
+            prompt_logprobs = run.prompt_logprobs
+        prompt_logprobs_by_id = self._prompt_logprobs(entries, prompt_ranges, prompt_logprobs)
+        if drafts is None and scheduled.num_steps == 1:  # one token each
             updated = self.scheduler.update_from_output(scheduled, sampled)
             outputs = self._outputs(updated, None, logprobs_by_id)
             num_accepted = 0
@@ -588,7 +606,7 @@ class EngineCore:
             updated = self.scheduler.update_from_output(scheduled, sampled)
             starts = [num_outputs_before[r.request_id] for r in updated]
             outputs = self._outputs(updated, starts, logprobs_by_id)
-            num_accepted = sum(map(len, sampled.values())) - len(sampled)
+            num_accepted = 0 if drafts is None else sum(map(len, sampled.values())) - len(sampled)
         if self.kv_connector is not None and self.kv_connector.streaming:
             self._stage_streams(entries)
         if self.proposer is not None:
@@ -601,7 +619,9 @@ class EngineCore:
             propose_time = 0.0
         if prompt_logprobs_by_id:
             outputs = self._with_prompt_logprobs(outputs, prompt_logprobs_by_id)
-        self._record_stats(scheduled, time.perf_counter() - start, num_accepted, propose_time)
+        self._record_stats(
+            scheduled, time.perf_counter() - start, num_accepted, propose_time, num_steps
+        )
         return outputs
 
     def _sample(
@@ -952,9 +972,11 @@ class EngineCore:
         step_time: float,
         num_accepted_tokens: int,
         propose_time: float,
+        num_steps: int = 1,
     ) -> None:
         """`propose_time`: of the step, the proposer's guessing for the next step (a draft
-        model's forwards). The step-cost model learns the rest: the scheduled batch's cost.
+        model's forwards). The step-cost model learns the rest: the scheduled batch's cost
+        (per forward, for the `num_steps` forwards of multi-step scheduling).
         Each step's roofline and the cost model's learning are worked out TELEMETRY_BATCH
         steps at a time, when the engine goes idle, or when step_stats is read: right after a
         forward every line of Python runs at a third of its speed, its code and data pushed
@@ -967,7 +989,8 @@ class EngineCore:
         self.num_steps += 1
         self.num_preemptions += len(scheduled.preempted_request_ids)
         self.num_prefill_tokens += scheduled.num_prefill_tokens
-        self.num_decode_tokens += scheduled.num_decode_tokens
+        num_decode_tokens = scheduled.num_decode_tokens * num_steps
+        self.num_decode_tokens += num_decode_tokens
         if scheduled.num_prefill_tokens == 0 and self.proposer is not None:
             # The time this step's tokens cost: its own work, and the guessing for its drafts
             # (done in the previous step); not the guessing for the next step.
@@ -983,7 +1006,7 @@ class EngineCore:
         scheduler = self.scheduler
         stats = StepStats(
             num_prefill_tokens=scheduled.num_prefill_tokens,
-            num_decode_tokens=scheduled.num_decode_tokens,
+            num_decode_tokens=num_decode_tokens,
             num_seqs=len(scheduled.scheduled),
             num_preempted=len(scheduled.preempted_request_ids),
             step_time=step_time,
@@ -993,6 +1016,7 @@ class EngineCore:
             num_draft_tokens=scheduled.num_draft_tokens,
             num_accepted_tokens=num_accepted_tokens,
             propose_time=propose_time,
+            num_steps=num_steps,
         )
         wall_time = 0.0 if self.step_log is None else time.time()
         self._unfinished_stats.append((stats, scheduled.sums, propose_time, wall_time))
@@ -1017,12 +1041,15 @@ class EngineCore:
         shape, peaks, cost_model = self.model_shape, self.peaks, self.cost_model
         first_step = self.num_steps - len(unfinished) + 1
         for step, (stats, sums, propose_time, wall_time) in enumerate(unfinished, first_step):
-            work = sums_work(shape, sums)
-            roofline = place_step(work, stats.step_time, peaks)
+            work, num_steps = sums_work(shape, sums), stats.num_steps
+            # Multi-step forwards: each as the first (their contexts a few positions longer).
+            total = work if num_steps == 1 else StepWork(work.flops * num_steps,
+                                                         work.bytes * num_steps)  # fmt: skip
+            roofline = place_step(total, stats.step_time, peaks)
             stats.flops, stats.bytes = roofline.flops, roofline.bytes
             stats.mfu, stats.mbu, stats.bound = roofline.mfu, roofline.mbu, roofline.bound
-            stats.predicted_step_time = cost_model.observe(
-                sums, stats.step_time - propose_time, work
+            stats.predicted_step_time = num_steps * cost_model.observe(
+                sums, (stats.step_time - propose_time) / num_steps, work
             )
             stats.num_attended = sums.num_attended
             stats.num_context = sums.num_context

@@ -82,6 +82,7 @@ class LLM:
         speculative_config: dict[str, Any] | None = None,
         async_scheduling: bool | None = None,
         attention_backend: str | None = "auto",
+        num_scheduler_steps: int | None = None,
         **vllm_kwargs: Any,
     ) -> None:
         """vLLM's arguments with vLLM's defaults, except: `batching_policy` (tandem's
@@ -89,8 +90,9 @@ class LLM:
         `kv_cache_memory_bytes` is vLLM's name for the first), `device`, the step telemetry's
         `step_log` (a JSON line per step), `peak_tflops` / `peak_bandwidth_gbps`, and
         `target_itl_ms` (decode-first sized to a step-time target); async_scheduling defaults to
-        None (on for CUDA, off on CPU); and
-        gpu_memory_utilization, swap_space, enforce_eager default to None ("not given")."""
+        None (on for CUDA, off on CPU); num_scheduler_steps (vLLM v0's multi-step scheduling)
+        defaults to None (EngineConfig.create: several where a CPU's decode steps run fused);
+        and gpu_memory_utilization, swap_space, enforce_eager default to None ("not given")."""
         check_vllm_only_args(vllm_kwargs)
         self.config = EngineConfig.create(
             model,
@@ -132,6 +134,7 @@ class LLM:
             speculative_config=speculative_config,
             async_scheduling=async_scheduling,
             attention_backend=attention_backend,
+            num_scheduler_steps=num_scheduler_steps,
         )  # fmt: skip
         self.chat_template = chat_template
         self.tokenizer = (

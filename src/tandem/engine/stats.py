@@ -43,6 +43,10 @@ class StepStats:
     num_attended: int = 0
     num_context: int = 0
     num_sampled: int = 0
+    # Multi-step scheduling: the forwards the step ran one after another for its one request
+    # (its decode tokens, work and step_time are theirs together; the BatchSums above are
+    # the first's).
+    num_steps: int = 1
 
     @property
     def phase(self) -> str:

@@ -8,13 +8,17 @@ new token, the tokens verifying its drafts, a short prompt chunk) runs in C, thr
 the kernels the layer-by-layer path calls, from the token ids (the embedding rows) to the
 final norm, and for a greedy batch-1 step on through the packed LM head to the logits and
 their argmax. This is the CPU's counterpart of worker/cuda_graphs.py: the model runner asks
-`fits(batch)`, then `run(batch)` for the final hidden states or `logits_and_argmax(batch)`.
+`fits(batch)`, then `run(batch)` for the final hidden states or `logits_and_argmax(batch)`,
+or, for multi-step scheduling, `decode_steps(batch, ...)`: several such greedy steps of one
+request in one call, each fed the token the one before chose.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from tandem.attention import cpu_backend, cpu_kernel
@@ -144,6 +148,7 @@ class CpuDecode:
         assert library is not None  # unsupported_reason() said the weights are packed for it
         suffix = cpu_kernel.DTYPE_SUFFIXES[self.kv_caches[0].dtype]
         self._function = getattr(library, f"decode_step_{suffix}")
+        self._steps_function = getattr(library, f"decode_steps_{suffix}")
 
     def _fp32(self, tensor: torch.Tensor | None) -> int | None:
         if tensor is None:
@@ -193,7 +198,27 @@ class CpuDecode:
         self._step(batch, self._one_row, logits, token)
         return logits, token
 
-    @inference_mode
+    @property
+    def decodes_steps(self) -> bool:
+        """Whether decode_steps can run: the LM head is packed for one-row steps."""
+        return self._head_outputs is not None
+
+    def decode_steps(
+        self, batch: BatchInputs, num_steps: int, stop_token_ids: frozenset[int]
+    ) -> list[int]:
+        """A greedy decode of the batch's one token and up to `num_steps - 1` more, each step
+        fed the argmax of the one before, in one C call (multi-step scheduling: no Python
+        between the forwards); the tokens chosen, ending early after one in `stop_token_ids`.
+        The request's blocks must hold the positions of all `num_steps` tokens fed."""
+        assert self._head_outputs is not None and batch.input_ids.shape[0] == 1
+        tokens = np.empty(num_steps, dtype=np.int64)
+        stops = np.fromiter(stop_token_ids, dtype=np.int64, count=len(stop_token_ids))
+        count = self._call(
+            self._steps_function, batch, self._one_row, self._head_outputs[0],
+            tokens.ctypes.data, num_steps, stops.ctypes.data, len(stops),
+        )  # fmt: skip
+        return tokens[:count].tolist()
+
     def _step(
         self,
         batch: BatchInputs,
@@ -201,8 +226,22 @@ class CpuDecode:
         logits: torch.Tensor | None,
         token: torch.Tensor | None,
     ) -> None:
-        """One C call over the batch's arrays (int64 and contiguous: attention/metadata.py
-        builds them so), into `final` (fp32 [T, hidden]) and, given, the head's outputs."""
+        """One step into `final` (fp32 [T, hidden]) and, given, the head's outputs."""
+        self._call(
+            self._function, batch, final, logits, None if token is None else token.data_ptr()
+        )
+
+    @inference_mode
+    def _call(
+        self,
+        function: Callable[..., int],
+        batch: BatchInputs,
+        final: torch.Tensor,
+        logits: torch.Tensor | None,
+        *arguments: int | None,
+    ) -> int:
+        """A C call over the batch's arrays (int64 and contiguous: attention/metadata.py
+        builds them so), `arguments` after the outputs; its status (>= 0) or an error."""
         md = batch.attn_metadata
         input_ids, block_table = batch.input_ids, md.block_table
         arrays = cpu_backend.decode_token_arrays(md)
@@ -211,13 +250,15 @@ class CpuDecode:
             md.slot_mapping.data_ptr(), block_table.data_ptr(), block_table.stride(0),
             *(a.ctypes.data for a in arrays),
         )  # fmt: skip
-        status = self._function(
+        status = function(
             ctypes.byref(self._model), ctypes.byref(step), final.data_ptr(),
-            None if logits is None else logits.data_ptr(),
-            None if token is None else token.data_ptr(), torch.get_num_threads(),
+            None if logits is None else logits.data_ptr(), *arguments, torch.get_num_threads(),
         )  # fmt: skip
         if status == -1:
             raise MemoryError("the fused decode step could not allocate its buffers")
         if status == -2:
             raise ValueError("a token id or position of the step is outside the model's tables")
-        assert status == 0, "the LM head asked of a step it cannot take"
+        if status == -4:
+            raise ValueError("a decode step's position is past the request's blocks")
+        assert status >= 0, "the LM head asked of a step it cannot take"
+        return status

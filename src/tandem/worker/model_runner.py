@@ -391,6 +391,24 @@ class ModelRunner:
         ]
         return RunnerOutput(logits, LogprobsTensors.cat(parts) if parts else None)
 
+    @property
+    def decodes_steps(self) -> bool:
+        """Whether decode_steps runs here: the CPU's fused decode step with a packed LM head."""
+        return self.cpu_decode is not None and self.cpu_decode.decodes_steps
+
+    def decode_steps(
+        self, request: RequestSlice, num_steps: int, stop_token_ids: frozenset[int]
+    ) -> list[int]:
+        """Multi-step scheduling's forwards: a lone greedy decode's next tokens, from up to
+        `num_steps` steps one after another (each fed the argmax of the one before) in one C
+        call, ending early after one in `stop_token_ids`. Its blocks must hold all the
+        positions fed."""
+        batch = self.prepare([request])
+        fused = self._fused_decode(batch)
+        if fused is None or not fused.decodes_steps:
+            raise ValueError("decode_steps takes a lone decode on the CPU's fused decode path")
+        return fused.decode_steps(batch, num_steps, stop_token_ids)
+
     def hidden_states(self, batch: BatchInputs) -> torch.Tensor:
         """The final hidden state of every token of the batch: a captured CUDA graph, the
         fused CPU decode step, or the model layer by layer."""

@@ -193,3 +193,54 @@ done:                                                                           
 
 DEFINE_DECODE_STEP(decode_step_f32, float, f32_load, f32_store, f32)
 DEFINE_DECODE_STEP(decode_step_bf16, uint16_t, bf16_load, bf16_store, bf16)
+
+typedef int DecodeStepFunction(const DecodeModel *, const DecodeStep *, float *, float *,
+                               int64_t *, int);
+
+/* Up to num_steps greedy decode steps of one request, each fed the token the one before
+   chose, with no Python between the forwards: the inner loop of multi-step scheduling
+   (worker/cpu_decode.py). `first` is the first step, one token; each later one is a position
+   on, its cache slot read from the request's block-table row. Writes the chosen tokens to
+   `tokens` and stops after one in stop_ids. Returns how many it wrote, or decode_step's
+   negative status (-4: a position past the request's blocks). */
+static int decode_steps(DecodeStepFunction *one_step, const DecodeModel *model,
+                        const DecodeStep *first, float *final, float *logits, int64_t *tokens,
+                        int64_t num_steps, const int64_t *stop_ids, int64_t num_stop_ids,
+                        int num_threads) {
+    if (first->num_tokens != 1) return -3;
+    int64_t id = first->input_ids[0], position = first->positions[0];
+    int64_t slot = first->slot_mapping[0], seq_len = first->token_seq_lens[0];
+    const int64_t *blocks = first->block_table + first->token_requests[0] * first->block_table_stride;
+    DecodeStep step = *first;
+    step.input_ids = &id;
+    step.positions = &position;
+    step.slot_mapping = &slot;
+    step.token_seq_lens = &seq_len;
+    for (int64_t s = 0; s < num_steps; s++) {
+        if (s > 0) {
+            const int64_t block = ++position / model->block_size;
+            if (block >= first->block_table_stride || blocks[block] < 0 ||
+                blocks[block] >= model->num_blocks)
+                return -4;
+            id = tokens[s - 1];
+            seq_len++;
+            slot = blocks[block] * model->block_size + position % model->block_size;
+        }
+        const int status = one_step(model, &step, final, logits, tokens + s, num_threads);
+        if (status != 0) return status;
+        for (int64_t i = 0; i < num_stop_ids; i++)
+            if (tokens[s] == stop_ids[i]) return (int)(s + 1);
+    }
+    return (int)num_steps;
+}
+
+#define DEFINE_DECODE_STEPS(NAME, ONE_STEP)                                                        \
+int NAME(const DecodeModel *model, const DecodeStep *first, float *final, float *logits,          \
+         int64_t *tokens, int64_t num_steps, const int64_t *stop_ids, int64_t num_stop_ids,        \
+         int num_threads) {                                                                        \
+    return decode_steps(ONE_STEP, model, first, final, logits, tokens, num_steps, stop_ids,        \
+                        num_stop_ids, num_threads);                                                \
+}
+
+DEFINE_DECODE_STEPS(decode_steps_f32, decode_step_f32)
+DEFINE_DECODE_STEPS(decode_steps_bf16, decode_step_bf16)

@@ -1,0 +1,142 @@
+"""Multi-step scheduling (core/scheduler.py _schedule_steps): a step whose only work is one
+greedy request's next token runs several forwards, with the blocks for all of them allocated
+when it is planned; any other step runs one. Its tokens are recorded as a verified draft
+step's are: up to the first that ends the request."""
+
+from __future__ import annotations
+
+import pytest
+from test_scheduler import EOS, add, make_scheduler
+from test_scheduler_spec import LinearCost, prefill
+
+from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.scheduler import MULTI_STEP_WINDOW, Scheduler, SchedulerConfig
+from tandem.request import RequestStatus
+
+
+def lone_decode(num_scheduler_steps: int = 4, max_tokens: int = 20, **params):
+    """A scheduler with one greedy request past its first token (blocks of 4 tokens)."""
+    scheduler = make_scheduler(num_scheduler_steps=num_scheduler_steps)
+    request = add(scheduler, "a", 5, max_tokens=max_tokens, **params)
+    request.argmax_only = True  # the engine core's verdict on its sampling params
+    prefill(scheduler, ["a"])
+    return scheduler, request
+
+
+def test_a_lone_greedy_decode_runs_several_forwards_in_its_blocks():
+    scheduler, request = lone_decode()
+    kv = scheduler.kv_cache_manager
+    output = scheduler.schedule()
+    assert output.num_steps == 4
+    ((entry,),) = [output.scheduled]
+    assert (entry.num_computed_tokens, entry.num_new_tokens, entry.sample) == (5, 1, True)
+    assert output.num_decode_tokens == 1 and output.sums.num_new_tokens == 1  # one forward's
+    # Tokens 5..8 are fed to the four forwards: their KV needs slots up to position 8.
+    assert len(kv.get_block_ids(request.request_id)) * kv.block_size >= 9
+    updated = scheduler.update_from_output(output, {"a": [11, 12, 13, 14]})
+    assert updated == [request]
+    assert request.output_token_ids == [500, 11, 12, 13, 14]
+    assert request.num_computed_tokens == 9 and len(request.token_times) == 5
+
+
+def test_a_stop_token_within_the_burst_ends_the_request_there():
+    scheduler, request = lone_decode()
+    output = scheduler.schedule()
+    assert output.num_steps == 4
+    scheduler.update_from_output(output, {"a": [11, EOS]})  # the runner stopped after EOS
+    assert request.status is RequestStatus.FINISHED_STOPPED
+    assert request.output_token_ids == [500, 11, EOS]
+    kv = scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_more_tokens_than_forwards_is_an_error():
+    scheduler, _ = lone_decode(num_scheduler_steps=2)
+    output = scheduler.schedule()
+    with pytest.raises(ValueError, match="in 2 forwards"):
+        scheduler.update_from_output(output, {"a": [11, 12, 13]})
+
+
+def test_the_burst_ends_at_the_requests_length_limit():
+    scheduler, request = lone_decode(num_scheduler_steps=8, max_tokens=4)
+    output = scheduler.schedule()
+    assert output.num_steps == 3  # one output token so far, max_tokens 4
+    scheduler.update_from_output(output, {"a": [11, 12, 13]})
+    assert request.status is RequestStatus.FINISHED_LENGTH
+    assert len(request.output_token_ids) == 4
+
+
+def test_the_burst_fits_the_window_by_the_cost_models_forecast():
+    scheduler, _ = lone_decode(num_scheduler_steps=8)
+    scheduler.cost_model = LinearCost(MULTI_STEP_WINDOW / 3, 0.0)
+    assert scheduler.schedule().num_steps == 3
+
+
+def test_an_itl_target_shorter_than_the_window_bounds_the_burst():
+    config = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8, num_scheduler_steps=8,
+                             target_step_time=MULTI_STEP_WINDOW / 2)  # fmt: skip
+    scheduler = Scheduler(config, KVCacheManager(64, 4, False),
+                          cost_model=LinearCost(MULTI_STEP_WINDOW / 8, 0.0))  # fmt: skip
+    request = add(scheduler, "a", 5, max_tokens=20)
+    request.argmax_only = True
+    prefill(scheduler, ["a"])
+    assert scheduler.schedule().num_steps == 4
+
+
+def test_one_forward_where_the_burst_would_make_someone_wait_or_change_its_tokens():
+    scheduler, request = lone_decode()
+    add(scheduler, "b", 3)  # a request waiting for a seat would wait for the burst
+    assert scheduler.schedule().num_steps == 1
+
+    scheduler, request = lone_decode()
+    request.argmax_only = False  # sampled, penalized or reporting logprobs
+    assert scheduler.schedule().num_steps == 1
+
+    scheduler, request = lone_decode(min_tokens=3)  # EOS blocked for its next tokens
+    assert scheduler.schedule().num_steps == 1
+
+    scheduler, request = lone_decode(num_scheduler_steps=1)
+    assert scheduler.schedule().num_steps == 1
+
+
+def test_two_running_requests_and_a_first_token_take_one_forward():
+    scheduler = make_scheduler(num_scheduler_steps=4)
+    requests = [add(scheduler, name, 3, max_tokens=20) for name in "ab"]
+    for request in requests:
+        request.argmax_only = True
+    first = scheduler.schedule()  # the prompts, and the first tokens: one forward
+    assert first.num_steps == 1
+    scheduler.update_from_output(first, {"a": [7], "b": [8]})
+    assert scheduler.schedule().num_steps == 1  # two decodes
+
+
+def test_no_burst_where_its_blocks_are_not_there(monkeypatch):
+    scheduler, _ = lone_decode()
+    kv = scheduler.kv_cache_manager
+    allocate = kv.allocate_slots
+
+    def pool_without_room_for_more(request, num_new_tokens, *args):
+        return None if num_new_tokens > 1 else allocate(request, num_new_tokens, *args)
+
+    monkeypatch.setattr(kv, "allocate_slots", pool_without_room_for_more)
+    output = scheduler.schedule()
+    assert output.num_steps == 1 and output.scheduled[0].num_new_tokens == 1
+
+
+def test_steps_in_flight_refuse_a_burst():
+    scheduler, _ = lone_decode()
+    output = scheduler.schedule()
+    with pytest.raises(ValueError, match="several forwards"):
+        scheduler.mark_in_flight(output)
+
+
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        (dict(num_scheduler_steps=0), "num_scheduler_steps must be >= 1"),
+        (dict(num_scheduler_steps=2, num_speculative_tokens=2), "speculative decoding"),
+    ],
+)
+def test_config_errors(config, message):
+    with pytest.raises(ValueError, match=message):
+        SchedulerConfig(**config)
