@@ -71,7 +71,7 @@ class Tandem:
         if kv_cache_dtype != "auto":
             self.name += f" ({kv_cache_dtype} KV cache)"
         if num_scheduler_steps is not None:
-            self.name += f" ({num_scheduler_steps} forwards a step at most)"
+            self.name += f" (num_scheduler_steps={num_scheduler_steps})"
         # No prefix caching: the same prompts run every round.
         self.llm = LLM(
             "default", dtype=dtype, kv_cache_memory=KV_CACHE, enable_prefix_caching=False,
