@@ -125,3 +125,25 @@ def test_multi_step_scheduling_gives_one_forward_a_steps_tokens(monkeypatch):
     assert all(s.num_steps == 1 or s.num_seqs == 1 for s in stats)
     assert sum(s.num_decode_tokens for s in stats) == core.num_decode_tokens
     assert core.kv_cache_manager.usage == 0.0
+
+
+def test_speculation_and_bursts_share_a_lone_request(monkeypatch):
+    """n-gram speculation with multi-step scheduling: a lone greedy request's steps verify
+    drafts where the proposer found some and run bursts where it found none; the tokens are
+    those of plain decoding one forward a step."""
+    chosen = CpuFormats("bfloat16", 8, {}, {})
+    monkeypatch.setattr(formats_module, "cpu_formats", lambda config, packable: chosen)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+             "prompt_lookup_max": 3, "adaptive": False}  # fmt: skip
+    both = LLM("default", kv_cache_memory=256 << 20, speculative_config=ngram)
+    plain = LLM("default", kv_cache_memory=256 << 20, num_scheduler_steps=1)
+    copy = ("Repeat this list exactly: red apple, green pear, yellow banana, red apple, green "
+            "pear, yellow banana, red apple, green pear.")  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    for prompt in (copy, PROMPTS[1]):
+        ours = both.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+        assert ours == plain.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    stats = list(both.engine.core.step_stats)
+    assert any(s.num_draft_tokens for s in stats) and any(s.num_steps > 1 for s in stats)
+    assert not any(s.num_draft_tokens and s.num_steps > 1 for s in stats)
+    assert both.engine.core.kv_cache_manager.usage == 0.0

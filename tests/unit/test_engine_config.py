@@ -58,14 +58,6 @@ def test_defaults_are_vllms(folder):
         (dict(num_scheduler_steps=0), ValueError, "num_scheduler_steps must be >= 1"),
         (dict(num_scheduler_steps=True), ValueError, "num_scheduler_steps must be an int"),
         (dict(num_scheduler_steps=4, async_scheduling=True), ValueError, "async_scheduling"),
-        (
-            dict(
-                num_scheduler_steps=4,
-                speculative_config={"method": "ngram", "num_speculative_tokens": 2},
-            ),
-            ValueError,
-            "cannot be combined with speculative decoding",
-        ),
         (dict(tokenizer="/nonexistent/tok"), FileNotFoundError, "tokenizer path"),
         (dict(generation_config="/nonexistent"), FileNotFoundError, "generation_config="),
         (
@@ -266,6 +258,10 @@ def test_multi_step_scheduling_is_on_by_default_only_where_decode_steps_run_fuse
     assert asked.scheduler.num_scheduler_steps == 4  # the engine core falls back to one
     overlapped = EngineConfig.create(folder, device="cpu", async_scheduling=True)
     assert overlapped.scheduler.num_scheduler_steps == 1
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    both = EngineConfig.create(folder, device="cpu", num_scheduler_steps=4,
+                               speculative_config=ngram)  # fmt: skip
+    assert both.scheduler.num_scheduler_steps == 4 and both.scheduler.num_speculative_tokens == 2
     auto = EngineConfig.create(folder, device="cpu")
     fused = auto.runner.packed_max_tokens > 0 and auto.runner.attention_backend == "cpu"
     assert auto.scheduler.num_scheduler_steps == (8 if fused else 1)

@@ -130,13 +130,23 @@ def test_steps_in_flight_refuse_a_burst():
         scheduler.mark_in_flight(output)
 
 
-@pytest.mark.parametrize(
-    "config,message",
-    [
-        (dict(num_scheduler_steps=0), "num_scheduler_steps must be >= 1"),
-        (dict(num_scheduler_steps=2, num_speculative_tokens=2), "speculative decoding"),
-    ],
-)
-def test_config_errors(config, message):
-    with pytest.raises(ValueError, match=message):
-        SchedulerConfig(**config)
+def test_config_errors():
+    with pytest.raises(ValueError, match="num_scheduler_steps must be >= 1"):
+        SchedulerConfig(num_scheduler_steps=0)
+
+
+def test_a_step_verifying_drafts_runs_one_forward_and_one_without_them_a_burst():
+    """With speculative decoding a lone greedy request's step either verifies the proposer's
+    drafts or, where it has none (or the scheduler takes none), runs a burst."""
+    scheduler = make_scheduler(num_scheduler_steps=4, num_speculative_tokens=3,
+                               adaptive_speculation=False)  # fmt: skip
+    request = add(scheduler, "a", 5, max_tokens=20)
+    request.argmax_only = True
+    prefill(scheduler, ["a"])
+    request.spec_token_ids = [7, 8]
+    verifying = scheduler.schedule()
+    assert (verifying.num_draft_tokens, verifying.num_steps) == (2, 1)
+    scheduler.update_from_output(verifying, {"a": [7, 9]})  # one draft accepted
+    request.spec_token_ids = []  # no n-gram found
+    burst = scheduler.schedule()
+    assert (burst.num_draft_tokens, burst.num_steps) == (0, 4)

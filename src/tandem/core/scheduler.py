@@ -742,17 +742,18 @@ class Scheduler:
 
     def _schedule_steps(self, plan: _StepPlan) -> None:
         """Multi-step scheduling (vLLM v0's num_scheduler_steps): a step whose only work is one
-        greedy request's next token runs several forwards, each fed the token the one before
-        chose, so the engine's per-step work (scheduling, input preparation, outputs,
-        telemetry: ~7% of a small model's batch-1 step on a CPU) is paid once per burst. As
-        many as num_scheduler_steps, the request's length limit and MULTI_STEP_WINDOW (or the
-        ITL target) allow by the step-cost model's forecast; the burst's blocks are allocated
-        here. Not while any request waits for a seat or its KV (it would wait for the burst),
-        and not for a request's first token (its time to first token stays one forward)."""
+        greedy request's next token, with no drafts to verify, runs several forwards, each fed
+        the token the one before chose, so the engine's per-step work (scheduling, input
+        preparation, outputs, telemetry: ~7% of a small model's batch-1 step on a CPU) is paid
+        once per burst. As many as num_scheduler_steps, the request's length limit and
+        MULTI_STEP_WINDOW (or the ITL target) allow by the step-cost model's forecast; the
+        burst's blocks are allocated here. Not while any request waits for a seat or its KV
+        (it would wait for the burst), and not for a request's first token (its time to first
+        token stays one forward)."""
         max_steps = self.config.num_scheduler_steps
-        if max_steps == 1 or len(plan.entries) != 1 or plan.drafts or self.waiting:
+        if max_steps == 1 or len(plan.entries) != 1 or plan.drafts:
             return
-        if self.receiving:
+        if self.waiting or self.receiving:
             return
         ((request, num_new_tokens),) = plan.entries.values()
         if not (
@@ -763,8 +764,9 @@ class Scheduler:
             return
         target = self.config.target_step_time
         window = MULTI_STEP_WINDOW if target is None else min(MULTI_STEP_WINDOW, target)
-        if self.cost_model is not None:
-            max_steps = min(max_steps, int(window / self.cost_model.predict(plan.sums)))
+        forecast = 0.0 if self.cost_model is None else self.cost_model.predict(plan.sums)
+        if forecast > 0:  # none, or a line fitted to nonsense: the burst knows no window
+            max_steps = min(max_steps, int(window / forecast))
         num_steps = min(max_steps, request.length_limit - request.num_tokens)
         if num_steps > 1 and self.kv_cache_manager.allocate_slots(request, num_steps) is not None:
             plan.num_steps = num_steps

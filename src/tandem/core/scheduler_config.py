@@ -46,19 +46,15 @@ class SchedulerConfig:
     adaptive_speculation: bool = True
     speculation_max_running: int | None = None
     # Multi-step scheduling (vLLM v0's num_scheduler_steps): the most forwards one step runs for
-    # a lone greedy decode, each fed the token the one before chose (scheduler.py
-    # _schedule_steps; the model runner must take them: ModelRunner.decodes_steps). 1: one.
+    # a lone greedy decode that verifies no drafts, each fed the token the one before chose
+    # (scheduler.py _schedule_steps; the model runner must take them:
+    # ModelRunner.decodes_steps). 1: one.
     num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_FIELDS:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_scheduler_steps > 1 and self.num_speculative_tokens:
-            raise ValueError(
-                "num_scheduler_steps > 1 cannot be combined with speculative decoding (both "
-                "decode several tokens a step): drop one of them"
-            )
         if self.long_prefill_token_threshold < 0:
             raise ValueError(
                 "long_prefill_token_threshold must be >= 0 (0 = auto), "

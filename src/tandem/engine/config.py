@@ -134,7 +134,7 @@ class EngineConfig:
         for CUDA, off on CPU (where the forward's threads use every core and overlap measured
         slower: BENCHMARKS.md), and off with speculative decoding or num_scheduler_steps > 1.
         num_scheduler_steps None: DEFAULT_CPU_SCHEDULER_STEPS where a CPU's decode steps run
-        fused (and neither async scheduling nor speculative decoding is on), else 1."""
+        fused and async scheduling is off, else 1."""
         if trust_remote_code:
             raise ValueError(
                 "trust_remote_code=True: tandem never runs code shipped with a checkpoint; the "
@@ -168,7 +168,7 @@ class EngineConfig:
             raise ValueError(f"seed must be an int or None, got {seed!r}")
         check_kv_cache_dtype(kv_cache_dtype)
         speculative = SpeculativeConfig.parse(speculative_config)
-        multi_step = _check_scheduler_steps(num_scheduler_steps, async_scheduling, speculative)
+        multi_step = _check_scheduler_steps(num_scheduler_steps, async_scheduling)
         if async_scheduling and speculative is not None:
             raise ValueError(
                 "async_scheduling cannot be combined with speculative decoding (which drafts "
@@ -234,7 +234,7 @@ class EngineConfig:
             async_scheduling = device.startswith("cuda") and speculative is None and not multi_step
         if num_scheduler_steps is None:
             fused = packed_max_tokens > 0 and attention == "cpu" and device == "cpu"
-            steps_apply = fused and speculative is None and not async_scheduling
+            steps_apply = fused and not async_scheduling
             num_scheduler_steps = DEFAULT_CPU_SCHEDULER_STEPS if steps_apply else 1
         draft_runner = None
         if speculative is not None and speculative.method == "draft_model":
@@ -534,11 +534,7 @@ def _note_no_effect(
         )
 
 
-def _check_scheduler_steps(
-    num_scheduler_steps: int | None,
-    async_scheduling: bool | None,
-    speculative: SpeculativeConfig | None,
-) -> bool:
+def _check_scheduler_steps(num_scheduler_steps: int | None, async_scheduling: bool | None) -> bool:
     """Whether num_scheduler_steps asks for several forwards a step; raises where it cannot
     be."""
     if num_scheduler_steps is None:
@@ -553,10 +549,5 @@ def _check_scheduler_steps(
         raise ValueError(
             "num_scheduler_steps > 1 runs its forwards inside the step, so it cannot be "
             "combined with async_scheduling: drop one of them"
-        )
-    if speculative is not None:
-        raise ValueError(
-            "num_scheduler_steps > 1 cannot be combined with speculative decoding (both decode "
-            "several tokens a step): drop one of them"
         )
     return True

@@ -1000,7 +1000,7 @@ class EngineCore:
             num_sampled = sum(1 for entry in scheduled.scheduled if entry.sample)
             self.scheduler.speculation_guard.observe(
                 len(scheduled.scheduled), scheduled.num_draft_tokens > 0,
-                num_sampled + num_accepted_tokens, seconds,
+                num_sampled * num_steps + num_accepted_tokens, seconds,
             )  # fmt: skip
         self.scheduler.proposal_seconds = propose_time
         scheduler = self.scheduler
