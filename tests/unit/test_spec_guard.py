@@ -2,7 +2,14 @@
 deliver fewer tokens per second than steps without, keeps exploring both, and lets them be
 where they pay."""
 
-from tandem.core.spec_guard import EXPLORE_EVERY, SpeculationGuard, batch_bucket
+from itertools import pairwise
+
+from tandem.core.spec_guard import (
+    EXPLORE_EVERY,
+    MAX_EXPLORE_EVERY,
+    SpeculationGuard,
+    batch_bucket,
+)
 
 
 def run(guard: SpeculationGuard, num_decodes: int, steps: int, rate_with: float,
@@ -17,19 +24,42 @@ def run(guard: SpeculationGuard, num_decodes: int, steps: int, rate_with: float,
     return allowed
 
 
-def test_turns_speculation_off_where_it_loses_and_keeps_checking():
+def gaps(steps: list[int]) -> list[int]:
+    return [b - a for a, b in pairwise(steps)]
+
+
+def test_turns_speculation_off_where_it_loses_and_checks_ever_less_often():
     guard = SpeculationGuard()
-    allowed = run(guard, 64, 200, rate_with=480, rate_without=500)
-    exploring = [(step + 1) % EXPLORE_EVERY == 0 for step in range(100, 200)]
-    assert allowed[100:] == exploring  # only the exploring steps speculate
+    allowed = run(guard, 64, 600, rate_with=480, rate_without=500)
+    speculated = [step for step, allow in enumerate(allowed) if allow]
+    # Once both kinds are measured, each exploring step that confirms the verdict doubles the
+    # interval to the next.
+    explored = [gap for gap in gaps(speculated) if gap > 2]
+    assert explored[1:4] == [2 * EXPLORE_EVERY, 4 * EXPLORE_EVERY, MAX_EXPLORE_EVERY]
+    assert set(explored[3:]) == {MAX_EXPLORE_EVERY}
     assert guard.verdicts()[batch_bucket(64)] == (480, 500)
 
 
-def test_keeps_speculation_where_it_pays():
+def test_keeps_speculation_where_it_pays_and_rechecks_ever_less_often():
     guard = SpeculationGuard()
-    allowed = run(guard, 1, 200, rate_with=60, rate_without=40)
-    exploring = [(step + 1) % EXPLORE_EVERY == 0 for step in range(100, 200)]
-    assert allowed[100:] == [not e for e in exploring]  # plain only to re-measure
+    allowed = run(guard, 1, 600, rate_with=60, rate_without=40)
+    plain = [step for step, allow in enumerate(allowed) if not allow]
+    assert gaps(plain) == sorted(gaps(plain)) and gaps(plain)[-5:] == [MAX_EXPLORE_EVERY] * 5
+    assert gaps(plain)[0] == EXPLORE_EVERY
+
+
+def test_a_verdict_that_flips_brings_exploration_back():
+    """Drafts lose long enough for exploring to be rare; then the machine changes and they
+    pay: the next exploring step flips the verdict, and speculation runs from then on."""
+    guard = SpeculationGuard()
+    run(guard, 8, 600, rate_with=480, rate_without=500)
+    allowed = run(guard, 8, 200, rate_with=600, rate_without=500)
+    first = allowed.index(True)
+    assert first < MAX_EXPLORE_EVERY
+    # From then on plain steps only to re-measure: every EXPLORE_EVERY steps, then rarer.
+    assert len(allowed) - first - sum(allowed[first:]) <= len(allowed[first:]) // EXPLORE_EVERY
+    with_drafts, without = guard.verdicts()[batch_bucket(8)]
+    assert with_drafts > without
 
 
 def test_batch_sizes_have_their_own_verdicts():
