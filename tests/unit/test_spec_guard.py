@@ -30,14 +30,23 @@ def gaps(steps: list[int]) -> list[int]:
 
 def test_turns_speculation_off_where_it_loses_and_checks_ever_less_often():
     guard = SpeculationGuard()
-    allowed = run(guard, 64, 600, rate_with=480, rate_without=500)
+    allowed = run(guard, 64, 600, rate_with=350, rate_without=500)
     speculated = [step for step, allow in enumerate(allowed) if allow]
     # Once both kinds are measured, each exploring step that confirms the verdict doubles the
     # interval to the next.
     explored = [gap for gap in gaps(speculated) if gap > 2]
     assert explored[1:4] == [2 * EXPLORE_EVERY, 4 * EXPLORE_EVERY, MAX_EXPLORE_EVERY]
     assert set(explored[3:]) == {MAX_EXPLORE_EVERY}
-    assert guard.verdicts()[batch_bucket(64)] == (480, 500)
+    assert guard.verdicts()[batch_bucket(64)] == (350, 500)
+
+
+def test_a_close_verdict_keeps_exploring_every_few_steps():
+    """Drafts 4% slower: off, but a noisy measure this close is checked every EXPLORE_EVERY
+    steps."""
+    guard = SpeculationGuard()
+    allowed = run(guard, 64, 300, rate_with=480, rate_without=500)
+    exploring = [(step + 1) % EXPLORE_EVERY == 0 for step in range(100, 300)]
+    assert allowed[100:] == exploring
 
 
 def test_keeps_speculation_where_it_pays_and_rechecks_ever_less_often():
@@ -49,15 +58,15 @@ def test_keeps_speculation_where_it_pays_and_rechecks_ever_less_often():
 
 
 def test_a_verdict_that_flips_brings_exploration_back():
-    """Drafts lose long enough for exploring to be rare; then the machine changes and they
-    pay: the next exploring step flips the verdict, and speculation runs from then on."""
+    """Drafts lose by 30% long enough for exploring to be rare; then the machine changes and
+    they pay: the moving average takes a few exploring steps to cross (each closer one comes
+    sooner), and from the flip on speculation runs, re-checked ever less often."""
     guard = SpeculationGuard()
-    run(guard, 8, 600, rate_with=480, rate_without=500)
-    allowed = run(guard, 8, 200, rate_with=600, rate_without=500)
-    first = allowed.index(True)
-    assert first < MAX_EXPLORE_EVERY
-    # From then on plain steps only to re-measure: every EXPLORE_EVERY steps, then rarer.
-    assert len(allowed) - first - sum(allowed[first:]) <= len(allowed[first:]) // EXPLORE_EVERY
+    run(guard, 8, 600, rate_with=350, rate_without=500)
+    allowed = run(guard, 8, 260, rate_with=700, rate_without=500)
+    assert allowed.index(True) < MAX_EXPLORE_EVERY  # the first exploring step
+    assert all(allowed[2 * MAX_EXPLORE_EVERY + EXPLORE_EVERY :][: EXPLORE_EVERY - 1])
+    assert sum(allowed[-MAX_EXPLORE_EVERY:]) >= MAX_EXPLORE_EVERY - 2
     with_drafts, without = guard.verdicts()[batch_bucket(8)]
     assert with_drafts > without
 

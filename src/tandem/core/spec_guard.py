@@ -4,11 +4,13 @@ would add to a step; where its forecast is a few percent off (on a 2-core CPU, a
 costs nearly what a decode token does at batch 32 and above), speculation can lose while
 predicted to win. This guard turns it off for a batch size whose measured rate with drafts
 does not beat the rate without, and keeps both measurements fresh: some steps of a batch
-size go the other way, one in EXPLORE_EVERY at first; each such step that confirms the
-verdict doubles the interval to the next (up to MAX_EXPLORE_EVERY), and a verdict that flips
-brings it back to EXPLORE_EVERY. An exploring step costs what the verdict saves (at batch 8
-on a 2-core CPU a step verifying drafts gave ~0.7x the tokens/s of a plain one): one in 8
-was ~4% of the plain rate, one in 64 is ~0.5%.
+size go the other way, one in EXPLORE_EVERY at first; each such step that confirms a
+decisive verdict (rates more than DECISIVE_GAP apart) doubles the interval to the next (up
+to MAX_EXPLORE_EVERY), and a verdict that flips or comes close brings it back to
+EXPLORE_EVERY. An exploring step costs what the verdict saves (at batch 8 on a 2-core CPU a
+step verifying drafts gave ~0.7x the tokens/s of a plain one): one in 8 was ~4% of the
+plain rate, one in 64 is ~0.5%; where the rates are close, exploring costs little and a
+noisy verdict needs it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 EXPLORE_EVERY = 8
 MAX_EXPLORE_EVERY = 64
+DECISIVE_GAP = 0.15  # of the plain rate: a verdict this clear backs its exploring off
 RATE_WEIGHT = 0.2  # of the newest step in a moving average of tokens per second
 MIN_STEPS = 3  # of each kind before a batch size's verdict counts
 
@@ -41,6 +44,10 @@ class _Rates:
 
     def pays(self, min_gain: float) -> bool:
         return self.with_drafts > self.without_drafts * (1 + min_gain)
+
+    @property
+    def decisive(self) -> bool:
+        return abs(self.with_drafts - self.without_drafts) > DECISIVE_GAP * self.without_drafts
 
     def observe(self, speculated: bool, rate: float) -> None:
         if speculated:
@@ -97,8 +104,11 @@ class SpeculationGuard:
             rates = self._rates.setdefault(batch_bucket(num_decodes), _Rates())
             measured, paid = rates.measured, rates.pays(self.min_gain)
             rates.observe(speculated, tokens / seconds)
-            if measured and rates.pays(self.min_gain) != paid:
-                rates.explore_every = EXPLORE_EVERY  # the verdict flipped: look again soon
+            flipped = measured and rates.pays(self.min_gain) != paid
+            if flipped or (measured and not rates.decisive):
+                if rates.explore_every == EXPLORE_EVERY:
+                    return
+                rates.explore_every = EXPLORE_EVERY  # look again soon
             elif rates.exploring and speculated != paid:  # went the other way, and confirmed
                 rates.explore_every = min(2 * rates.explore_every, MAX_EXPLORE_EVERY)
             else:
