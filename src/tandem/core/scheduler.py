@@ -350,6 +350,7 @@ class Scheduler:
         caching, block_size = kv.enable_caching, kv.block_size
         running = RequestStatus.RUNNING
         stop_status = self._stop_status
+        num_steps = scheduler_output.num_steps
         for scheduled, request in zip(
             scheduler_output.scheduled, scheduler_output.requests, strict=True
         ):
@@ -364,16 +365,17 @@ class Scheduler:
             num_drafts = len(scheduled.draft_token_ids)
             if not token_ids:
                 raise ValueError(f"no sampled token for request {request_id!r}")
-            if len(token_ids) > num_drafts + scheduler_output.num_steps:
+            num_got = len(token_ids)
+            if num_got > num_drafts + num_steps:
                 raise ValueError(
-                    f"request {request_id!r} got {len(token_ids)} tokens from a step that "
-                    f"verified {num_drafts} drafts in {scheduler_output.num_steps} forwards"
+                    f"request {request_id!r} got {num_got} tokens from a step that verified "
+                    f"{num_drafts} drafts in {num_steps} forwards"
                 )
             if request.first_token_time is None:
                 request.first_token_time = now
             if num_drafts:
-                self._record_verification(request, num_drafts, len(token_ids) - 1)
-            if len(token_ids) > 1:
+                self._record_verification(request, num_drafts, num_got - 1)
+            if num_got > 1:  # accepted drafts, or a multi-step burst's tokens
                 finished_status = self._append_until_stop(request, token_ids, now)
             else:  # the common case, inline
                 token_id = token_ids[0]
@@ -980,8 +982,8 @@ class Scheduler:
     def _append_until_stop(
         self, request: Request, token_ids: list[int], now: float
     ) -> RequestStatus | None:
-        """Append sampled tokens one by one (several only with speculative decoding) and stop
-        at the first one that ends the request; the rest are dropped."""
+        """Append sampled tokens one by one (several with speculative decoding or a multi-step
+        burst) and stop at the first one that ends the request; the rest are dropped."""
         for token_id in token_ids:
             request.append_output_token_ids([token_id])
             request.token_times.append(now)
