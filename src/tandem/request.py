@@ -108,6 +108,9 @@ class Request:
     # Plain greedy with nothing to report (worker/sampler.argmax_only), set by the engine core
     # when it takes the request: a batch of such rows samples by argmax alone.
     argmax_only: bool = field(init=False, default=False)
+    # Sampled from the raw logits with nothing to report (worker/sampler.plain_sampling): the
+    # C sampler's row, which multi-step scheduling's bursts draw for; set with argmax_only.
+    plain_sampling: bool = field(init=False, default=False)
     # Set by the scheduler when it takes the request, so that the step loop's stop check is a
     # set lookup and a comparison: the token ids that may end it (min_tokens aside), and the
     # token count at which it ends by length (0: check every token in full).

@@ -5,6 +5,7 @@ output equals the fp32 reference's up to near-ties."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tandem import LLM, SamplingParams
 from tandem.attention import cpu_kernel
@@ -147,3 +148,30 @@ def test_speculation_and_bursts_share_a_lone_request(monkeypatch):
     assert any(s.num_draft_tokens for s in stats) and any(s.num_steps > 1 for s in stats)
     assert not any(s.num_draft_tokens and s.num_steps > 1 for s in stats)
     assert both.engine.core.kv_cache_manager.usage == 0.0
+
+
+def test_sampled_requests_burst_with_the_tokens_of_one_forward_a_step(monkeypatch):
+    """A lone randomly sampled request (seeded, or drawing from the global generator) decodes
+    in bursts whose C sampler draws what the sampler draws one step at a time; a burst that
+    EOS ends early leaves the global generator further on (as async scheduling's wasted
+    slots do), which only unseeded requests after it see."""
+    chosen = CpuFormats("bfloat16", 8, {}, {})
+    monkeypatch.setattr(formats_module, "cpu_formats", lambda config, packable: chosen)
+    bursts = LLM("default", kv_cache_memory=256 << 20)
+    single = LLM("default", kv_cache_memory=256 << 20, num_scheduler_steps=1)
+    cases = [
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=48, seed=7, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=20, min_p=0.05, max_tokens=48, seed=5),
+        SamplingParams(temperature=0.7, max_tokens=48, ignore_eos=True),
+    ]
+    for params in cases:
+        outputs = []
+        for llm in (bursts, single):
+            torch.manual_seed(11)  # the unseeded request's numbers
+            output = llm.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0]
+            outputs.append((output.token_ids, output.finish_reason, torch.rand(1)))
+        (ours, reason, after), (theirs, their_reason, their_after) = outputs
+        assert (ours, reason) == (theirs, their_reason)
+        if reason == "length":  # (a burst a stop token ends early took more global numbers)
+            assert torch.equal(after, their_after)
+    assert max(s.num_steps for s in bursts.engine.core.step_stats) > 1

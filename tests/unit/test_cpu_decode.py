@@ -13,7 +13,9 @@ import torch
 
 from tandem.attention import cpu_kernel
 from tandem.attention.metadata import build_batch, forward_context
+from tandem.sampling_params import SamplingParams
 from tandem.worker.model_runner import ModelRunner, RunnerConfig
+from tandem.worker.sampler import SamplingInputs, row_draws, sample
 
 from helpers import Slice, needs_cpu_kernels, relative_error, write_gguf
 from hf_models import make_hf_model
@@ -268,3 +270,41 @@ def test_decode_steps_need_the_fused_step_and_its_packed_head(tmp_path):
     (request,) = prefilled(runner, [5], seed=8)
     with pytest.raises(ValueError, match="fused decode path"):
         runner.decode_steps(Slice(request.token_ids, 5, 1, request.block_ids), 2, frozenset())
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.9, top_p=0.8, seed=4),
+        SamplingParams(temperature=1.2, top_k=5, min_p=0.02, seed=9),
+        SamplingParams(temperature=0.7),  # unseeded: the global generator's numbers
+        SamplingParams(temperature=0.8, top_k=1),  # draws nothing, takes the top token
+    ],
+    ids=["top-p", "top-k-min-p", "unseeded", "top-k-1"],
+)
+def test_sampled_decode_steps_are_the_sampler_step_by_step(tmp_path, params):
+    """A burst of a randomly sampled request: the C sampler draws each step from the head's
+    logits at row_draws' uniforms, the tokens the sampler gives step by step from the same
+    seeds, and both leave the global generator where it is."""
+    runner = packed_runner(tmp_path, "float32")
+    (request,) = prefilled(runner, [11], seed=10)
+    vocab = runner.model_config.vocab_size
+    before = [cache.clone() for cache in runner.kv_caches]
+    seed = params.seed or 0
+    torch.manual_seed(21)
+    generator = torch.Generator().manual_seed(seed) if params.seed is not None else None
+    tokens = list(request.token_ids[: request.num_new_tokens + 1])
+    for _ in range(6):
+        step = Slice(tokens, len(tokens) - 1, 1, request.block_ids)
+        logits = runner.forward(build_batch([step], BLOCK_SIZE, runner.device)).logits
+        inputs = SamplingInputs([params], [[]], [[]], [generator], [[]])
+        tokens += sample(logits, inputs).token_ids.tolist()
+    expected, global_after = tokens[request.num_new_tokens + 1 :], torch.rand(1)
+    for cache, saved in zip(runner.kv_caches, before, strict=True):
+        cache.copy_(saved)
+    torch.manual_seed(21)
+    generator = torch.Generator().manual_seed(seed) if params.seed is not None else None
+    first = Slice(request.token_ids, request.num_new_tokens, 1, request.block_ids)
+    draws = row_draws(params, generator, 6, vocab)
+    assert runner.decode_steps(first, 6, frozenset(), draws) == expected
+    assert torch.equal(torch.rand(1), global_after)

@@ -69,7 +69,7 @@ class FakeModelRunner:
         """Multi-step scheduling: one request's forwards, each fed the token the one before
         chose, until a token that may end it (as the C loop: its stop ids)."""
         ((scheduled,), (request,)) = output.scheduled, output.requests
-        assert scheduled.num_new_tokens == 1 and scheduled.sample and request.argmax_only
+        assert scheduled.num_new_tokens == 1 and scheduled.sample and request.plain_sampling
         context = list(scheduled.token_ids)
         tokens: list[int] = []
         for _ in range(output.num_steps):
@@ -100,8 +100,8 @@ class Workload:
     block_size: int
     enable_caching: bool
     requests: list[RequestSpec]
-    # Requests that sample greedily with nothing else (Request.argmax_only): multi-step's.
-    argmax_only: list[bool] = dataclasses.field(default_factory=list)
+    # Requests sampled plainly (Request.plain_sampling): multi-step scheduling's.
+    plain_sampling: list[bool] = dataclasses.field(default_factory=list)
 
 
 @st.composite
@@ -153,8 +153,8 @@ def workloads(draw: st.DrawFn) -> Workload:
                 priority=draw(priorities),
             )
         )
-    argmax_only = [draw(st.integers(0, 3)) > 0 for _ in specs]
-    return Workload(config, num_blocks, block_size, draw(st.booleans()), specs, argmax_only)
+    plain_sampling = [draw(st.integers(0, 3)) > 0 for _ in specs]
+    return Workload(config, num_blocks, block_size, draw(st.booleans()), specs, plain_sampling)
 
 
 def check_queue_order(
@@ -269,8 +269,8 @@ def run(workload: Workload) -> tuple[Scheduler, list[Request], int]:
     runner = FakeModelRunner(kv)
     specs = workload.requests
     requests = [make_request(index, spec) for index, spec in enumerate(specs)]
-    for request, argmax_only in zip(requests, workload.argmax_only, strict=True):
-        request.argmax_only = argmax_only
+    for request, plain in zip(requests, workload.plain_sampling, strict=True):
+        request.plain_sampling = plain
     prompt_lens = {r.request_id: r.num_prompt_tokens for r in requests}
     last_arrival = max(spec.arrival_step for spec in specs)
     max_steps = last_arrival + 4 * sum(

@@ -1,7 +1,7 @@
 """Multi-step scheduling (core/scheduler.py _schedule_steps): a step whose only work is one
-greedy request's next token runs several forwards, with the blocks for all of them allocated
-when it is planned; any other step runs one. Its tokens are recorded as a verified draft
-step's are: up to the first that ends the request."""
+plainly sampled request's next token runs several forwards, with the blocks for all of them
+allocated when it is planned; any other step runs one. Its tokens are recorded as a verified
+draft step's are: up to the first that ends the request."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ from tandem.request import RequestStatus
 
 
 def lone_decode(num_scheduler_steps: int = 4, max_tokens: int = 20, **params):
-    """A scheduler with one greedy request past its first token (blocks of 4 tokens)."""
+    """A scheduler with one plainly sampled request past its first token (blocks of 4
+    tokens)."""
     scheduler = make_scheduler(num_scheduler_steps=num_scheduler_steps)
     request = add(scheduler, "a", 5, max_tokens=max_tokens, **params)
-    request.argmax_only = True  # the engine core's verdict on its sampling params
+    request.plain_sampling = True  # the engine core's verdict on its sampling params
     prefill(scheduler, ["a"])
     return scheduler, request
 
@@ -78,7 +79,7 @@ def test_an_itl_target_shorter_than_the_window_bounds_the_burst():
     scheduler = Scheduler(config, KVCacheManager(64, 4, False),
                           cost_model=LinearCost(MULTI_STEP_WINDOW / 8, 0.0))  # fmt: skip
     request = add(scheduler, "a", 5, max_tokens=20)
-    request.argmax_only = True
+    request.plain_sampling = True
     prefill(scheduler, ["a"])
     assert scheduler.schedule().num_steps == 4
 
@@ -89,7 +90,7 @@ def test_one_forward_where_the_burst_would_make_someone_wait_or_change_its_token
     assert scheduler.schedule().num_steps == 1
 
     scheduler, request = lone_decode()
-    request.argmax_only = False  # sampled, penalized or reporting logprobs
+    request.plain_sampling = False  # penalized, biased or reporting logprobs
     assert scheduler.schedule().num_steps == 1
 
     scheduler, request = lone_decode(min_tokens=3)  # EOS blocked for its next tokens
@@ -103,7 +104,7 @@ def test_two_running_requests_and_a_first_token_take_one_forward():
     scheduler = make_scheduler(num_scheduler_steps=4)
     requests = [add(scheduler, name, 3, max_tokens=20) for name in "ab"]
     for request in requests:
-        request.argmax_only = True
+        request.plain_sampling = True
     first = scheduler.schedule()  # the prompts, and the first tokens: one forward
     assert first.num_steps == 1
     scheduler.update_from_output(first, {"a": [7], "b": [8]})
@@ -141,7 +142,7 @@ def test_a_step_verifying_drafts_runs_one_forward_and_one_without_them_a_burst()
     scheduler = make_scheduler(num_scheduler_steps=4, num_speculative_tokens=3,
                                adaptive_speculation=False)  # fmt: skip
     request = add(scheduler, "a", 5, max_tokens=20)
-    request.argmax_only = True
+    request.plain_sampling = True
     prefill(scheduler, ["a"])
     request.spec_token_ids = [7, 8]
     verifying = scheduler.schedule()

@@ -76,7 +76,7 @@ class SchedulerOutput:
     sums: BatchSums  # what the step's cost depends on (core/roofline.py), summed while planning
     num_draft_tokens: int = 0  # of the decode tokens, those that verify guesses
     # Multi-step scheduling: the forwards the step runs one after another, each decoding the
-    # token the one before chose (a lone greedy decode; 1: one forward, as in any step).
+    # token the one before chose (a lone, plainly sampled decode; 1: one forward, as in any step).
     num_steps: int = 1
     # Disaggregation (decode side): prompt KV to pull for requests whose blocks were allocated
     # this step; they compute nothing until it has arrived.
@@ -744,10 +744,11 @@ class Scheduler:
 
     def _schedule_steps(self, plan: _StepPlan) -> None:
         """Multi-step scheduling (vLLM v0's num_scheduler_steps): a step whose only work is one
-        greedy request's next token, with no drafts to verify, runs several forwards, each fed
-        the token the one before chose, so the engine's per-step work (scheduling, input
-        preparation, outputs, telemetry: ~7% of a small model's batch-1 step on a CPU) is paid
-        once per burst. As many as num_scheduler_steps, the request's length limit and
+        plainly sampled request's next token (greedy or random, nothing reported or
+        processed), with no drafts to verify, runs several forwards, each fed the token the
+        one before chose, so the engine's per-step work (scheduling, input preparation,
+        outputs, telemetry: ~7% of a small model's batch-1 step on a CPU) is paid once per
+        burst. As many as num_scheduler_steps, the request's length limit and
         MULTI_STEP_WINDOW (or the ITL target) allow by the step-cost model's forecast; the
         burst's blocks are allocated here. Not while any request waits for a seat or its KV
         (it would wait for the burst), and not for a request's first token (its time to first
@@ -760,7 +761,7 @@ class Scheduler:
         ((request, num_new_tokens),) = plan.entries.values()
         if not (
             num_new_tokens == 1 == request.num_uncomputed_tokens
-            and request.argmax_only
+            and request.plain_sampling
             and request.num_output_tokens >= max(1, request.sampling_params.min_tokens)
         ):
             return

@@ -46,8 +46,8 @@ class SchedulerConfig:
     adaptive_speculation: bool = True
     speculation_max_running: int | None = None
     # Multi-step scheduling (vLLM v0's num_scheduler_steps): the most forwards one step runs for
-    # a lone greedy decode that verifies no drafts, each fed the token the one before chose
-    # (scheduler.py _schedule_steps; the model runner must take them:
+    # a lone, plainly sampled decode that verifies no drafts, each fed the token the one before
+    # chose (scheduler.py _schedule_steps; the model runner must take them:
     # ModelRunner.decodes_steps). 1: one.
     num_scheduler_steps: int = 1
 

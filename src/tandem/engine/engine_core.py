@@ -52,6 +52,8 @@ from tandem.worker.sampler import (
     SamplingInputs,
     argmax_only,
     logprob_dicts,
+    plain_sampling,
+    row_draws,
     sample,
 )
 
@@ -282,6 +284,7 @@ class EngineCore:
         request.sampling_params.check_vocab(vocab_size)
         self.config.check_logprobs(request.sampling_params)
         request.argmax_only = argmax_only(request.sampling_params)
+        request.plain_sampling = plain_sampling(request.sampling_params)
         remote = None
         connector = self.kv_connector
         # A request id already streaming is another request's (this one is refused below).
@@ -581,9 +584,15 @@ class EngineCore:
             and not self._min_tokens_ids
         )
         num_steps = scheduled.num_steps
-        if num_steps > 1:  # multi-step: a lone greedy decode's forwards, one after another
+        if num_steps > 1:  # multi-step: a lone decode's forwards, one after another
             request = sampled_requests[0]
-            tokens = self.runner.decode_steps(entries[0], num_steps, request.stop_check_ids)
+            draws = None
+            if not request.argmax_only:
+                draws = row_draws(
+                    request.sampling_params, self.generators.get(request.request_id),
+                    num_steps, self.runner.model_config.vocab_size,
+                )  # fmt: skip
+            tokens = self.runner.decode_steps(entries[0], num_steps, request.stop_check_ids, draws)
             sampled, logprobs_by_id, prompt_logprobs = {request.request_id: tokens}, {}, None
             num_steps = len(tokens)  # fewer where a stop token ended them
         else:

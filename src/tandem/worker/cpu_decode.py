@@ -9,8 +9,8 @@ the kernels the layer-by-layer path calls, from the token ids (the embedding row
 final norm, and for a greedy batch-1 step on through the packed LM head to the logits and
 their argmax. This is the CPU's counterpart of worker/cuda_graphs.py: the model runner asks
 `fits(batch)`, then `run(batch)` for the final hidden states or `logits_and_argmax(batch)`,
-or, for multi-step scheduling, `decode_steps(batch, ...)`: several such greedy steps of one
-request in one call, each fed the token the one before chose.
+or, for multi-step scheduling, `decode_steps(batch, ...)`: several such steps of one request
+in one call, each fed the token the one before chose (its argmax, or the C sampler's draw).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from tandem.models.layers import Linear
 from tandem.models.llama import CausalLM
 from tandem.models.packed import PackedWeight
 from tandem.worker.inference_mode import inference_mode
+from tandem.worker.sampler import RowDraws
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -58,6 +59,12 @@ class _DecodeStep(ctypes.Structure):
                 ("slot_mapping", _ptr), ("block_table", _ptr), ("block_table_stride", _i64),
                 ("token_rows", _ptr), ("token_requests", _ptr),
                 ("token_seq_lens", _ptr)]  # fmt: skip
+
+
+class _RowSampling(ctypes.Structure):
+    _fields_ = [("temperature", ctypes.c_float), ("top_p", ctypes.c_float),
+                ("min_p", ctypes.c_float), ("top_k", _i64), ("uniforms", _ptr),
+                ("scratch", _ptr)]  # fmt: skip
 
 
 # The embedding tables the C step reads (its rows widened to fp32), by torch dtype.
@@ -142,6 +149,7 @@ class CpuDecode:
         )  # fmt: skip
         self._hidden_size = config.hidden_size
         self._one_row = torch.empty(1, config.hidden_size)  # logits_and_argmax's final hidden
+        self._sampling_scratch: torch.Tensor | None = None  # decode_steps' C sampler's
         # The model's dtype, for the final hidden states (None: fp32, as the C step writes).
         self._out_dtype = None if embedding.dtype == torch.float32 else embedding.dtype
         library = cpu_kernel.load_library()
@@ -204,18 +212,37 @@ class CpuDecode:
         return self._head_outputs is not None
 
     def decode_steps(
-        self, batch: BatchInputs, num_steps: int, stop_token_ids: frozenset[int]
+        self,
+        batch: BatchInputs,
+        num_steps: int,
+        stop_token_ids: frozenset[int],
+        draws: RowDraws | None = None,
     ) -> list[int]:
-        """A greedy decode of the batch's one token and up to `num_steps - 1` more, each step
-        fed the argmax of the one before, in one C call (multi-step scheduling: no Python
+        """A decode of the batch's one token and up to `num_steps - 1` more, each step fed the
+        token the one before chose (its argmax, or with `draws` the C sampler's draw from its
+        logits, as the sampler makes it), in one C call (multi-step scheduling: no Python
         between the forwards); the tokens chosen, ending early after one in `stop_token_ids`.
         The request's blocks must hold the positions of all `num_steps` tokens fed."""
         assert self._head_outputs is not None and batch.input_ids.shape[0] == 1
         tokens = np.empty(num_steps, dtype=np.int64)
         stops = np.fromiter(stop_token_ids, dtype=np.int64, count=len(stop_token_ids))
+        sampling = None
+        if draws is not None:
+            uniforms = draws.uniforms.to(torch.float32).contiguous()
+            assert uniforms.shape == (num_steps,)
+            if self._sampling_scratch is None:
+                vocab = self._head_outputs[0].shape[1]
+                self._sampling_scratch = torch.empty(
+                    2 * vocab * cpu_kernel.SAMPLING_CANDIDATE_BYTES, dtype=torch.uint8
+                )
+            sampling = _RowSampling(
+                draws.temperature, draws.top_p, draws.min_p, draws.top_k,
+                uniforms.data_ptr(), self._sampling_scratch.data_ptr(),
+            )  # fmt: skip
         count = self._call(
             self._steps_function, batch, self._one_row, self._head_outputs[0],
             tokens.ctypes.data, num_steps, stops.ctypes.data, len(stops),
+            None if sampling is None else ctypes.addressof(sampling),
         )  # fmt: skip
         return tokens[:count].tolist()
 

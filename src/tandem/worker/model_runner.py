@@ -25,7 +25,7 @@ from tandem.models.loader import load_model
 from tandem.worker.cpu_decode import CpuDecode, unsupported_reason
 from tandem.worker.gpu_memory import MemoryProfile, profile_requests
 from tandem.worker.inference_mode import inference_mode
-from tandem.worker.sampler import LogprobsTensors, token_logprobs
+from tandem.worker.sampler import LogprobsTensors, RowDraws, token_logprobs
 
 if TYPE_CHECKING:
     from tandem.worker.cuda_graphs import DecodeGraphs
@@ -397,17 +397,21 @@ class ModelRunner:
         return self.cpu_decode is not None and self.cpu_decode.decodes_steps
 
     def decode_steps(
-        self, request: RequestSlice, num_steps: int, stop_token_ids: frozenset[int]
+        self,
+        request: RequestSlice,
+        num_steps: int,
+        stop_token_ids: frozenset[int],
+        draws: RowDraws | None = None,
     ) -> list[int]:
-        """Multi-step scheduling's forwards: a lone greedy decode's next tokens, from up to
-        `num_steps` steps one after another (each fed the argmax of the one before) in one C
-        call, ending early after one in `stop_token_ids`. Its blocks must hold all the
-        positions fed."""
+        """Multi-step scheduling's forwards: a lone decode's next tokens, from up to
+        `num_steps` steps one after another (each fed the argmax of the one before, or with
+        `draws` the sampler's draw) in one C call, ending early after one in
+        `stop_token_ids`. Its blocks must hold all the positions fed."""
         batch = self.prepare([request])
         fused = self._fused_decode(batch)
         if fused is None or not fused.decodes_steps:
             raise ValueError("decode_steps takes a lone decode on the CPU's fused decode path")
-        return fused.decode_steps(batch, num_steps, stop_token_ids)
+        return fused.decode_steps(batch, num_steps, stop_token_ids, draws)
 
     def hidden_states(self, batch: BatchInputs) -> torch.Tensor:
         """The final hidden state of every token of the batch: a captured CUDA graph, the

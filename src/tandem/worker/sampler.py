@@ -161,16 +161,42 @@ def _sample_in_kernel(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Ten
     # Rows that take the argmax draw nothing, as in the torch path.
     generators = [g if d else None for g, d in zip(inputs.generators, draws, strict=True)]
     uniforms = row_uniforms(generators, logits.device)
-    tokens = cpu_kernel.sample_rows(
-        logits,
-        [p.temperature if d else 0.0 for p, d in zip(params, draws, strict=True)],
-        [p.top_k if 0 < p.top_k < vocab else 0 for p in params],
-        [p.top_p for p in params],
-        [p.min_p for p in params],
-        uniforms,
-    )
+    rows = [kernel_parameters(p, vocab) for p in params]
+    tokens = cpu_kernel.sample_rows(logits, *map(list, zip(*rows, strict=True)), uniforms)
     assert tokens is not None  # _kernel_rows saw the kernel take these logits
     return tokens
+
+
+def kernel_parameters(params: SamplingParams, vocab: int) -> tuple[float, int, float, float]:
+    """A row's temperature (0: the argmax), top-k (0: none), top-p and min-p as the C sampler
+    takes them (csrc/sample_rows.c)."""
+    temperature = params.temperature if _draws(params) else 0.0
+    return temperature, params.top_k if 0 < params.top_k < vocab else 0, params.top_p, params.min_p
+
+
+@dataclass(frozen=True)
+class RowDraws:
+    """A plainly sampled row's draws over the steps of a multi-step burst, in the C sampler's
+    terms: its parameters, and per step the uniform row_uniforms would have given it."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    uniforms: torch.Tensor  # [num_steps] float32
+
+
+def row_draws(
+    params: SamplingParams, generator: torch.Generator | None, num_steps: int, vocab: int
+) -> RowDraws:
+    """`num_steps` steps' draws at once, taking from the generators what that many steps of
+    _sample_in_kernel would (one global number a step, and a seeded row's own one where it
+    draws; torch's CPU generators give n numbers at once as n calls give one each), so a
+    seeded request's tokens are those of one step at a time."""
+    uniforms = torch.rand(num_steps)
+    if generator is not None and _draws(params):
+        uniforms = torch.rand(num_steps, generator=generator)
+    return RowDraws(*kernel_parameters(params, vocab), uniforms)
 
 
 def _sample_rows(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
@@ -190,11 +216,13 @@ def _sample_rows(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
 def argmax_only(params: SamplingParams) -> bool:
     """Greedy with nothing to change the logits or to report: the token is the argmax (one
     pass over the row's attributes, where the general path makes one per feature)."""
-    return (
-        params.temperature < GREEDY_TEMPERATURE
-        and params.logprobs is None
-        and not changes_logits(params)
-    )
+    return params.temperature < GREEDY_TEMPERATURE and plain_sampling(params)
+
+
+def plain_sampling(params: SamplingParams) -> bool:
+    """Sampled from the raw logits with nothing to report: the C sampler's row (min_tokens
+    aside, which blocks stop ids until reached), and multi-step scheduling's."""
+    return params.logprobs is None and not changes_logits(params)
 
 
 def _wants_processed(params: SamplingParams) -> bool:

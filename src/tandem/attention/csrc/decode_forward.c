@@ -197,16 +197,26 @@ DEFINE_DECODE_STEP(decode_step_bf16, uint16_t, bf16_load, bf16_store, bf16)
 typedef int DecodeStepFunction(const DecodeModel *, const DecodeStep *, float *, float *,
                                int64_t *, int);
 
-/* Up to num_steps greedy decode steps of one request, each fed the token the one before
-   chose, with no Python between the forwards: the inner loop of multi-step scheduling
-   (worker/cpu_decode.py). `first` is the first step, one token; each later one is a position
-   on, its cache slot read from the request's block-table row. Writes the chosen tokens to
-   `tokens` and stops after one in stop_ids. Returns how many it wrote, or decode_step's
-   negative status (-4: a position past the request's blocks). */
+/* A sampled row's draw at each step of a burst (sample_rows' parameters, as the sampler
+   passes them); NULL in its place: the argmax. */
+typedef struct {
+    float temperature, top_p, min_p;
+    int64_t top_k;
+    const float *uniforms;  /* [num_steps] */
+    void *scratch;          /* sample_rows' scratch for one thread */
+} RowSampling;
+
+/* Up to num_steps decode steps of one request, each fed the token the one before chose (its
+   argmax, or with `sampling` a draw from its logits), with no Python between the forwards:
+   the inner loop of multi-step scheduling (worker/cpu_decode.py). `first` is the first step,
+   one token; each later one is a position on, its cache slot read from the request's
+   block-table row. Writes the chosen tokens to `tokens` and stops after one in stop_ids.
+   Returns how many it wrote, or decode_step's negative status (-4: a position past the
+   request's blocks). */
 static int decode_steps(DecodeStepFunction *one_step, const DecodeModel *model,
                         const DecodeStep *first, float *final, float *logits, int64_t *tokens,
                         int64_t num_steps, const int64_t *stop_ids, int64_t num_stop_ids,
-                        int num_threads) {
+                        const RowSampling *sampling, int num_threads) {
     if (first->num_tokens != 1) return -3;
     int64_t id = first->input_ids[0], position = first->positions[0];
     int64_t slot = first->slot_mapping[0], seq_len = first->token_seq_lens[0];
@@ -228,6 +238,10 @@ static int decode_steps(DecodeStepFunction *one_step, const DecodeModel *model,
         }
         const int status = one_step(model, &step, final, logits, tokens + s, num_threads);
         if (status != 0) return status;
+        if (sampling)
+            sample_rows(logits, 1, model->head.out_features, &sampling->temperature,
+                        &sampling->top_k, &sampling->top_p, &sampling->min_p,
+                        sampling->uniforms + s, tokens + s, sampling->scratch, 1);
         for (int64_t i = 0; i < num_stop_ids; i++)
             if (tokens[s] == stop_ids[i]) return (int)(s + 1);
     }
@@ -237,9 +251,9 @@ static int decode_steps(DecodeStepFunction *one_step, const DecodeModel *model,
 #define DEFINE_DECODE_STEPS(NAME, ONE_STEP)                                                        \
 int NAME(const DecodeModel *model, const DecodeStep *first, float *final, float *logits,          \
          int64_t *tokens, int64_t num_steps, const int64_t *stop_ids, int64_t num_stop_ids,        \
-         int num_threads) {                                                                        \
+         const RowSampling *sampling, int num_threads) {                                           \
     return decode_steps(ONE_STEP, model, first, final, logits, tokens, num_steps, stop_ids,        \
-                        num_stop_ids, num_threads);                                                \
+                        num_stop_ids, sampling, num_threads);                                      \
 }
 
 DEFINE_DECODE_STEPS(decode_steps_f32, decode_step_f32)

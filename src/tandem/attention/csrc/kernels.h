@@ -52,6 +52,13 @@ int64_t row_groups_argmax(int64_t n_out, int64_t group_rows, float *out,
     {PREFIX##_1, PREFIX##_2, PREFIX##_3, PREFIX##_4, PREFIX##_5, PREFIX##_6, PREFIX##_7,       \
      PREFIX##_8}
 
+/* One token per row of fp32 logits [rows, vocab] (sample_rows.c): the argmax where the
+   temperature is 0, else a draw at u[r] after min-p, top-k (0: none) and top-p; scratch: 2 *
+   vocab candidates of 8 bytes per thread. */
+void sample_rows(const float *logits, int64_t rows, int64_t vocab, const float *temperature,
+                 const int64_t *top_k, const float *top_p, const float *min_p, const float *u,
+                 int64_t *tokens, void *scratch, int num_threads);
+
 int64_t packed_matmul_int8_scratch(int64_t num_tokens, int64_t k);
 void packed_matmul_int8_into(const uint8_t *codes, const uint16_t *scales, int64_t quant_type,
                              int64_t n_out, int64_t k, const float *x, int64_t num_tokens,
