@@ -220,7 +220,8 @@ static int decode_steps(DecodeStepFunction *one_step, const DecodeModel *model,
     if (first->num_tokens != 1) return -3;
     int64_t id = first->input_ids[0], position = first->positions[0];
     int64_t slot = first->slot_mapping[0], seq_len = first->token_seq_lens[0];
-    const int64_t *blocks = first->block_table + first->token_requests[0] * first->block_table_stride;
+    const int64_t *blocks =
+        first->block_table + first->token_requests[0] * first->block_table_stride;
     DecodeStep step = *first;
     step.input_ids = &id;
     step.positions = &position;
@@ -228,12 +229,13 @@ static int decode_steps(DecodeStepFunction *one_step, const DecodeModel *model,
     step.token_seq_lens = &seq_len;
     for (int64_t s = 0; s < num_steps; s++) {
         if (s > 0) {
-            const int64_t block = ++position / model->block_size;
+            position++;
+            seq_len++;
+            const int64_t block = position / model->block_size;
             if (block >= first->block_table_stride || blocks[block] < 0 ||
                 blocks[block] >= model->num_blocks)
                 return -4;
             id = tokens[s - 1];
-            seq_len++;
             slot = blocks[block] * model->block_size + position % model->block_size;
         }
         const int status = one_step(model, &step, final, logits, tokens + s, num_threads);
