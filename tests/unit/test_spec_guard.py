@@ -95,3 +95,24 @@ def test_peek_tells_what_the_next_step_will_be_allowed():
         expected = guard.peek(64)
         assert guard.allows(64) is expected, step
         guard.observe(64, expected, 480 if expected else 500, 1.0)
+
+
+def test_a_step_observed_without_asking_explores_nothing():
+    """A decode step the guard was not asked about (its planning preempted before drafts) is
+    measured, but is not the exploring step the last question was: the interval to the next
+    doubles once per exploring step, not again."""
+    guard = SpeculationGuard()
+    run(guard, 8, 40, rate_with=700, rate_without=500)  # drafts pay by 40%: decisive
+
+    def steps_to_next_plain() -> int:
+        count = 0
+        while guard.allows(8):
+            guard.observe(8, True, 700, 1.0)
+            count += 1
+        guard.observe(8, False, 500, 1.0)  # the exploring step
+        return count
+
+    steps_to_next_plain()
+    before = steps_to_next_plain()
+    guard.observe(8, False, 500, 1.0)  # observed, never asked
+    assert steps_to_next_plain() + 1 == min(2 * (before + 1), MAX_EXPLORE_EVERY)

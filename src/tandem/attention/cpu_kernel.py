@@ -188,7 +188,11 @@ def load_library() -> ctypes.CDLL | None:
             ("rotary", _ROTARY_ARGTYPES, None),
             ("packed_matmul", _PACKED_MATMUL_ARGTYPES, ctypes.c_int),  # -1: out of memory
             ("decode_step", [_ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int], ctypes.c_int),
-            ("decode_steps", [*[_ptr] * 5, _i64, _ptr, _i64, _ptr, ctypes.c_int], ctypes.c_int),
+            (
+                "decode_steps",
+                [*[_ptr] * 5, *[_i64] * 2, _ptr, _i64, _ptr, ctypes.c_int],
+                ctypes.c_int,
+            ),
         ):
             function = getattr(library, f"{name}_{suffix}")
             function.argtypes = argtypes

@@ -756,8 +756,8 @@ class Scheduler:
         max_steps = self.config.num_scheduler_steps
         if max_steps == 1 or len(plan.entries) != 1 or plan.drafts:
             return
-        if self.waiting or self.receiving:
-            return
+        if len(self.running) != 1 or self.waiting or self.receiving:
+            return  # (a running decode the budget left out would wait for the burst too)
         ((request, num_new_tokens),) = plan.entries.values()
         if not (
             num_new_tokens == 1 == request.num_uncomputed_tokens
@@ -765,7 +765,7 @@ class Scheduler:
             and request.num_output_tokens >= max(1, request.sampling_params.min_tokens)
         ):
             return
-        target = self.config.target_step_time
+        target = self._planning_target()
         window = MULTI_STEP_WINDOW if target is None else min(MULTI_STEP_WINDOW, target)
         forecast = 0.0 if self.cost_model is None else self.cost_model.predict(plan.sums)
         if forecast > 0:  # none, or a line fitted to nonsense: the burst knows no window

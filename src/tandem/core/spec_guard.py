@@ -102,19 +102,20 @@ class SpeculationGuard:
         """A decode-only step's outcome: did it verify drafts, how many tokens it emitted."""
         if num_decodes and seconds > 0:
             rates = self._rates.setdefault(batch_bucket(num_decodes), _Rates())
+            # The step `allows` last answered is this one (a step observed without asking
+            # first, one whose planning preempted, explores nothing).
+            exploring, rates.exploring = rates.exploring, False
             measured, paid = rates.measured, rates.pays(self.min_gain)
             rates.observe(speculated, tokens / seconds)
             flipped = measured and rates.pays(self.min_gain) != paid
             if flipped or (measured and not rates.decisive):
-                if rates.explore_every == EXPLORE_EVERY:
-                    return
-                rates.explore_every = EXPLORE_EVERY  # look again soon
-            elif rates.exploring and speculated != paid:  # went the other way, and confirmed
+                if rates.explore_every > EXPLORE_EVERY:  # look again soon (not later than due)
+                    rates.explore_every = EXPLORE_EVERY
+                    rates.next_explore = min(rates.next_explore,
+                                             rates.steps_seen + EXPLORE_EVERY)  # fmt: skip
+            elif exploring and speculated != paid:  # went the other way, and confirmed
                 rates.explore_every = min(2 * rates.explore_every, MAX_EXPLORE_EVERY)
-            else:
-                return
-            rates.next_explore = rates.steps_seen + rates.explore_every
-            rates.exploring = False
+                rates.next_explore = rates.steps_seen + rates.explore_every
 
     def verdicts(self) -> dict[int, tuple[float, float]]:
         """Per bucket: measured tokens/s with and without drafts (for logs and benchmarks)."""

@@ -586,13 +586,7 @@ class EngineCore:
         num_steps = scheduled.num_steps
         if num_steps > 1:  # multi-step: a lone decode's forwards, one after another
             request = sampled_requests[0]
-            draws = None
-            if not request.argmax_only:
-                draws = row_draws(
-                    request.sampling_params, self.generators.get(request.request_id),
-                    num_steps, self.runner.model_config.vocab_size,
-                )  # fmt: skip
-            tokens = self.runner.decode_steps(entries[0], num_steps, request.stop_check_ids, draws)
+            tokens = self._decode_steps(entries[0], request, num_steps)
             sampled, logprobs_by_id, prompt_logprobs = {request.request_id: tokens}, {}, None
             num_steps = len(tokens)  # fewer where a stop token ended them
         else:
@@ -632,6 +626,24 @@ class EngineCore:
             scheduled, time.perf_counter() - start, num_accepted, propose_time, num_steps
         )
         return outputs
+
+    def _decode_steps(self, entry: ScheduledRequest, request: Request, num_steps: int) -> list[int]:
+        """A multi-step burst's tokens. A random request's draws are taken up front
+        (sampler.row_draws); where a stop token ends the burst early, the global generator is
+        put back where that many single steps would have left it (the request's own one
+        ends with it)."""
+        if request.argmax_only:
+            return self.runner.decode_steps(entry, num_steps, request.stop_check_ids)
+        global_state = torch.get_rng_state()
+        draws = row_draws(
+            request.sampling_params, self.generators.get(request.request_id), num_steps,
+            self.runner.model_config.vocab_size,
+        )  # fmt: skip
+        tokens = self.runner.decode_steps(entry, num_steps, request.stop_check_ids, draws)
+        if len(tokens) < num_steps:
+            torch.set_rng_state(global_state)
+            torch.rand(len(tokens))
+        return tokens
 
     def _sample(
         self, logits: torch.Tensor, requests: list[Request], scheduled: SchedulerOutput

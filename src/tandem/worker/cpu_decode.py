@@ -214,6 +214,7 @@ class CpuDecode:
     def decode_steps(
         self,
         batch: BatchInputs,
+        num_blocks: int,
         num_steps: int,
         stop_token_ids: frozenset[int],
         draws: RowDraws | None = None,
@@ -222,7 +223,8 @@ class CpuDecode:
         token the one before chose (its argmax, or with `draws` the C sampler's draw from its
         logits, as the sampler makes it), in one C call (multi-step scheduling: no Python
         between the forwards); the tokens chosen, ending early after one in `stop_token_ids`.
-        The request's blocks must hold the positions of all `num_steps` tokens fed."""
+        The request's `num_blocks` blocks must hold the positions of all `num_steps` tokens
+        fed."""
         assert self._head_outputs is not None and batch.input_ids.shape[0] == 1
         tokens = np.empty(num_steps, dtype=np.int64)
         stops = np.fromiter(stop_token_ids, dtype=np.int64, count=len(stop_token_ids))
@@ -241,7 +243,7 @@ class CpuDecode:
             )  # fmt: skip
         count = self._call(
             self._steps_function, batch, self._one_row, self._head_outputs[0],
-            tokens.ctypes.data, num_steps, stops.ctypes.data, len(stops),
+            tokens.ctypes.data, num_blocks, num_steps, stops.ctypes.data, len(stops),
             None if sampling is None else ctypes.addressof(sampling),
         )  # fmt: skip
         return tokens[:count].tolist()
@@ -287,5 +289,6 @@ class CpuDecode:
             raise ValueError("a token id or position of the step is outside the model's tables")
         if status == -4:
             raise ValueError("a decode step's position is past the request's blocks")
-        assert status >= 0, "the LM head asked of a step it cannot take"
+        if status < 0:
+            raise RuntimeError(f"the fused decode step refused the call (status {status})")
         return status

@@ -209,15 +209,17 @@ typedef struct {
 /* Up to num_steps decode steps of one request, each fed the token the one before chose (its
    argmax, or with `sampling` a draw from its logits), with no Python between the forwards:
    the inner loop of multi-step scheduling (worker/cpu_decode.py). `first` is the first step,
-   one token; each later one is a position on, its cache slot read from the request's
-   block-table row. Writes the chosen tokens to `tokens` and stops after one in stop_ids.
-   Returns how many it wrote, or decode_step's negative status (-4: a position past the
-   request's blocks). */
+   one token; each later one is a position on, its cache slot read from the first
+   `num_request_blocks` entries of the request's block-table row (the rest is padding).
+   Writes the chosen tokens to `tokens` and stops after one in stop_ids. Returns how many it
+   wrote, or decode_step's negative status (-4: a position past the request's blocks). */
 static int decode_steps(DecodeStepFunction *one_step, const DecodeModel *model,
                         const DecodeStep *first, float *final, float *logits, int64_t *tokens,
-                        int64_t num_steps, const int64_t *stop_ids, int64_t num_stop_ids,
+                        int64_t num_request_blocks, int64_t num_steps,
+                        const int64_t *stop_ids, int64_t num_stop_ids,
                         const RowSampling *sampling, int num_threads) {
     if (first->num_tokens != 1) return -3;
+    if (num_request_blocks > first->block_table_stride) return -4;
     int64_t id = first->input_ids[0], position = first->positions[0];
     int64_t slot = first->slot_mapping[0], seq_len = first->token_seq_lens[0];
     const int64_t *blocks =
@@ -232,7 +234,7 @@ static int decode_steps(DecodeStepFunction *one_step, const DecodeModel *model,
             position++;
             seq_len++;
             const int64_t block = position / model->block_size;
-            if (block >= first->block_table_stride || blocks[block] < 0 ||
+            if (block >= num_request_blocks || blocks[block] < 0 ||
                 blocks[block] >= model->num_blocks)
                 return -4;
             id = tokens[s - 1];
@@ -252,10 +254,11 @@ static int decode_steps(DecodeStepFunction *one_step, const DecodeModel *model,
 
 #define DEFINE_DECODE_STEPS(NAME, ONE_STEP)                                                        \
 int NAME(const DecodeModel *model, const DecodeStep *first, float *final, float *logits,          \
-         int64_t *tokens, int64_t num_steps, const int64_t *stop_ids, int64_t num_stop_ids,        \
-         const RowSampling *sampling, int num_threads) {                                           \
-    return decode_steps(ONE_STEP, model, first, final, logits, tokens, num_steps, stop_ids,        \
-                        num_stop_ids, sampling, num_threads);                                      \
+         int64_t *tokens, int64_t num_request_blocks, int64_t num_steps,                           \
+         const int64_t *stop_ids, int64_t num_stop_ids, const RowSampling *sampling,               \
+         int num_threads) {                                                                        \
+    return decode_steps(ONE_STEP, model, first, final, logits, tokens, num_request_blocks,         \
+                        num_steps, stop_ids, num_stop_ids, sampling, num_threads);                 \
 }
 
 DEFINE_DECODE_STEPS(decode_steps_f32, decode_step_f32)
