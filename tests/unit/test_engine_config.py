@@ -185,8 +185,8 @@ def test_cli_flags_feed_the_same_config(folder):
         "vllm", "--override-generation-config", '{"top_k": 3}', "--no-enable-prefix-caching",
         "--disable-log-stats", "--num-scheduler-steps", "3",
     ])  # fmt: skip
+    assert engine_kwargs(args)["num_scheduler_steps"] == 3  # (fp16 runs one: no fused step)
     config = EngineConfig.create(folder, **engine_kwargs(args))
-    assert config.scheduler.num_scheduler_steps == 3
     assert config.runner.dtype == "float16" and config.seed == 7
     assert config.scheduler.scheduling_policy == "priority"
     assert config.scheduler.batching_policy == "prefill-first"
@@ -255,13 +255,14 @@ def test_multi_step_scheduling_is_on_by_default_only_where_decode_steps_run_fuse
     fp32 = EngineConfig.create(folder, device="cpu", dtype="float32")
     assert fp32.runner.packed_max_tokens == 0 and fp32.scheduler.num_scheduler_steps == 1
     asked = EngineConfig.create(folder, device="cpu", dtype="float32", num_scheduler_steps=4)
-    assert asked.scheduler.num_scheduler_steps == 4  # the engine core falls back to one
+    assert asked.scheduler.num_scheduler_steps == 1  # logged: no fused decode step here
     overlapped = EngineConfig.create(folder, device="cpu", async_scheduling=True)
     assert overlapped.scheduler.num_scheduler_steps == 1
-    ngram = {"method": "ngram", "num_speculative_tokens": 2}
-    both = EngineConfig.create(folder, device="cpu", num_scheduler_steps=4,
-                               speculative_config=ngram)  # fmt: skip
-    assert both.scheduler.num_scheduler_steps == 4 and both.scheduler.num_speculative_tokens == 2
     auto = EngineConfig.create(folder, device="cpu")
     fused = auto.runner.packed_max_tokens > 0 and auto.runner.attention_backend == "cpu"
     assert auto.scheduler.num_scheduler_steps == (8 if fused else 1)
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    both = EngineConfig.create(folder, device="cpu", num_scheduler_steps=4,
+                               speculative_config=ngram)  # fmt: skip
+    assert both.scheduler.num_speculative_tokens == 2
+    assert both.scheduler.num_scheduler_steps == (4 if fused else 1)

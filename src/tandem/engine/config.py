@@ -230,10 +230,17 @@ class EngineConfig:
                 "step budget) multiply the packed weights or the dense kernel",
                 runner.eager_max_tokens,
             )
+        fused = packed_max_tokens > 0 and attention == "cpu" and device == "cpu"
+        if multi_step and not fused:
+            logger.warning(
+                "num_scheduler_steps=%d: one forward per step here (several need a CPU whose "
+                "decode steps run fused: packed GGUF weights under dtype auto, the cpu "
+                "attention backend)", num_scheduler_steps,
+            )  # fmt: skip
+            num_scheduler_steps, multi_step = 1, False
         if async_scheduling is None:
             async_scheduling = device.startswith("cuda") and speculative is None and not multi_step
         if num_scheduler_steps is None:
-            fused = packed_max_tokens > 0 and attention == "cpu" and device == "cpu"
             steps_apply = fused and not async_scheduling
             num_scheduler_steps = DEFAULT_CPU_SCHEDULER_STEPS if steps_apply else 1
         draft_runner = None

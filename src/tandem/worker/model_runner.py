@@ -411,9 +411,7 @@ class ModelRunner:
         fused = self._fused_decode(batch)
         if fused is None or not fused.decodes_steps:
             raise ValueError("decode_steps takes a lone decode on the CPU's fused decode path")
-        return fused.decode_steps(
-            batch, len(request.block_ids), num_steps, stop_token_ids, draws
-        )
+        return fused.decode_steps(batch, len(request.block_ids), num_steps, stop_token_ids, draws)
 
     def hidden_states(self, batch: BatchInputs) -> torch.Tensor:
         """The final hidden state of every token of the batch: a captured CUDA graph, the
