@@ -1,10 +1,12 @@
-"""Multi-step scheduling behind the server: `tandem serve --dtype auto` runs a lone greedy
+"""Multi-step scheduling behind the server: `tandem serve --dtype auto` runs a lone
 request in bursts of forwards where the CPU's decode steps run fused (its default); the
 stream carries a burst's tokens together, and its text, tokens, stops and usage are those of
-the offline engine running one forward a step."""
+the offline engine running one forward a step, seeded sampling included; a client that
+hangs up mid-stream leaves nothing behind."""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -12,7 +14,7 @@ from tandem import LLM, SamplingParams
 from tandem.engine.config import EngineConfig
 
 from greedy_reference import assert_same_greedy
-from server_process import KV_CACHE_MEMORY_BYTES
+from server_process import KV_CACHE_MEMORY_BYTES, wait_until_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300, func_only=True)]
 
@@ -56,3 +58,24 @@ def test_a_lone_stream_in_bursts_equals_one_forward_a_step(server_factory):
         extra_body={"ignore_eos": True},
     ).choices[0]
     assert (answer.text, answer.finish_reason) == (stopped.text, "stop")
+
+    # A seeded sampled stream bursts too, and gives the offline engine's tokens; a client that
+    # hangs up mid-stream is aborted between bursts and leaves no block behind.
+    seeded = {"temperature": 0.8, "top_p": 0.9, "seed": 11}
+    sampled_params = SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, **seeded)
+    sampled = single.generate(PROMPT, sampled_params, use_tqdm=False)[0].outputs[0]
+    answer = client.completions.create(
+        model="default", prompt=PROMPT, max_tokens=NUM_TOKENS,
+        extra_body={"ignore_eos": True, "return_token_ids": True}, **seeded,
+    ).choices[0]  # fmt: skip
+    assert answer.token_ids == sampled.token_ids
+    body = {"model": "default", "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True,
+            "stream": True, **seeded}  # fmt: skip
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+        events = 0
+        for line in response.iter_lines():
+            events += line.startswith("data: ")
+            if events == 3:
+                break  # hang up
+    samples = wait_until_idle(server.url)
+    assert samples["tandem:request_success_total[abort]"] >= 1
