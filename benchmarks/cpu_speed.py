@@ -364,7 +364,7 @@ def main() -> None:
         f"dtype='auto' here: {auto.dtype}, packed 4-bit weights for steps of at most "
         f"{auto.packed_max_tokens} tokens, int8 activations from "
         f"{auto.packed_int8_min_tokens or 'none'}; up to "
-        f"{auto_config.scheduler.num_scheduler_steps} forwards a step for a lone decode"
+        f"{auto_config.scheduler.num_scheduler_steps} forwards a step of decodes alone"
     )
 
     single_step = [Tandem("auto", num_scheduler_steps=1)] if args.single_step else []

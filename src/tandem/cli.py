@@ -105,7 +105,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         default=None, help="schedule the next step while the forward runs "
                         "(default: on for CUDA, off on CPU)")  # fmt: skip
     parser.add_argument("--num-scheduler-steps", type=int, default=None,
-                        help="most forwards a step runs for a lone decode (vLLM v0's "
+                        help="most forwards a step of decodes alone runs (vLLM v0's "
                         "multi-step scheduling; default: up to 8 where a CPU's decode steps "
                         "run fused, within 16 ms a step; else 1)")  # fmt: skip
     # vLLM's, accepted and logged where they change nothing (docs/coming-from-vllm.md).

@@ -88,10 +88,10 @@ def test_a_lone_greedy_request_takes_its_tokens_from_the_lm_heads_argmax(monkeyp
 
 
 def test_multi_step_scheduling_gives_one_forward_a_steps_tokens(monkeypatch):
-    """The default on a CPU whose decode steps run fused: a lone greedy request decodes in
-    bursts of forwards; its tokens, finish and stop reasons are those of one forward a step
-    (lone requests, then a batch whose last request decodes alone after the others end),
-    whether max_tokens, EOS or a stop token id ends it, and every block comes back."""
+    """The default on a CPU whose decode steps run fused: greedy requests decode in bursts of
+    forwards, alone or together; their tokens, finish and stop reasons are those of one
+    forward a step (lone requests, then batches whose requests end at different steps),
+    whether max_tokens, EOS or a stop token id ends them, and every block comes back."""
     chosen = CpuFormats("bfloat16", 8, {}, {})
     monkeypatch.setattr(formats_module, "cpu_formats", lambda config, packable: chosen)
     bursts = LLM("default", kv_cache_memory=256 << 20)
@@ -121,9 +121,11 @@ def test_multi_step_scheduling_gives_one_forward_a_steps_tokens(monkeypatch):
     assert {("length", None), ("stop", None), ("stop", reference[21])} <= reasons
     uneven = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 9, 30)]
     assert outcome(bursts, PROMPTS[:3], uneven) == outcome(single, PROMPTS[:3], uneven)
+    eos = SamplingParams(temperature=0, max_tokens=120)  # requests ending at EOS mid-burst
+    assert outcome(bursts, PROMPTS, eos) == outcome(single, PROMPTS, eos)
     stats = list(core.step_stats)
-    assert max(s.num_steps for s in stats) > 1
-    assert all(s.num_steps == 1 or s.num_seqs == 1 for s in stats)
+    assert any(s.num_steps > 1 and s.num_seqs == 1 for s in stats)
+    assert any(s.num_steps > 1 and s.num_seqs > 1 for s in stats)
     assert sum(s.num_decode_tokens for s in stats) == core.num_decode_tokens
     assert core.kv_cache_manager.usage == 0.0
 
@@ -151,9 +153,10 @@ def test_speculation_and_bursts_share_a_lone_request(monkeypatch):
 
 
 def test_sampled_requests_burst_with_the_tokens_of_one_forward_a_step(monkeypatch):
-    """A lone randomly sampled request (seeded, or drawing from the global generator) decodes
-    in bursts whose C sampler draws what the sampler draws one step at a time, and leaves the
-    global generator where one forward a step does, a burst that EOS ends early too."""
+    """Randomly sampled requests (seeded, or drawing from the global generator), alone and
+    together, decode in bursts whose C sampler draws what the sampler draws one step at a
+    time, and leave the generators where one forward a step does, bursts that EOS ends early
+    too."""
     chosen = CpuFormats("bfloat16", 8, {}, {})
     monkeypatch.setattr(formats_module, "cpu_formats", lambda config, packable: chosen)
     bursts = LLM("default", kv_cache_memory=256 << 20)
@@ -171,4 +174,15 @@ def test_sampled_requests_burst_with_the_tokens_of_one_forward_a_step(monkeypatc
             outputs.append((output.token_ids, output.finish_reason, torch.rand(1)))
         (ours, reason, after), (theirs, their_reason, their_after) = outputs
         assert (ours, reason) == (theirs, their_reason) and torch.equal(after, their_after)
-    assert max(s.num_steps for s in bursts.engine.core.step_stats) > 1
+    # Together, with a greedy one: bursts of several rows, some ended by a row's EOS.
+    mixed = [*cases, SamplingParams(temperature=0, max_tokens=40)]
+    outputs = []
+    for llm in (bursts, single):
+        torch.manual_seed(11)
+        generated = llm.generate(PROMPTS, mixed, use_tqdm=False)
+        outputs.append(([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in generated],
+                        torch.rand(1)))  # fmt: skip
+    (ours, after), (theirs, their_after) = outputs
+    assert ours == theirs and torch.equal(after, their_after)
+    stats = list(bursts.engine.core.step_stats)
+    assert any(s.num_steps > 1 and s.num_seqs > 1 for s in stats)

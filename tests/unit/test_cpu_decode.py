@@ -15,7 +15,7 @@ from tandem.attention import cpu_kernel
 from tandem.attention.metadata import build_batch, forward_context
 from tandem.sampling_params import SamplingParams
 from tandem.worker.model_runner import ModelRunner, RunnerConfig
-from tandem.worker.sampler import SamplingInputs, row_draws, sample
+from tandem.worker.sampler import SamplingInputs, burst_draws, sample
 
 from helpers import Slice, needs_cpu_kernels, relative_error, write_gguf
 from hf_models import make_hf_model
@@ -224,87 +224,134 @@ def test_a_lone_greedy_row_takes_its_argmax_from_the_lm_head(
     assert fused.argmax.tolist() == cpu_kernel.argmax_rows(plain.logits).tolist()
 
 
-def greedy_steps(runner: ModelRunner, request: Slice, num_steps: int) -> list[int]:
-    """num_steps fused greedy steps of one request, each in its own call, fed the last."""
-    tokens = list(request.token_ids[: request.num_new_tokens + 1])
+GREEDY = SamplingParams(temperature=0)
+
+
+def single_steps(runner, requests, params, seeds, num_steps) -> list[list[int]]:
+    """`num_steps` steps of the requests (one new token each), one forward each, sampled as
+    the engine samples them: a lone greedy row by the fused step's argmax, the others by the
+    sampler over the logits; each request's tokens."""
+    generators = [None if seed is None else torch.Generator().manual_seed(seed) for seed in seeds]
+    tokens = [list(r.token_ids[: r.num_new_tokens + 1]) for r in requests]
     for _ in range(num_steps):
-        step = Slice(tokens, len(tokens) - 1, 1, request.block_ids)
-        tokens += runner.forward(build_batch([step], BLOCK_SIZE, runner.device),
-                                 argmax=True).argmax.tolist()  # fmt: skip
-    return tokens[request.num_new_tokens + 1 :]
+        step = [Slice(row, len(row) - 1, 1, r.block_ids)
+                for row, r in zip(tokens, requests, strict=True)]  # fmt: skip
+        batch = build_batch(step, BLOCK_SIZE, runner.device)
+        if len(requests) == 1 and params[0].temperature == 0:
+            new = runner.forward(batch, argmax=True).argmax
+        else:
+            inputs = SamplingInputs(params, [[]] * len(params), [[]] * len(params), generators,
+                                    [[]] * len(params))  # fmt: skip
+            new = sample(runner.forward(batch).logits, inputs).token_ids
+        for row, token in zip(tokens, new.tolist(), strict=True):
+            row.append(token)
+    return [row[r.num_new_tokens + 1 :] for row, r in zip(tokens, requests, strict=True)]
+
+
+def burst(runner, requests, params, seeds, num_steps, stops=None) -> list[list[int]]:
+    """The same requests' steps as one decode_steps call."""
+    generators = [None if seed is None else torch.Generator().manual_seed(seed) for seed in seeds]
+    first = [Slice(r.token_ids, r.num_new_tokens, 1, r.block_ids) for r in requests]
+    draws = None
+    if any(p.temperature > 0 for p in params):
+        draws = burst_draws(params, generators, num_steps, runner.model_config.vocab_size)
+    stops = stops or [frozenset()] * len(requests)
+    return runner.decode_steps(first, num_steps, stops, draws)
+
+
+def restored(runner, caches) -> None:
+    for cache, saved in zip(runner.kv_caches, caches, strict=True):
+        cache.copy_(saved)
 
 
 @pytest.mark.parametrize("int8_min_tokens", [0, 1], ids=["fp32-activations", "int8"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_steps_are_the_single_steps_in_one_call(tmp_path, dtype, int8_min_tokens):
-    """Multi-step scheduling's call: the tokens, and the cache they leave, of as many greedy
-    steps run one call each; a stop id ends them after it."""
+@pytest.mark.parametrize("contexts", [[13], [13, 30, 5]], ids=["one", "three"])
+def test_decode_steps_are_the_single_steps_in_one_call(tmp_path, dtype, int8_min_tokens, contexts):
+    """Multi-step scheduling's call, greedy: the tokens, and the cache they leave, of as many
+    single steps (each request's steps cross a block boundary); a request's stop id ends the
+    burst for all after the step where it came."""
     runner = packed_runner(tmp_path, dtype, packed_int8_min_tokens=int8_min_tokens)
-    assert runner.decodes_steps
-    (request,) = prefilled(runner, [13], seed=6)  # its steps cross a block boundary
+    assert runner.max_burst_rows >= 3
+    requests = prefilled(runner, contexts, seed=6)
+    params, seeds = [GREEDY] * len(requests), [None] * len(requests)
     before = [cache.clone() for cache in runner.kv_caches]
-    expected = greedy_steps(runner, request, 6)
+    expected = single_steps(runner, requests, params, seeds, 6)
     after = [cache.clone() for cache in runner.kv_caches]
-    first = Slice(request.token_ids, request.num_new_tokens, 1, request.block_ids)
-    for cache, saved in zip(runner.kv_caches, before, strict=True):
-        cache.copy_(saved)
-    assert runner.decode_steps(first, 6, frozenset()) == expected
+    restored(runner, before)
+    assert burst(runner, requests, params, seeds, 6) == expected
     assert all(torch.equal(c, a) for c, a in zip(runner.kv_caches, after, strict=True))
-    stop = expected[2]
-    cut = expected[: expected.index(stop) + 1]
-    assert runner.decode_steps(first, 6, frozenset({stop, -5})) == cut
+    stop = expected[-1][2]
+    cut = expected[-1].index(stop) + 1
+    stops = [frozenset()] * (len(requests) - 1) + [frozenset({stop, -5})]
+    assert burst(runner, requests, params, seeds, 6, stops) == [row[:cut] for row in expected]
 
 
 def test_decode_steps_refuse_a_position_past_the_requests_blocks(tmp_path):
     runner = packed_runner(tmp_path, "float32")
     (request,) = prefilled(runner, [15], seed=7)
-    first = Slice(request.token_ids, 15, 1, request.block_ids[:1])  # positions 0..15
-    assert len(runner.decode_steps(first, 1, frozenset())) == 1
+    first = [Slice(request.token_ids, 15, 1, request.block_ids[:1])]  # positions 0..15
+    assert len(runner.decode_steps(first, 1, [frozenset()])[0]) == 1
     with pytest.raises(ValueError, match="past the request's blocks"):
-        runner.decode_steps(first, 2, frozenset())
+        runner.decode_steps(first, 2, [frozenset()])
 
 
 def test_decode_steps_need_the_fused_step_and_its_packed_head(tmp_path):
     runner = packed_runner(tmp_path, "float32", attention_backend="torch")
-    assert not runner.decodes_steps
+    assert runner.max_burst_rows == 0
     (request,) = prefilled(runner, [5], seed=8)
     with pytest.raises(ValueError, match="fused decode path"):
-        runner.decode_steps(Slice(request.token_ids, 5, 1, request.block_ids), 2, frozenset())
+        runner.decode_steps([Slice(request.token_ids, 5, 1, request.block_ids)], 2,
+                            [frozenset()])  # fmt: skip
+
+
+SAMPLED = {
+    "top-p": SamplingParams(temperature=0.9, top_p=0.8),
+    "top-k-min-p": SamplingParams(temperature=1.2, top_k=5, min_p=0.02),
+    "top-k-1": SamplingParams(temperature=0.8, top_k=1),  # draws nothing, takes the top token
+}
 
 
 @pytest.mark.parametrize(
-    "params",
+    "rows",
     [
-        SamplingParams(temperature=0.9, top_p=0.8, seed=4),
-        SamplingParams(temperature=1.2, top_k=5, min_p=0.02, seed=9),
-        SamplingParams(temperature=0.7),  # unseeded: the global generator's numbers
-        SamplingParams(temperature=0.8, top_k=1),  # draws nothing, takes the top token
+        [("top-p", 4)],
+        [("top-k-min-p", 9)],
+        [("top-p", None)],  # unseeded: the global generator's numbers
+        [("top-k-1", None)],
+        [("top-p", 4), (None, None), ("top-k-min-p", None), ("top-k-1", 2)],
     ],
-    ids=["top-p", "top-k-min-p", "unseeded", "top-k-1"],
+    ids=["top-p", "top-k-min-p", "unseeded", "top-k-1", "mixed-batch"],
 )
-def test_sampled_decode_steps_are_the_sampler_step_by_step(tmp_path, params):
-    """A burst of a randomly sampled request: the C sampler draws each step from the head's
-    logits at row_draws' uniforms, the tokens the sampler gives step by step from the same
-    seeds, and both leave the global generator where it is."""
+def test_sampled_decode_steps_are_the_sampler_step_by_step(tmp_path, rows):
+    """Randomly sampled requests (with a greedy one in the mixed batch): the C sampler draws
+    each step from the head's logits at burst_draws' uniforms, the tokens the sampler gives
+    step by step from the same seeds, and leaves the global generator where it does."""
     runner = packed_runner(tmp_path, "float32")
-    (request,) = prefilled(runner, [11], seed=10)
-    vocab = runner.model_config.vocab_size
+    params = [GREEDY if name is None else SAMPLED[name] for name, _ in rows]
+    seeds = [seed for _, seed in rows]
+    requests = prefilled(runner, [11, 27, 4, 18][: len(rows)], seed=10)
     before = [cache.clone() for cache in runner.kv_caches]
-    seed = params.seed or 0
     torch.manual_seed(21)
-    generator = torch.Generator().manual_seed(seed) if params.seed is not None else None
-    tokens = list(request.token_ids[: request.num_new_tokens + 1])
-    for _ in range(6):
-        step = Slice(tokens, len(tokens) - 1, 1, request.block_ids)
-        logits = runner.forward(build_batch([step], BLOCK_SIZE, runner.device)).logits
-        inputs = SamplingInputs([params], [[]], [[]], [generator], [[]])
-        tokens += sample(logits, inputs).token_ids.tolist()
-    expected, global_after = tokens[request.num_new_tokens + 1 :], torch.rand(1)
-    for cache, saved in zip(runner.kv_caches, before, strict=True):
-        cache.copy_(saved)
+    expected = single_steps(runner, requests, params, seeds, 6)
+    global_after = torch.rand(1)
+    restored(runner, before)
     torch.manual_seed(21)
-    generator = torch.Generator().manual_seed(seed) if params.seed is not None else None
-    first = Slice(request.token_ids, request.num_new_tokens, 1, request.block_ids)
-    draws = row_draws(params, generator, 6, vocab)
-    assert runner.decode_steps(first, 6, frozenset(), draws) == expected
+    assert burst(runner, requests, params, seeds, 6) == expected
     assert torch.equal(torch.rand(1), global_after)
+
+
+def test_a_burst_that_ends_early_gives_its_draws_back():
+    """BurstDraws.give_back: the generators end where that many single steps leave them."""
+    params = [SAMPLED["top-p"], SAMPLED["top-k-1"], SAMPLED["top-p"]]
+    generators = [torch.Generator().manual_seed(3), torch.Generator().manual_seed(4), None]
+    torch.manual_seed(5)
+    draws = burst_draws(params, generators, 6, 1000)
+    draws.give_back(2)
+    ends = [torch.rand(1, generator=g) for g in generators[:2]] + [torch.rand(1)]
+    generators = [torch.Generator().manual_seed(3), torch.Generator().manual_seed(4), None]
+    torch.manual_seed(5)
+    torch.rand(2, 3)  # two steps' global numbers, one per row
+    torch.rand(2, generator=generators[0])  # the seeded row that draws; top-k 1 does not
+    expected = [torch.rand(1, generator=g) for g in generators[:2]] + [torch.rand(1)]
+    assert all(torch.equal(a, b) for a, b in zip(ends, expected, strict=True))

@@ -66,21 +66,31 @@ class FakeModelRunner:
         return sampled
 
     def _decode_steps(self, output: SchedulerOutput) -> dict[str, list[int]]:
-        """Multi-step scheduling: one request's forwards, each fed the token the one before
-        chose, until a token that may end it (as the C loop: its stop ids)."""
-        ((scheduled,), (request,)) = output.scheduled, output.requests
-        assert scheduled.num_new_tokens == 1 and scheduled.sample and request.plain_sampling
-        context = list(scheduled.token_ids)
-        tokens: list[int] = []
+        """Multi-step scheduling: the requests' forwards, each row fed the token it chose the
+        step before, until a step where a row's token may end it (as the C loop: its stop
+        ids)."""
+        assert all(s.num_new_tokens == 1 and s.sample for s in output.scheduled)
+        assert all(r.plain_sampling for r in output.requests)
+        contexts = [list(s.token_ids) for s in output.scheduled]
+        tokens: dict[str, list[int]] = {s.request_id: [] for s in output.scheduled}
         for _ in range(output.num_steps):
-            entry = copy.copy(scheduled)  # a record: a msgspec Struct or a dataclass
-            entry.token_ids, entry.num_computed_tokens = context, len(context) - 1
-            step = dataclasses.replace(output, scheduled=[entry], num_steps=1)
-            tokens += self.execute(step)[scheduled.request_id]
-            context = context + tokens[-1:]
-            if tokens[-1] in request.stop_check_ids:
+            entries = []
+            for scheduled, context in zip(output.scheduled, contexts, strict=True):
+                entry = copy.copy(scheduled)  # a record: a msgspec Struct or a dataclass
+                entry.token_ids, entry.num_computed_tokens = context, len(context) - 1
+                entries.append(entry)
+            sampled = self.execute(dataclasses.replace(output, scheduled=entries, num_steps=1))
+            stopped = False
+            for scheduled, request, context in zip(
+                output.scheduled, output.requests, contexts, strict=True
+            ):
+                (token,) = sampled[scheduled.request_id]
+                tokens[scheduled.request_id].append(token)
+                context.append(token)
+                stopped |= token in request.stop_check_ids
+            if stopped:
                 break
-        return {scheduled.request_id: tokens}
+        return tokens
 
 
 @dataclass
@@ -121,6 +131,7 @@ def workloads(draw: st.DrawFn) -> Workload:
         scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
         enable_chunked_prefill=chunked,
         num_scheduler_steps=draw(st.sampled_from([1, 1, 3, 8])),
+        multi_step_max_seqs=draw(st.sampled_from([1, 2, 6])),
     )
     priorities = st.integers(-2, 2) if config.scheduling_policy == "priority" else st.just(0)
     max_prompt_len = min(config.max_model_len, num_blocks * block_size)

@@ -100,15 +100,32 @@ def test_one_forward_where_the_burst_would_make_someone_wait_or_change_its_token
     assert scheduler.schedule().num_steps == 1
 
 
-def test_two_running_requests_and_a_first_token_take_one_forward():
-    scheduler = make_scheduler(num_scheduler_steps=4)
-    requests = [add(scheduler, name, 3, max_tokens=20) for name in "ab"]
+def two_decoding(multi_step_max_seqs: int, **params) -> tuple:
+    scheduler = make_scheduler(num_scheduler_steps=8, multi_step_max_seqs=multi_step_max_seqs)
+    requests = [add(scheduler, name, 3, max_tokens=20, **params) for name in "ab"]
     for request in requests:
         request.plain_sampling = True
     first = scheduler.schedule()  # the prompts, and the first tokens: one forward
     assert first.num_steps == 1
     scheduler.update_from_output(first, {"a": [7], "b": [8]})
-    assert scheduler.schedule().num_steps == 1  # two decodes
+    return scheduler, requests
+
+
+def test_running_requests_burst_together_up_to_the_runners_rows():
+    scheduler, _ = two_decoding(1)
+    assert scheduler.schedule().num_steps == 1  # the runner takes one row at a time
+    scheduler, requests = two_decoding(4)
+    output = scheduler.schedule()
+    assert output.num_steps == 8 and [s.num_new_tokens for s in output.scheduled] == [1, 1]
+    kv = scheduler.kv_cache_manager
+    # Positions 3..10 fed to the eight forwards: three blocks of 4 each.
+    assert [len(kv.get_block_ids(r.request_id)) for r in requests] == [3, 3]
+    # b's stop token after the second forward ends the burst for both: a keeps two tokens,
+    # and gives back the block it held for the other six.
+    scheduler.update_from_output(output, {"a": [11, 12], "b": [13, EOS]})
+    a, b = requests
+    assert b.status is RequestStatus.FINISHED_STOPPED and a.output_token_ids == [7, 11, 12]
+    assert a.num_computed_tokens == 5 and len(kv.get_block_ids("a")) == 2
 
 
 def test_no_burst_where_its_blocks_are_not_there(monkeypatch):

@@ -190,7 +190,7 @@ def load_library() -> ctypes.CDLL | None:
             ("decode_step", [_ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int], ctypes.c_int),
             (
                 "decode_steps",
-                [*[_ptr] * 5, *[_i64] * 2, _ptr, _i64, _ptr, ctypes.c_int],
+                [*[_ptr] * 6, _i64, _ptr, _ptr, _i64, _ptr, ctypes.c_int],
                 ctypes.c_int,
             ),
         ):

@@ -76,7 +76,7 @@ class SchedulerOutput:
     sums: BatchSums  # what the step's cost depends on (core/roofline.py), summed while planning
     num_draft_tokens: int = 0  # of the decode tokens, those that verify guesses
     # Multi-step scheduling: the forwards the step runs one after another, each decoding the
-    # token the one before chose (a lone, plainly sampled decode; 1: one forward, as in any step).
+    # token the one before chose (plainly sampled decodes alone; 1: one forward, as in any step).
     num_steps: int = 1
     # Disaggregation (decode side): prompt KV to pull for requests whose blocks were allocated
     # this step; they compute nothing until it has arrived.
@@ -399,8 +399,9 @@ class Scheduler:
             if finished_status is not None:
                 self._finish(request, finished_status, now)
                 any_finished = True
-            elif num_drafts or request.spec_token_ids:
-                # Blocks past its tokens: rejected drafts', or a proposer's unverified ones.
+            elif num_drafts or request.spec_token_ids or num_got < num_steps:
+                # Blocks past its tokens: rejected drafts', a proposer's unverified ones, or
+                # those of a burst that another request's stop token ended early.
                 kv.free_tail(request, request.num_tokens)
         if any_finished:
             self.running = [r for r in self.running if r.status is running]
@@ -743,36 +744,45 @@ class Scheduler:
                 plan.add(request, 1 + num_drafts, num_drafts)
 
     def _schedule_steps(self, plan: _StepPlan) -> None:
-        """Multi-step scheduling (vLLM v0's num_scheduler_steps): a step whose only work is one
-        plainly sampled request's next token (greedy or random, nothing reported or
-        processed), with no drafts to verify, runs several forwards, each fed the token the
-        one before chose, so the engine's per-step work (scheduling, input preparation,
-        outputs, telemetry: ~7% of a small model's batch-1 step on a CPU) is paid once per
-        burst. As many as num_scheduler_steps, the request's length limit and
-        MULTI_STEP_WINDOW (or the ITL target) allow by the step-cost model's forecast; the
-        burst's blocks are allocated here. Not while any request waits for a seat or its KV
-        (it would wait for the burst), and not for a request's first token (its time to first
-        token stays one forward)."""
+        """Multi-step scheduling (vLLM v0's num_scheduler_steps): a step whose only work is
+        the next token of every running request (up to multi_step_max_seqs of them), each
+        sampled plainly (greedy or random, nothing reported or processed), with no drafts to
+        verify, runs several forwards, each fed the tokens the one before chose, so the
+        engine's per-step work (scheduling, input preparation, outputs, telemetry: ~7% of a
+        small model's batch-1 step on a CPU) is paid once per burst. As many as
+        num_scheduler_steps, the requests' length limits and MULTI_STEP_WINDOW (or the ITL
+        target) allow by the step-cost model's forecast; the burst's blocks are allocated
+        here. Not while any request waits for a seat or its KV (it would wait for the burst),
+        and not for a request's first token (its time to first token stays one forward)."""
         max_steps = self.config.num_scheduler_steps
-        if max_steps == 1 or len(plan.entries) != 1 or plan.drafts:
+        entries = plan.entries
+        if max_steps == 1 or plan.drafts or not 0 < len(entries) <= self.config.multi_step_max_seqs:
             return
-        if len(self.running) != 1 or self.waiting or self.receiving:
-            return  # (a running decode the budget left out would wait for the burst too)
-        ((request, num_new_tokens),) = plan.entries.values()
-        if not (
-            num_new_tokens == 1 == request.num_uncomputed_tokens
-            and request.plain_sampling
-            and request.num_output_tokens >= max(1, request.sampling_params.min_tokens)
-        ):
-            return
+        if len(self.running) != len(entries) or self.waiting or self.receiving:
+            return  # (a running request the budget left out would wait for the burst too)
+        requests = [request for request, _ in entries.values()]
+        for request, num_new_tokens in entries.values():
+            if not (
+                num_new_tokens == 1 == request.num_uncomputed_tokens
+                and request.plain_sampling
+                and request.num_output_tokens >= max(1, request.sampling_params.min_tokens)
+            ):
+                return
+            max_steps = min(max_steps, request.length_limit - request.num_tokens)
         target = self._planning_target()
         window = MULTI_STEP_WINDOW if target is None else min(MULTI_STEP_WINDOW, target)
         forecast = 0.0 if self.cost_model is None else self.cost_model.predict(plan.sums)
         if forecast > 0:  # none, or a line fitted to nonsense: the burst knows no window
             max_steps = min(max_steps, int(window / forecast))
-        num_steps = min(max_steps, request.length_limit - request.num_tokens)
-        if num_steps > 1 and self.kv_cache_manager.allocate_slots(request, num_steps) is not None:
-            plan.num_steps = num_steps
+        if max_steps <= 1:
+            return
+        kv = self.kv_cache_manager
+        for index, request in enumerate(requests):
+            if kv.allocate_slots(request, max_steps) is None:
+                for allocated in requests[:index]:  # back to this step's one token each
+                    kv.free_tail(allocated, allocated.num_tokens)
+                return
+        plan.num_steps = max_steps
 
     def _draft_limit(self, request: Request) -> int:
         return min(len(request.spec_token_ids), self.max_drafts(request))

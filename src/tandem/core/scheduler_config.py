@@ -45,11 +45,12 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     adaptive_speculation: bool = True
     speculation_max_running: int | None = None
-    # Multi-step scheduling (vLLM v0's num_scheduler_steps): the most forwards one step runs for
-    # a lone, plainly sampled decode that verifies no drafts, each fed the token the one before
-    # chose (scheduler.py _schedule_steps; the model runner must take them:
-    # ModelRunner.decodes_steps). 1: one.
+    # Multi-step scheduling (vLLM v0's num_scheduler_steps): the most forwards one step runs
+    # when its work is plainly sampled decodes verifying no drafts, each fed the token the one
+    # before chose (scheduler.py _schedule_steps). 1: one. Such steps of up to
+    # multi_step_max_seqs requests (the model runner's max_burst_rows: the engine core sets it).
     num_scheduler_steps: int = 1
+    multi_step_max_seqs: int = 1
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_FIELDS:

@@ -44,7 +44,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # with chunked prefill (vLLM's offline de
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's
 # num_scheduler_steps=None on a CPU whose decode steps run fused (packed weights, the cpu
-# attention backend): up to this many forwards a step for a lone decode, as many as fit
+# attention backend): up to this many forwards a step of decodes alone, as many as fit
 # the scheduler's MULTI_STEP_WINDOW (a batch-1 step of the default model's ~220 us of engine
 # work is then ~2% of its tokens' time instead of ~7%: BENCHMARKS.md).
 DEFAULT_CPU_SCHEDULER_STEPS = 8

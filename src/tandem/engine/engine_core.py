@@ -51,9 +51,9 @@ from tandem.worker.sampler import (
     SamplerOutput,
     SamplingInputs,
     argmax_only,
+    burst_draws,
     logprob_dicts,
     plain_sampling,
-    row_draws,
     sample,
 )
 
@@ -151,13 +151,19 @@ class EngineCore:
         )
         self._init_telemetry(config)
         self.cost_model = StepCostModel(self.model_shape, self.peaks)
-        if scheduler_config.num_scheduler_steps > 1 and not self.runner.decodes_steps:
-            logger.info(
-                "num_scheduler_steps=%d: one forward per step here (several need the CPU's "
-                "fused decode step: every matrix packed, the LM head too, the cpu attention "
-                "backend)", scheduler_config.num_scheduler_steps,
-            )  # fmt: skip
-            scheduler_config = dataclasses.replace(scheduler_config, num_scheduler_steps=1)
+        if scheduler_config.num_scheduler_steps > 1:
+            max_rows = self.runner.max_burst_rows
+            if max_rows == 0:
+                logger.info(
+                    "num_scheduler_steps=%d: one forward per step here (several need the "
+                    "CPU's fused decode step: every matrix packed, the LM head too, the cpu "
+                    "attention backend)", scheduler_config.num_scheduler_steps,
+                )  # fmt: skip
+            scheduler_config = dataclasses.replace(
+                scheduler_config,
+                num_scheduler_steps=scheduler_config.num_scheduler_steps if max_rows else 1,
+                multi_step_max_seqs=max(max_rows, 1),
+            )
         self.scheduler = Scheduler(
             scheduler_config, self.kv_cache_manager, cost_model=self.cost_model
         )
@@ -584,11 +590,11 @@ class EngineCore:
             and not self._min_tokens_ids
         )
         num_steps = scheduled.num_steps
-        if num_steps > 1:  # multi-step: a lone decode's forwards, one after another
-            request = sampled_requests[0]
-            tokens = self._decode_steps(entries[0], request, num_steps)
-            sampled, logprobs_by_id, prompt_logprobs = {request.request_id: tokens}, {}, None
-            num_steps = len(tokens)  # fewer where a stop token ended them
+        if num_steps > 1:  # multi-step: the decodes' forwards, one after another
+            tokens = self._decode_steps(entries, sampled_requests, num_steps)
+            sampled = {r.request_id: t for r, t in zip(sampled_requests, tokens, strict=True)}
+            logprobs_by_id, prompt_logprobs = {}, None
+            num_steps = len(tokens[0])  # fewer where a stop token ended them
         else:
             run = self.runner.run(
                 entries, sample_mask, prompt_ranges, num_prompt_top, drafts, argmax
@@ -627,22 +633,23 @@ class EngineCore:
         )
         return outputs
 
-    def _decode_steps(self, entry: ScheduledRequest, request: Request, num_steps: int) -> list[int]:
-        """A multi-step burst's tokens. A random request's draws are taken up front
-        (sampler.row_draws); where a stop token ends the burst early, the global generator is
-        put back where that many single steps would have left it (the request's own one
-        ends with it)."""
-        if request.argmax_only:
-            return self.runner.decode_steps(entry, num_steps, request.stop_check_ids)
-        global_state = torch.get_rng_state()
-        draws = row_draws(
-            request.sampling_params, self.generators.get(request.request_id), num_steps,
-            self.runner.model_config.vocab_size,
+    def _decode_steps(
+        self, entries: list[ScheduledRequest], requests: list[Request], num_steps: int
+    ) -> list[list[int]]:
+        """A multi-step burst's tokens, per request. Random requests' draws are taken up front
+        (sampler.burst_draws); where a stop token ends the burst early, every generator is put
+        back where that many single steps would have left it."""
+        stops = [request.stop_check_ids for request in requests]
+        if all(request.argmax_only for request in requests):
+            return self.runner.decode_steps(entries, num_steps, stops)
+        draws = burst_draws(
+            [request.sampling_params for request in requests],
+            [self.generators.get(request.request_id) for request in requests],
+            num_steps, self.runner.model_config.vocab_size,
         )  # fmt: skip
-        tokens = self.runner.decode_steps(entry, num_steps, request.stop_check_ids, draws)
-        if len(tokens) < num_steps:
-            torch.set_rng_state(global_state)
-            torch.rand(len(tokens))
+        tokens = self.runner.decode_steps(entries, num_steps, stops, draws)
+        if len(tokens[0]) < num_steps:
+            draws.give_back(len(tokens[0]))
         return tokens
 
     def _sample(

@@ -16,7 +16,7 @@ in one call, each fed the token the one before chose (its argmax, or the C sampl
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -27,7 +27,7 @@ from tandem.models.layers import Linear
 from tandem.models.llama import CausalLM
 from tandem.models.packed import PackedWeight
 from tandem.worker.inference_mode import inference_mode
-from tandem.worker.sampler import RowDraws
+from tandem.worker.sampler import BurstDraws
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -61,10 +61,9 @@ class _DecodeStep(ctypes.Structure):
                 ("token_seq_lens", _ptr)]  # fmt: skip
 
 
-class _RowSampling(ctypes.Structure):
-    _fields_ = [("temperature", ctypes.c_float), ("top_p", ctypes.c_float),
-                ("min_p", ctypes.c_float), ("top_k", _i64), ("uniforms", _ptr),
-                ("scratch", _ptr)]  # fmt: skip
+class _RowsSampling(ctypes.Structure):
+    _fields_ = [("temperature", _ptr), ("top_p", _ptr), ("min_p", _ptr), ("top_k", _ptr),
+                ("uniforms", _ptr), ("scratch", _ptr)]  # fmt: skip
 
 
 # The embedding tables the C step reads (its rows widened to fp32), by torch dtype.
@@ -132,7 +131,12 @@ class CpuDecode:
         # Its logits and token (logits_and_argmax's buffers); None: no head here.
         self._head_outputs: tuple[torch.Tensor, torch.Tensor] | None = None
         head_matrix, head_int8 = _PackedMatrix(), 0
+        # decode_steps' rows: as many as the layers and the head take packed, where it runs.
+        self.max_burst_rows = 0
+        self._head_int8_min_tokens = 0
         if head is not None and head.codes is not None and head.max_tokens >= 1:
+            self.max_burst_rows = min(max_tokens, head.max_tokens)
+            self._head_int8_min_tokens = head.int8_min_tokens
             self._head_outputs = (
                 torch.empty(1, head.out_features),
                 torch.empty(1, dtype=torch.int64),
@@ -206,47 +210,52 @@ class CpuDecode:
         self._step(batch, self._one_row, logits, token)
         return logits, token
 
-    @property
-    def decodes_steps(self) -> bool:
-        """Whether decode_steps can run: the LM head is packed for one-row steps."""
-        return self._head_outputs is not None
-
     def decode_steps(
         self,
         batch: BatchInputs,
-        num_blocks: int,
+        num_blocks: Sequence[int],
         num_steps: int,
-        stop_token_ids: frozenset[int],
-        draws: RowDraws | None = None,
-    ) -> list[int]:
-        """A decode of the batch's one token and up to `num_steps - 1` more, each step fed the
-        token the one before chose (its argmax, or with `draws` the C sampler's draw from its
-        logits, as the sampler makes it), in one C call (multi-step scheduling: no Python
-        between the forwards); the tokens chosen, ending early after one in `stop_token_ids`.
-        The request's `num_blocks` blocks must hold the positions of all `num_steps` tokens
-        fed."""
-        assert self._head_outputs is not None and batch.input_ids.shape[0] == 1
-        tokens = np.empty(num_steps, dtype=np.int64)
-        stops = np.fromiter(stop_token_ids, dtype=np.int64, count=len(stop_token_ids))
-        sampling = None
+        stop_token_ids: Sequence[frozenset[int]],
+        draws: BurstDraws | None = None,
+    ) -> list[list[int]]:
+        """A decode of the batch's tokens (one per request, at most max_burst_rows) and up to
+        `num_steps - 1` more steps, each row fed the token it chose the step before (its
+        argmax, or with `draws` the C sampler's draw from its logits, as the sampler makes
+        it), in one C call (multi-step scheduling: no Python between the forwards); each
+        request's tokens, ending after the step where one is among its `stop_token_ids`. Each
+        request's `num_blocks` blocks must hold the positions of all `num_steps` tokens fed."""
+        rows = batch.input_ids.shape[0]
+        assert self._head_outputs is not None and 0 < rows <= self.max_burst_rows
+        tokens = np.empty((num_steps, rows), dtype=np.int64)
+        stops = np.fromiter((t for ids in stop_token_ids for t in ids), dtype=np.int64)
+        offsets = np.cumsum([0, *map(len, stop_token_ids)], dtype=np.int64)
+        blocks = np.asarray(num_blocks, dtype=np.int64)
+        logits, final = self._head_outputs[0], self._one_row
+        if rows > 1:
+            logits, final = torch.empty(rows, logits.shape[1]), torch.empty(rows, final.shape[1])
+        sampling, kept = None, []
         if draws is not None:
-            uniforms = draws.uniforms.to(torch.float32).contiguous()
-            assert uniforms.shape == (num_steps,)
-            if self._sampling_scratch is None:
-                vocab = self._head_outputs[0].shape[1]
-                self._sampling_scratch = torch.empty(
-                    2 * vocab * cpu_kernel.SAMPLING_CANDIDATE_BYTES, dtype=torch.uint8
-                )
-            sampling = _RowSampling(
-                draws.temperature, draws.top_p, draws.min_p, draws.top_k,
-                uniforms.data_ptr(), self._sampling_scratch.data_ptr(),
-            )  # fmt: skip
+            kept = [torch.tensor(draws.temperature, dtype=torch.float32),
+                    torch.tensor(draws.top_p, dtype=torch.float32),
+                    torch.tensor(draws.min_p, dtype=torch.float32),
+                    torch.tensor(draws.top_k, dtype=torch.int64),
+                    draws.uniforms.to(torch.float32).contiguous()]  # fmt: skip
+            assert kept[-1].shape == (num_steps, rows)
+            sampling = _RowsSampling(*(t.data_ptr() for t in kept), self._scratch(logits))
         count = self._call(
-            self._steps_function, batch, self._one_row, self._head_outputs[0],
-            tokens.ctypes.data, num_blocks, num_steps, stops.ctypes.data, len(stops),
+            self._steps_function, batch, final, logits, tokens.ctypes.data, blocks.ctypes.data,
+            num_steps, stops.ctypes.data, offsets.ctypes.data,
+            0 < self._head_int8_min_tokens <= rows,
             None if sampling is None else ctypes.addressof(sampling),
         )  # fmt: skip
-        return tokens[:count].tolist()
+        return tokens[:count].T.tolist()
+
+    def _scratch(self, logits: torch.Tensor) -> int:
+        """The C sampler's scratch for every thread (kept between calls)."""
+        size = torch.get_num_threads() * 2 * logits.shape[1] * cpu_kernel.SAMPLING_CANDIDATE_BYTES
+        if self._sampling_scratch is None or self._sampling_scratch.numel() < size:
+            self._sampling_scratch = torch.empty(size, dtype=torch.uint8)
+        return self._sampling_scratch.data_ptr()
 
     def _step(
         self,

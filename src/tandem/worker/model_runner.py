@@ -25,7 +25,7 @@ from tandem.models.loader import load_model
 from tandem.worker.cpu_decode import CpuDecode, unsupported_reason
 from tandem.worker.gpu_memory import MemoryProfile, profile_requests
 from tandem.worker.inference_mode import inference_mode
-from tandem.worker.sampler import LogprobsTensors, RowDraws, token_logprobs
+from tandem.worker.sampler import BurstDraws, LogprobsTensors, token_logprobs
 
 if TYPE_CHECKING:
     from tandem.worker.cuda_graphs import DecodeGraphs
@@ -392,26 +392,32 @@ class ModelRunner:
         return RunnerOutput(logits, LogprobsTensors.cat(parts) if parts else None)
 
     @property
-    def decodes_steps(self) -> bool:
-        """Whether decode_steps runs here: the CPU's fused decode step with a packed LM head."""
-        return self.cpu_decode is not None and self.cpu_decode.decodes_steps
+    def max_burst_rows(self) -> int:
+        """The most requests decode_steps takes at once (0: it does not run here): the CPU's
+        fused decode step with a packed LM head, as many rows as both take packed."""
+        return 0 if self.cpu_decode is None else self.cpu_decode.max_burst_rows
 
     def decode_steps(
         self,
-        request: RequestSlice,
+        requests: Sequence[RequestSlice],
         num_steps: int,
-        stop_token_ids: frozenset[int],
-        draws: RowDraws | None = None,
-    ) -> list[int]:
-        """Multi-step scheduling's forwards: a lone decode's next tokens, from up to
-        `num_steps` steps one after another (each fed the argmax of the one before, or with
-        `draws` the sampler's draw) in one C call, ending early after one in
-        `stop_token_ids`. Its blocks must hold all the positions fed."""
-        batch = self.prepare([request])
+        stop_token_ids: Sequence[frozenset[int]],
+        draws: BurstDraws | None = None,
+    ) -> list[list[int]]:
+        """Multi-step scheduling's forwards: the next tokens of decoding requests (one new
+        token each, at most max_burst_rows), from up to `num_steps` steps one after another
+        (each row fed its argmax of the step before, or with `draws` the sampler's draw) in
+        one C call, ending after the step where a request's token is among its
+        `stop_token_ids`. Their blocks must hold all the positions fed."""
+        batch = self.prepare(requests)
         fused = self._fused_decode(batch)
-        if fused is None or not fused.decodes_steps:
-            raise ValueError("decode_steps takes a lone decode on the CPU's fused decode path")
-        return fused.decode_steps(batch, len(request.block_ids), num_steps, stop_token_ids, draws)
+        if fused is None or not 0 < len(requests) <= fused.max_burst_rows:
+            raise ValueError(
+                "decode_steps takes decodes on the CPU's fused decode path, at most "
+                f"max_burst_rows={self.max_burst_rows} of them"
+            )
+        num_blocks = [len(request.block_ids) for request in requests]
+        return fused.decode_steps(batch, num_blocks, num_steps, stop_token_ids, draws)
 
     def hidden_states(self, batch: BatchInputs) -> torch.Tensor:
         """The final hidden state of every token of the batch: a captured CUDA graph, the

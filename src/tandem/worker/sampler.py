@@ -175,28 +175,48 @@ def kernel_parameters(params: SamplingParams, vocab: int) -> tuple[float, int, f
 
 
 @dataclass(frozen=True)
-class RowDraws:
-    """A plainly sampled row's draws over the steps of a multi-step burst, in the C sampler's
-    terms: its parameters, and per step the uniform row_uniforms would have given it."""
+class BurstDraws:
+    """The draws of a multi-step burst's plainly sampled rows, in the C sampler's terms: each
+    row's parameters, and per step and row the uniform row_uniforms would have given it."""
 
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    uniforms: torch.Tensor  # [num_steps] float32
+    temperature: list[float]
+    top_k: list[int]
+    top_p: list[float]
+    min_p: list[float]
+    uniforms: torch.Tensor  # [num_steps, rows] float32
+    # The states of the generators drawn from (None: the global one) before the draws.
+    states: list[tuple[torch.Generator | None, torch.Tensor]]
+
+    def give_back(self, num_steps: int) -> None:
+        """Leave every generator where `num_steps` single steps would have (a burst that a
+        stop token ended after that many)."""
+        for generator, state in self.states:
+            if generator is None:
+                torch.set_rng_state(state)
+                torch.rand(num_steps, len(self.temperature))
+            else:
+                generator.set_state(state)
+                torch.rand(num_steps, generator=generator)
 
 
-def row_draws(
-    params: SamplingParams, generator: torch.Generator | None, num_steps: int, vocab: int
-) -> RowDraws:
+def burst_draws(
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    num_steps: int,
+    vocab: int,
+) -> BurstDraws:
     """`num_steps` steps' draws at once, taking from the generators what that many steps of
-    _sample_in_kernel would (one global number a step, and a seeded row's own one where it
-    draws; torch's CPU generators give n numbers at once as n calls give one each), so a
-    seeded request's tokens are those of one step at a time."""
-    uniforms = torch.rand(num_steps)
-    if generator is not None and _draws(params):
-        uniforms = torch.rand(num_steps, generator=generator)
-    return RowDraws(*kernel_parameters(params, vocab), uniforms)
+    _sample_in_kernel would (a global number per row a step, and a seeded row's own one where
+    it draws; torch's CPU generators give n numbers at once as n calls give one each), so
+    seeded requests' tokens are those of one step at a time."""
+    states: list[tuple[torch.Generator | None, torch.Tensor]] = [(None, torch.get_rng_state())]
+    uniforms = torch.rand(num_steps, len(params))
+    for row, (row_params, generator) in enumerate(zip(params, generators, strict=True)):
+        if generator is not None and _draws(row_params):
+            states.append((generator, generator.get_state()))
+            uniforms[:, row] = torch.rand(num_steps, generator=generator)
+    columns = zip(*(kernel_parameters(p, vocab) for p in params), strict=True)
+    return BurstDraws(*map(list, columns), uniforms, states)
 
 
 def _sample_rows(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:

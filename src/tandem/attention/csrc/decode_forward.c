@@ -197,68 +197,118 @@ DEFINE_DECODE_STEP(decode_step_bf16, uint16_t, bf16_load, bf16_store, bf16)
 typedef int DecodeStepFunction(const DecodeModel *, const DecodeStep *, float *, float *,
                                int64_t *, int);
 
-/* A sampled row's draw at each step of a burst (sample_rows' parameters, as the sampler
-   passes them); NULL in its place: the argmax. */
+/* The rows' draws at each step of a burst (sample_rows' parameters, as the sampler passes
+   them; temperature 0: the argmax); NULL in its place: every row takes its argmax. */
 typedef struct {
-    float temperature, top_p, min_p;
-    int64_t top_k;
-    const float *uniforms;  /* [num_steps] */
-    void *scratch;          /* sample_rows' scratch for one thread */
-} RowSampling;
+    const float *temperature, *top_p, *min_p;  /* [rows] */
+    const int64_t *top_k;                      /* [rows] */
+    const float *uniforms;                     /* [num_steps, rows] */
+    void *scratch;                             /* sample_rows' scratch, per thread */
+} RowsSampling;
 
-/* Up to num_steps decode steps of one request, each fed the token the one before chose (its
-   argmax, or with `sampling` a draw from its logits), with no Python between the forwards:
-   the inner loop of multi-step scheduling (worker/cpu_decode.py). `first` is the first step,
-   one token; each later one is a position on, its cache slot read from the first
-   `num_request_blocks` entries of the request's block-table row (the rest is padding).
-   Writes the chosen tokens to `tokens` and stops after one in stop_ids. Returns how many it
-   wrote, or decode_step's negative status (-4: a position past the request's blocks). */
+/* The head's logits [rows, vocab] of the final hidden rows and each row's token, as the model
+   runner's step takes them: one row through the head's argmax pass (its logits are
+   compute_logits'), more through the packed matmul (int8 activations where head_int8, the
+   head's own rule for that many rows), then the argmax or the sampler's draw. */
+static int head_tokens(const DecodeModel *model, float *final, int64_t rows, float *logits,
+                       int64_t *tokens, int64_t head_int8, const RowsSampling *sampling,
+                       const float *uniforms, int num_threads) {
+    const int64_t width = model->hidden, vocab = model->head.out_features;
+    if (model->embedding_bf16) /* a bf16 model's head reads the rows rounded to bf16 */
+        for (int64_t i = 0; i < rows * width; i++) final[i] = bf16_load(bf16_store(final[i]));
+    const PackedMatrix *head = &model->head;
+    if (rows == 1)
+        (model->head_int8 ? packed_matmul_int8_argmax : packed_matmul_argmax)(
+            head->codes, head->scales, head->quant_type, vocab, width, final, logits, tokens,
+            num_threads);
+    else if (head_int8) {
+        if (packed_matmul_int8(head->codes, head->scales, head->quant_type, vocab, width, final,
+                               rows, logits, num_threads) != 0)
+            return -1;
+    } else
+        packed_matmul(head->codes, head->scales, head->quant_type, vocab, width, final, rows,
+                      logits, num_threads);
+    if (sampling)
+        sample_rows(logits, rows, vocab, sampling->temperature, sampling->top_k, sampling->top_p,
+                    sampling->min_p, uniforms, tokens, sampling->scratch,
+                    rows < num_threads ? (int)rows : num_threads);
+    else if (rows > 1)
+        argmax_rows(logits, rows, vocab, tokens, num_threads);
+    return 0;
+}
+
+/* Up to num_steps decode steps of `first`'s requests, one token each, every row fed the
+   token it chose the step before, with no Python between the forwards: the inner loop of
+   multi-step scheduling (worker/cpu_decode.py). Each later step is a position on for every
+   row, its cache slot read from the first num_request_blocks[r] entries of row r's
+   block-table row (the rest is padding). Writes the tokens to tokens [num_steps, rows] and
+   ends after the step where a row's token is among its stop ids (stop_ids[stop_offsets[r] :
+   stop_offsets[r + 1]]). Returns the steps it ran, or a negative status: decode_step's, or
+   -4 for a position past a request's blocks. */
 static int decode_steps(DecodeStepFunction *one_step, const DecodeModel *model,
                         const DecodeStep *first, float *final, float *logits, int64_t *tokens,
-                        int64_t num_request_blocks, int64_t num_steps,
-                        const int64_t *stop_ids, int64_t num_stop_ids,
-                        const RowSampling *sampling, int num_threads) {
-    if (first->num_tokens != 1) return -3;
-    if (num_request_blocks > first->block_table_stride) return -4;
-    int64_t id = first->input_ids[0], position = first->positions[0];
-    int64_t slot = first->slot_mapping[0], seq_len = first->token_seq_lens[0];
-    const int64_t *blocks =
-        first->block_table + first->token_requests[0] * first->block_table_stride;
+                        const int64_t *num_request_blocks, int64_t num_steps,
+                        const int64_t *stop_ids, const int64_t *stop_offsets, int64_t head_int8,
+                        const RowsSampling *sampling, int num_threads) {
+    const int64_t rows = first->num_tokens, stride = first->block_table_stride;
+    if (model->head.codes == NULL) return -3;
+    int64_t *state = malloc(sizeof(int64_t) * 4 * rows);
+    if (state == NULL) return -1;
+    int64_t *ids = state, *positions = ids + rows, *slots = positions + rows;
+    int64_t *seq_lens = slots + rows;
     DecodeStep step = *first;
-    step.input_ids = &id;
-    step.positions = &position;
-    step.slot_mapping = &slot;
-    step.token_seq_lens = &seq_len;
-    for (int64_t s = 0; s < num_steps; s++) {
-        if (s > 0) {
-            position++;
-            seq_len++;
-            const int64_t block = position / model->block_size;
-            if (block >= num_request_blocks || blocks[block] < 0 ||
-                blocks[block] >= model->num_blocks)
-                return -4;
-            id = tokens[s - 1];
-            slot = blocks[block] * model->block_size + position % model->block_size;
-        }
-        const int status = one_step(model, &step, final, logits, tokens + s, num_threads);
-        if (status != 0) return status;
-        if (sampling)
-            sample_rows(logits, 1, model->head.out_features, &sampling->temperature,
-                        &sampling->top_k, &sampling->top_p, &sampling->min_p,
-                        sampling->uniforms + s, tokens + s, sampling->scratch, 1);
-        for (int64_t i = 0; i < num_stop_ids; i++)
-            if (tokens[s] == stop_ids[i]) return (int)(s + 1);
+    step.input_ids = ids;
+    step.positions = positions;
+    step.slot_mapping = slots;
+    step.token_seq_lens = seq_lens;
+    int status = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        ids[r] = first->input_ids[r];
+        positions[r] = first->positions[r];
+        slots[r] = first->slot_mapping[r];
+        seq_lens[r] = first->token_seq_lens[r];
+        if (num_request_blocks[r] > stride) status = -4;
     }
-    return (int)num_steps;
+    int64_t s = 0;
+    for (; status == 0 && s < num_steps; s++) {
+        for (int64_t r = 0; s > 0 && r < rows; r++) {
+            const int64_t *blocks = first->block_table + first->token_requests[r] * stride;
+            const int64_t block = ++positions[r] / model->block_size;
+            if (block >= num_request_blocks[r] || blocks[block] < 0 ||
+                blocks[block] >= model->num_blocks) {
+                status = -4;
+                break;
+            }
+            ids[r] = tokens[(s - 1) * rows + r];
+            seq_lens[r]++;
+            slots[r] = blocks[block] * model->block_size + positions[r] % model->block_size;
+        }
+        if (status != 0) break;
+        status = one_step(model, &step, final, NULL, NULL, num_threads);
+        if (status == 0)
+            status = head_tokens(model, final, rows, logits, tokens + s * rows, head_int8,
+                                 sampling, sampling ? sampling->uniforms + s * rows : NULL,
+                                 num_threads);
+        int stopped = 0;
+        for (int64_t r = 0; status == 0 && r < rows; r++)
+            for (int64_t i = stop_offsets[r]; i < stop_offsets[r + 1]; i++)
+                stopped |= tokens[s * rows + r] == stop_ids[i];
+        if (stopped) {
+            s++;
+            break;
+        }
+    }
+    free(state);
+    return status != 0 ? status : (int)s;
 }
 
 #define DEFINE_DECODE_STEPS(NAME, ONE_STEP)                                                        \
 int NAME(const DecodeModel *model, const DecodeStep *first, float *final, float *logits,          \
-         int64_t *tokens, int64_t num_request_blocks, int64_t num_steps,                           \
-         const int64_t *stop_ids, int64_t num_stop_ids, const RowSampling *sampling,               \
-         int num_threads) {                                                                        \
+         int64_t *tokens, const int64_t *num_request_blocks, int64_t num_steps,                    \
+         const int64_t *stop_ids, const int64_t *stop_offsets, int64_t head_int8,                  \
+         const RowsSampling *sampling, int num_threads) {                                          \
     return decode_steps(ONE_STEP, model, first, final, logits, tokens, num_request_blocks,         \
-                        num_steps, stop_ids, num_stop_ids, sampling, num_threads);                 \
+                        num_steps, stop_ids, stop_offsets, head_int8, sampling, num_threads);      \
 }
 
 DEFINE_DECODE_STEPS(decode_steps_f32, decode_step_f32)

@@ -59,6 +59,10 @@ void sample_rows(const float *logits, int64_t rows, int64_t vocab, const float *
                  const int64_t *top_k, const float *top_p, const float *min_p, const float *u,
                  int64_t *tokens, void *scratch, int num_threads);
 
+/* tokens[r] = the first argmax of each row of logits [rows, vocab], as torch's. */
+void argmax_rows(const float *logits, int64_t rows, int64_t vocab, int64_t *tokens,
+                 int num_threads);
+
 int64_t packed_matmul_int8_scratch(int64_t num_tokens, int64_t k);
 void packed_matmul_int8_into(const uint8_t *codes, const uint16_t *scales, int64_t quant_type,
                              int64_t n_out, int64_t k, const float *x, int64_t num_tokens,
