@@ -99,8 +99,8 @@ def test_peek_tells_what_the_next_step_will_be_allowed():
 
 def test_a_step_observed_without_asking_explores_nothing():
     """A decode step the guard was not asked about (its planning preempted before drafts) is
-    measured, but is not the exploring step the last question was: the interval to the next
-    doubles once per exploring step, not again."""
+    measured, but is not an exploring step: the interval to the next exploring step doubles
+    once per exploring step, not again for the plain step observed after it."""
     guard = SpeculationGuard()
     run(guard, 8, 40, rate_with=700, rate_without=500)  # drafts pay by 40%: decisive
 

@@ -760,20 +760,22 @@ class Scheduler:
             return
         if len(self.running) != len(entries) or self.waiting or self.receiving:
             return  # (a running request the budget left out would wait for the burst too)
-        requests = [request for request, _ in entries.values()]
+        # The window first: a step as long as the window (a large batch) looks at no request.
+        target = self._planning_target()
+        window = MULTI_STEP_WINDOW if target is None else min(MULTI_STEP_WINDOW, target)
+        forecast = 0.0 if self.cost_model is None else self.cost_model.predict(plan.sums)
+        if forecast > 0:  # none, or a line fitted to nonsense: the burst knows no window
+            max_steps = min(max_steps, int(window / forecast))
+        requests = []
         for request, num_new_tokens in entries.values():
-            if not (
+            if max_steps <= 1 or not (
                 num_new_tokens == 1 == request.num_uncomputed_tokens
                 and request.plain_sampling
                 and request.num_output_tokens >= max(1, request.sampling_params.min_tokens)
             ):
                 return
             max_steps = min(max_steps, request.length_limit - request.num_tokens)
-        target = self._planning_target()
-        window = MULTI_STEP_WINDOW if target is None else min(MULTI_STEP_WINDOW, target)
-        forecast = 0.0 if self.cost_model is None else self.cost_model.predict(plan.sums)
-        if forecast > 0:  # none, or a line fitted to nonsense: the burst knows no window
-            max_steps = min(max_steps, int(window / forecast))
+            requests.append(request)
         if max_steps <= 1:
             return
         kv = self.kv_cache_manager

@@ -113,6 +113,46 @@ static int gather_inputs(const DecodeModel *model, const DecodeStep *step, float
     return 0;
 }
 
+/* The rows' draws at each step of a burst (sample_rows' parameters, as the sampler passes
+   them; temperature 0: the argmax); NULL in its place: every row takes its argmax. */
+typedef struct {
+    const float *temperature, *top_p, *min_p;  /* [rows] */
+    const int64_t *top_k;                      /* [rows] */
+    const float *uniforms;                     /* [num_steps, rows] */
+    void *scratch;                             /* sample_rows' scratch, per thread */
+} RowsSampling;
+
+/* The head's logits [rows, vocab] of the final hidden rows and each row's token, as the model
+   runner's step takes them: one row through the head's argmax pass (its logits are
+   compute_logits'), more through the packed matmul (int8 activations where head_int8, the
+   head's own rule for that many rows), then the argmax or the sampler's draw. */
+static int head_tokens(const DecodeModel *model, float *final, int64_t rows, float *logits,
+                       int64_t *tokens, int64_t head_int8, const RowsSampling *sampling,
+                       const float *uniforms, int num_threads) {
+    const int64_t width = model->hidden, vocab = model->head.out_features;
+    if (model->embedding_bf16) /* a bf16 model's head reads the rows rounded to bf16 */
+        for (int64_t i = 0; i < rows * width; i++) final[i] = bf16_load(bf16_store(final[i]));
+    const PackedMatrix *head = &model->head;
+    if (rows == 1)
+        (model->head_int8 ? packed_matmul_int8_argmax : packed_matmul_argmax)(
+            head->codes, head->scales, head->quant_type, vocab, width, final, logits, tokens,
+            num_threads);
+    else if (head_int8) {
+        if (packed_matmul_int8(head->codes, head->scales, head->quant_type, vocab, width, final,
+                               rows, logits, num_threads) != 0)
+            return -1;
+    } else
+        packed_matmul(head->codes, head->scales, head->quant_type, vocab, width, final, rows,
+                      logits, num_threads);
+    if (sampling)
+        sample_rows(logits, rows, vocab, sampling->temperature, sampling->top_k, sampling->top_p,
+                    sampling->min_p, uniforms, tokens, sampling->scratch,
+                    rows < num_threads ? (int)rows : num_threads);
+    else if (rows > 1)
+        argmax_rows(logits, rows, vocab, tokens, num_threads);
+    return 0;
+}
+
 /* SUFFIX: the attention kernels' element type (f32, bf16); heads of 64 and 128 take the
    kernels compiled for them. */
 #define DEFINE_DECODE_STEP(NAME, T, LOAD, STORE, SUFFIX)                                           \
@@ -177,13 +217,7 @@ int NAME(const DecodeModel *model, const DecodeStep *step, float *final, float *
         for (int64_t i = 0; i < tokens * width; i++) hidden[i] += delta[i];                        \
     }                                                                                              \
     rms_norm_f32(hidden, model->final_norm, final, tokens, width, model->eps, num_threads);        \
-    if (token != NULL) {                                                                           \
-        if (model->embedding_bf16) /* a bf16 model's head reads the row rounded to bf16 */         \
-            for (int64_t i = 0; i < width; i++) final[i] = bf16_load(bf16_store(final[i]));        \
-        (model->head_int8 ? packed_matmul_int8_argmax : packed_matmul_argmax)(                     \
-            model->head.codes, model->head.scales, model->head.quant_type,                         \
-            model->head.out_features, width, final, logits, token, num_threads);                   \
-    }                                                                                              \
+    if (token != NULL) head_tokens(model, final, 1, logits, token, 0, NULL, NULL, num_threads);    \
 done:                                                                                              \
     free(scratch);                                                                                 \
     free(query);                                                                                   \
@@ -196,46 +230,6 @@ DEFINE_DECODE_STEP(decode_step_bf16, uint16_t, bf16_load, bf16_store, bf16)
 
 typedef int DecodeStepFunction(const DecodeModel *, const DecodeStep *, float *, float *,
                                int64_t *, int);
-
-/* The rows' draws at each step of a burst (sample_rows' parameters, as the sampler passes
-   them; temperature 0: the argmax); NULL in its place: every row takes its argmax. */
-typedef struct {
-    const float *temperature, *top_p, *min_p;  /* [rows] */
-    const int64_t *top_k;                      /* [rows] */
-    const float *uniforms;                     /* [num_steps, rows] */
-    void *scratch;                             /* sample_rows' scratch, per thread */
-} RowsSampling;
-
-/* The head's logits [rows, vocab] of the final hidden rows and each row's token, as the model
-   runner's step takes them: one row through the head's argmax pass (its logits are
-   compute_logits'), more through the packed matmul (int8 activations where head_int8, the
-   head's own rule for that many rows), then the argmax or the sampler's draw. */
-static int head_tokens(const DecodeModel *model, float *final, int64_t rows, float *logits,
-                       int64_t *tokens, int64_t head_int8, const RowsSampling *sampling,
-                       const float *uniforms, int num_threads) {
-    const int64_t width = model->hidden, vocab = model->head.out_features;
-    if (model->embedding_bf16) /* a bf16 model's head reads the rows rounded to bf16 */
-        for (int64_t i = 0; i < rows * width; i++) final[i] = bf16_load(bf16_store(final[i]));
-    const PackedMatrix *head = &model->head;
-    if (rows == 1)
-        (model->head_int8 ? packed_matmul_int8_argmax : packed_matmul_argmax)(
-            head->codes, head->scales, head->quant_type, vocab, width, final, logits, tokens,
-            num_threads);
-    else if (head_int8) {
-        if (packed_matmul_int8(head->codes, head->scales, head->quant_type, vocab, width, final,
-                               rows, logits, num_threads) != 0)
-            return -1;
-    } else
-        packed_matmul(head->codes, head->scales, head->quant_type, vocab, width, final, rows,
-                      logits, num_threads);
-    if (sampling)
-        sample_rows(logits, rows, vocab, sampling->temperature, sampling->top_k, sampling->top_p,
-                    sampling->min_p, uniforms, tokens, sampling->scratch,
-                    rows < num_threads ? (int)rows : num_threads);
-    else if (rows > 1)
-        argmax_rows(logits, rows, vocab, tokens, num_threads);
-    return 0;
-}
 
 /* Up to num_steps decode steps of `first`'s requests, one token each, every row fed the
    token it chose the step before, with no Python between the forwards: the inner loop of
