@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import signal
 import statistics
 import subprocess
@@ -86,29 +87,60 @@ def histogram_quantile(before: dict, after: dict, name: str, quantile: float) ->
     return float("inf")
 
 
-async def one_stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> int:
-    body = {
+class _StreamReader(asyncio.Protocol):
+    """One streamed response read straight off its socket: the load generator shares the two
+    cores with the server (a remote client would not), so it keeps only the response's head and
+    its last bytes (the usage event) and parses nothing per chunk; httpx's per-chunk work cost
+    more CPU than the API process's own."""
+
+    def __init__(self, request: bytes) -> None:
+        self.request = request
+        self.head = b""
+        self.tail = b""
+        self.closed = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.write(self.request)  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        if not self.head:
+            self.head = data[:64]
+        self.tail = (self.tail + data)[-4096:]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed.set_result(exc)
+
+
+async def one_stream(host: str, port: int, prompt: str, max_tokens: int) -> int:
+    """Stream one completion over a connection of its own (`Connection: close`: the server
+    closes it after the last chunk); the number of tokens its usage event reports."""
+    body = json.dumps({
         "model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-    }  # fmt: skip
-    # Read every byte as it comes but parse only the last event (the usage): the load
-    # generator shares the two cores with the server, and JSON-decoding 4,096 chunks per round
-    # would take CPU from the very processes being measured.
-    tail = b""
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for data in response.aiter_raw():
-            tail = (tail + data)[-4096:]
-    events = [e for e in tail.split(b"\n\n") if e.startswith(b"data: {")]
-    return json.loads(events[-1][6:])["usage"]["completion_tokens"]
+    }).encode()  # fmt: skip
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode() + body
+    loop = asyncio.get_running_loop()
+    _, reader = await loop.create_connection(lambda: _StreamReader(request), host, port)
+    if (error := await reader.closed) is not None:
+        raise error
+    if not reader.head.startswith(b"HTTP/1.1 200"):
+        raise RuntimeError(f"the server answered {reader.head!r}")
+    if not reader.tail.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
+        raise RuntimeError(f"the stream ended early: {reader.tail[-200:]!r}")
+    counts = re.findall(rb'"completion_tokens":(\d+)', reader.tail)
+    return int(counts[-1])
 
 
-async def server_round(base_url: str, texts: list[str], max_tokens: int) -> tuple[float, int]:
-    limits = httpx.Limits(max_connections=len(texts) + 4)
-    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
-        start = time.perf_counter()
-        counts = await asyncio.gather(*(one_stream(client, p, max_tokens) for p in texts))
-        return time.perf_counter() - start, sum(counts)
+async def server_round(
+    host: str, port: int, texts: list[str], max_tokens: int
+) -> tuple[float, int]:
+    start = time.perf_counter()
+    counts = await asyncio.gather(*(one_stream(host, port, p, max_tokens) for p in texts))
+    return time.perf_counter() - start, sum(counts)
 
 
 def offline_round(llm: LLM, texts: list[str], max_tokens: int) -> tuple[float, int]:
@@ -138,7 +170,7 @@ def main() -> None:
     try:
         llm = LLM("default")  # both engines idle while the other runs: only one computes at once
         offline_round(llm, texts[:2], 4)  # warm-up
-        asyncio.run(server_round(base_url, texts[:2], 4))
+        asyncio.run(server_round("127.0.0.1", port, texts[:2], 4))
         offline_rates, server_rates = [], []
         delivery_p50, delivery_p99, cpu_per_token, client_cpu_per_token = [], [], [], []
         for _ in range(args.rounds):
@@ -146,7 +178,7 @@ def main() -> None:
             offline_rates.append(tokens / elapsed)
             before = metric_samples(base_url)
             cpu_before, client_cpu_before = api_cpu_seconds(server.pid), time.process_time()
-            elapsed, tokens = asyncio.run(server_round(base_url, texts, args.max_tokens))
+            elapsed, tokens = asyncio.run(server_round("127.0.0.1", port, texts, args.max_tokens))
             cpu_per_token.append((api_cpu_seconds(server.pid) - cpu_before) / tokens)
             client_cpu_per_token.append((time.process_time() - client_cpu_before) / tokens)
             after = metric_samples(base_url)
@@ -173,7 +205,7 @@ def main() -> None:
     print(f"\nsampling → SSE write, upper bucket edge: p50 ≤ {max(delivery_p50) * 1e3:.2f} ms, "
           f"p99 ≤ {max(delivery_p99) * 1e3:.2f} ms (worst round)")  # fmt: skip
     print(f"API process CPU per output token: {statistics.median(cpu_per_token) * 1e3:.3f} ms; "
-          "the load generator's (httpx, in this process, on the same cores): "
+          "the load generator's (raw sockets, in this process, on the same cores): "
           f"{statistics.median(client_cpu_per_token) * 1e3:.3f} ms")  # fmt: skip
 
 
