@@ -85,8 +85,10 @@ def test_plain_deltas_take_the_template_and_the_rest_the_model() -> None:
     assert shaper.usage.completion_tokens == 2  # counted on both paths
 
     chat = _chat()
-    assert isinstance(chat.chunk(_output(CompletionOutput(0, " a", [5]))), str)
-    stopped = chat.chunk(_output(CompletionOutput(0, "", [2], finish_reason="stop", stop_reason=2)))
+    assert isinstance(chat.chunk(0, _output(CompletionOutput(0, " a", [5]))), str)
+    stopped = chat.chunk(
+        0, _output(CompletionOutput(0, "", [2], finish_reason="stop", stop_reason=2))
+    )
     assert isinstance(stopped, ChatCompletionStreamResponse)
     assert stopped.choices[0].stop_reason == 2
 
@@ -124,7 +126,7 @@ def test_an_echoed_prompt_is_text_too() -> None:
 def test_chat_chunks_with_more_than_text_use_the_model(fields: dict) -> None:
     shaper = _chat(**fields)
     row = {5: Logprob(-0.5, 1, " a")}
-    chunk = shaper.chunk(_output(CompletionOutput(0, " a", [5], logprobs=[row])))
+    chunk = shaper.chunk(0, _output(CompletionOutput(0, " a", [5], logprobs=[row])))
     assert isinstance(chunk, ChatCompletionStreamResponse)
 
 

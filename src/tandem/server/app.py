@@ -194,12 +194,18 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     return task.result()
 
 
-async def _stream_until_disconnect(
-    request: Request, chunks: AsyncIterator[str], streams: list[RequestStream]
+async def _sse_stream(
+    request: Request,
+    streams: list[RequestStream],
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    shaper: CompletionShaper | ChatShaper,
+    stats: PrometheusStatLogger | None,
 ) -> AsyncIterator[str]:
-    """Uvicorn (ASGI 2.4) reports a gone client only when a send fails, and the first token
-    can be long in coming: watch for the disconnect ourselves. It cancels the engine requests
-    at once, which ends their streams and so these chunks; no task per chunk."""
+    """A streamed response's SSE events, from the engine's delta outputs in one generator (each
+    layer of generators is paid per token); after each event is written, how long its tokens
+    took since sampling. Uvicorn (ASGI 2.4) reports a gone client only when a send fails, and
+    the first token can be long in coming: watch for the disconnect ourselves. It cancels the
+    engine requests at once, which ends `outputs` and so this stream; no task per chunk."""
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
 
     def on_disconnect(task: asyncio.Future) -> None:
@@ -209,13 +215,28 @@ async def _stream_until_disconnect(
 
     watcher.add_done_callback(on_disconnect)
     try:
-        async for chunk in chunks:
+        for chunk in shaper.opening_chunks():
+            yield _sse(chunk)
+        async for prompt_index, output in outputs:
             if watcher.done():
                 return
-            yield chunk
+            chunk = shaper.chunk(prompt_index, output)
+            if chunk is None:
+                continue
+            yield _sse(chunk)
+            if stats is not None:
+                stats.record_token_delivery(time.monotonic(), new_token_times(output))
+        usage = shaper.usage_chunk()
+        if usage is not None:
+            yield _sse(usage)
+    except EngineDeadError as error:
+        yield _sse(error_body(str(error), "service_unavailable", None, 503))
+    except ValueError as error:
+        yield _sse(error_body(str(error), "invalid_request_error", None, 400))
     finally:
         watcher.cancel()
-        await chunks.aclose()
+        await outputs.aclose()
+    yield "data: [DONE]\n\n"
 
 
 _TOKENIZE_INLINE_BYTES = 16 << 10  # request bodies up to this are tokenized on the event loop
@@ -363,23 +384,6 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
                 headers={"Retry-After": "1"},
             )
 
-    async def stream(
-        chunks: AsyncIterator[tuple[BaseModel | str | None, list[float]]],
-    ) -> AsyncIterator[str]:
-        """SSE lines; after each chunk is written, how long its tokens took since sampling."""
-        try:
-            async for chunk, token_times in chunks:
-                if chunk is None:
-                    continue
-                yield _sse(chunk)
-                if stats is not None and token_times:
-                    stats.record_token_delivery(time.monotonic(), token_times)
-        except EngineDeadError as error:
-            yield _sse(error_body(str(error), "service_unavailable", None, 503))
-        except ValueError as error:
-            yield _sse(error_body(str(error), "invalid_request_error", None, 400))
-        yield "data: [DONE]\n\n"
-
     @app.get("/health")
     async def health() -> Response:
         if engine.dead_error is not None:
@@ -418,14 +422,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         streams = start_jobs(engine, jobs, body.cache_salt, body.priority, body.kv_transfer_params)
         outputs = merge_streams(streams)
         if body.stream:
-
-            async def chunks() -> AsyncIterator[tuple[BaseModel | str | None, list[float]]]:
-                async for prompt_index, output in outputs:
-                    yield shaper.chunk(prompt_index, output), new_token_times(output)
-                yield shaper.usage_chunk(), []
-
             return StreamingResponse(
-                _stream_until_disconnect(request, stream(chunks()), streams),
+                _sse_stream(request, streams, outputs, shaper, stats),
                 media_type="text/event-stream",
             )
         return await _cancel_on_disconnect(request, _collect(outputs, shaper.response))
@@ -443,15 +441,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         streams = start_jobs(engine, [job], body.cache_salt, body.priority, body.kv_transfer_params)
         outputs = merge_streams(streams)
         if body.stream:
-
-            async def chunks() -> AsyncIterator[tuple[BaseModel | str | None, list[float]]]:
-                yield shaper.role_chunk(), []
-                async for _, output in outputs:
-                    yield shaper.chunk(output), new_token_times(output)
-                yield shaper.usage_chunk(), []
-
             return StreamingResponse(
-                _stream_until_disconnect(request, stream(chunks()), streams),
+                _sse_stream(request, streams, outputs, shaper, stats),
                 media_type="text/event-stream",
             )
 

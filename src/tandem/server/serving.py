@@ -333,6 +333,22 @@ def _text_only(
     )
 
 
+def _plain_request(
+    request: CompletionRequest | ChatCompletionRequest, wants_logprobs_or_echo: bool
+) -> bool:
+    """Whether a stream's chunks carry text alone until a choice finishes (TextChunk writes
+    them, past the general path): no logprobs, echo, token ids or running usage."""
+    return not (wants_logprobs_or_echo or request.return_token_ids or _continuous_usage(request))
+
+
+def _running_choice(output: RequestOutput) -> CompletionOutput | None:
+    """The choice of a delta output for n = 1 while it runs (not its last): the chunk of a
+    plain stream is its text alone."""
+    if len(output.outputs) == 1 and output.outputs[0].finish_reason is None:
+        return output.outputs[0]
+    return None
+
+
 @dataclass
 class _ChoiceState:
     """What a completions choice has sent so far (for echo and text offsets)."""
@@ -354,6 +370,10 @@ class CompletionShaper:
         self.usage = UsageCounter(jobs)
         self.choices: dict[int, _ChoiceState] = {}
         self.text_chunk = TextChunk(self.response_id, "text_completion", model, '"text":')
+        self.plain = _plain_request(request, bool(request.echo) or request.logprobs is not None)
+
+    def opening_chunks(self) -> list[CompletionStreamResponse]:
+        return []
 
     def choice_index(self, prompt_index: int, completion: CompletionOutput) -> int:
         return prompt_index * self.n + completion.index
@@ -420,6 +440,10 @@ class CompletionShaper:
         """The chunk for a delta output: its model, or its JSON when it carries only text
         (TextChunk); None when there is nothing new."""
         self.usage.add(prompt_index, output)
+        if self.plain and (running := _running_choice(output)) is not None:
+            if not running.token_ids:
+                return None
+            return self.text_chunk(self.choice_index(prompt_index, running), running.text)
         news = []
         for completion in output.outputs:
             state = self.choices.setdefault(
@@ -477,6 +501,7 @@ class ChatShaper:
         self.text_chunk = TextChunk(
             self.response_id, "chat.completion.chunk", model, '"delta":{"content":'
         )
+        self.plain = _plain_request(request, bool(request.logprobs))
 
     def _logprobs(self, completion: CompletionOutput) -> ChatCompletionLogProbs | None:
         if not self.request.logprobs or completion.logprobs is None:
@@ -506,7 +531,7 @@ class ChatShaper:
             kv_transfer_params=output.kv_transfer_params,
         )
 
-    def role_chunk(self) -> ChatCompletionStreamResponse:
+    def opening_chunks(self) -> list[ChatCompletionStreamResponse]:
         """OpenAI streams open each choice with the assistant role and empty content."""
         choices = [
             ChatCompletionResponseStreamChoice(
@@ -514,17 +539,22 @@ class ChatShaper:
             )
             for index in range(self.job.params.n)
         ]
-        return ChatCompletionStreamResponse(
+        opening = ChatCompletionStreamResponse(
             id=self.response_id,
             model=self.model,
             choices=choices,
             prompt_token_ids=self.job.token_ids if self.request.return_token_ids else None,
         )
+        return [opening]
 
-    def chunk(self, output: RequestOutput) -> ChatCompletionStreamResponse | str | None:
-        """The chunk for a delta output: its model, or its JSON when it carries only text
-        (TextChunk); None when there is nothing new."""
-        self.usage.add(0, output)
+    def chunk(
+        self, prompt_index: int, output: RequestOutput
+    ) -> ChatCompletionStreamResponse | str | None:
+        """The chunk for a delta output (a chat has one prompt: index 0): its model, or its
+        JSON when it carries only text (TextChunk); None when there is nothing new."""
+        self.usage.add(prompt_index, output)
+        if self.plain and (running := _running_choice(output)) is not None:
+            return self.text_chunk(running.index, running.text) if running.token_ids else None
         news = [  # a DELTA output for n > 1 repeats the sequences that finished earlier
             completion
             for completion in output.outputs
