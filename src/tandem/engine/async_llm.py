@@ -24,7 +24,7 @@ from tandem.engine.messages import (
     UtilityResult,
 )
 from tandem.engine.output_processor import OutputKind, OutputProcessor
-from tandem.engine.stats import SchedulerStats, StatLogger
+from tandem.engine.stats import FinishedRequestStats, SchedulerStats, StatLogger
 from tandem.engine.tokenizer import load_tokenizer
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.sampling_params import SamplingParams
@@ -374,9 +374,17 @@ class AsyncLLM:
             if collector is not None:
                 collector.put_error(RequestRefusedError(error.message))
         self.scheduler_stats = message.scheduler_stats
+        if self.stat_loggers:
+            # After the streams this message woke have written their chunks (call_soon runs in
+            # order, and their wake-ups were queued above): a finished request's record
+            # observes every gap it lived through, ~70 us for 128 tokens, and when a batch
+            # finishes together that held up every stream's last token by milliseconds.
+            asyncio.get_running_loop().call_soon(self._record_stats, message, processed.finished)
+
+    def _record_stats(self, message: CoreOutputs, finished: list[FinishedRequestStats]) -> None:
         for stat_logger in self.stat_loggers:
             stat_logger.record_steps(message.scheduler_stats, message.steps)
-            for record in processed.finished:
+            for record in finished:
                 stat_logger.record_finished(record)
 
     def _owner_of(self, sequence_id: str) -> str:
