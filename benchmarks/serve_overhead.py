@@ -10,6 +10,7 @@ through the offline LLM, in one run, alternating.
   not), so that the throughput ratio can be read for what it is.
 
     .venv/bin/python benchmarks/serve_overhead.py [--num-requests 32] [--max-tokens 128]
+        [--serve-args "--engine-core-nice 0"]
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import json
 import os
 import platform
 import re
+import shlex
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -49,9 +52,9 @@ def prompts(count: int) -> list[str]:
     return [f"Write a short essay about {TOPICS[i % len(TOPICS)]}." for i in range(count)]
 
 
-def start_server(port: int, log: Path) -> subprocess.Popen:
+def start_server(port: int, log: Path, extra_args: list[str]) -> subprocess.Popen:
     command = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(port),
-               "--disable-log-requests"]  # fmt: skip
+               "--disable-log-requests", *extra_args]  # fmt: skip
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
     if wait_healthy(f"http://127.0.0.1:{port}", process, 120) is None:
         process.kill()
@@ -87,11 +90,15 @@ def histogram_quantile(before: dict, after: dict, name: str, quantile: float) ->
     return float("inf")
 
 
+READ_BATCH = 4096  # bytes a stream's reader waits for (~10 chunks), or the end
+
+
 class _StreamReader(asyncio.Protocol):
     """One streamed response read straight off its socket: the load generator shares the two
     cores with the server (a remote client would not), so it keeps only the response's head and
-    its last bytes (the usage event) and parses nothing per chunk; httpx's per-chunk work cost
-    more CPU than the API process's own."""
+    its last bytes (the usage event), parses nothing per chunk and wakes once per READ_BATCH
+    bytes; httpx's per-chunk work cost more CPU than the API process's own. The server writes
+    every chunk as it would to any client: what is timed (sampling to the write) is its own."""
 
     def __init__(self, request: bytes) -> None:
         self.request = request
@@ -100,6 +107,10 @@ class _StreamReader(asyncio.Protocol):
         self.closed = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # Woken once per READ_BATCH bytes, not per chunk: each wake-up on these two cores took
+        # time from the API process's burst of writes (a remote client costs it none).
+        sock = transport.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, READ_BATCH)
         transport.write(self.request)  # type: ignore[attr-defined]
 
     def data_received(self, data: bytes) -> None:
@@ -160,13 +171,15 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--serve-args", default="",
+                        help='more `tandem serve` flags, e.g. "--engine-core-nice 0"')  # fmt: skip
     args = parser.parse_args()
     texts = prompts(args.num_requests)
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     log = Path("benchmarks/results/serve_overhead_server.log")
     log.parent.mkdir(parents=True, exist_ok=True)
-    server = start_server(port, log)
+    server = start_server(port, log, shlex.split(args.serve_args))
     try:
         llm = LLM("default")  # both engines idle while the other runs: only one computes at once
         offline_round(llm, texts[:2], 4)  # warm-up

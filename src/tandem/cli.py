@@ -201,7 +201,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     model = args.model_tag or args.model
     config = EngineConfig.create(
-        model, **engine_kwargs(args), kv_transfer_config=kv_transfer_config(args)
+        model,
+        **engine_kwargs(args),
+        kv_transfer_config=kv_transfer_config(args),
+        engine_core_nice=args.engine_core_nice,
     )
     # The engine core starts loading the model before this process imports the server
     # (FastAPI, uvicorn, transformers: 2-3 s that overlap the core's start on another core).
@@ -392,6 +395,9 @@ def main(argv: list[str] | None = None) -> None:
                        help="seconds in-flight requests get to finish after SIGTERM")  # fmt: skip
     serve.add_argument("--disable-log-requests", action="store_true",
                        help="no log line per finished request")  # fmt: skip
+    serve.add_argument("--engine-core-nice", type=int, default=None,
+                       help="niceness added to the engine core once loaded, so this process's "
+                       "streaming goes first (default: 10 on CPU, 0 on GPU)")  # fmt: skip
     add_kv_transfer_args(serve)
     serve.set_defaults(func=cmd_serve)
 

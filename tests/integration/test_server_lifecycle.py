@@ -54,6 +54,11 @@ async def _start_streams(client: httpx.AsyncClient, bodies: list[dict]) -> list[
     return tasks
 
 
+def _thread_niceness(pid: int) -> set[int]:
+    tasks = os.listdir(f"/proc/{pid}/task")
+    return {os.getpriority(os.PRIO_PROCESS, int(thread_id)) for thread_id in tasks}
+
+
 def _wait_gone(pids: list[int], timeout: float) -> list[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
@@ -130,6 +135,9 @@ def test_engine_core_killed_mid_stream(server_factory):
                 client.post("/v1/completions", json={**long, "prompt": PROMPTS[3]})
             )
             await asyncio.sleep(0.5)
+            # Loaded and streaming on a CPU: every thread of the core has yielded the cores
+            # to the API process.
+            assert _thread_niceness(core) == {os.getpriority(os.PRIO_PROCESS, server.pid) + 10}
             os.kill(core, signal.SIGKILL)
             killed = time.monotonic()
             results = await asyncio.wait_for(asyncio.gather(*tasks), 30)

@@ -58,6 +58,9 @@ def test_defaults_are_vllms(folder):
         (dict(num_scheduler_steps=0), ValueError, "num_scheduler_steps must be >= 1"),
         (dict(num_scheduler_steps=True), ValueError, "num_scheduler_steps must be an int"),
         (dict(num_scheduler_steps=4, async_scheduling=True), ValueError, "async_scheduling"),
+        (dict(engine_core_nice=-1), ValueError, "engine_core_nice must be an int from 0 to 19"),
+        (dict(engine_core_nice=20), ValueError, "it can only yield"),
+        (dict(engine_core_nice=True), ValueError, "engine_core_nice must be an int"),
         (dict(tokenizer="/nonexistent/tok"), FileNotFoundError, "tokenizer path"),
         (dict(generation_config="/nonexistent"), FileNotFoundError, "generation_config="),
         (
@@ -266,3 +269,11 @@ def test_multi_step_scheduling_is_on_by_default_only_where_decode_steps_run_fuse
                                speculative_config=ngram)  # fmt: skip
     assert both.scheduler.num_speculative_tokens == 2
     assert both.scheduler.num_scheduler_steps == (4 if fused else 1)
+
+
+def test_the_engine_core_yields_the_cores_on_cpu_only(folder):
+    """On CPU the forward's threads hold every core the API process needs; on a GPU the core's
+    own loop paces the device, so it keeps its priority."""
+    assert EngineConfig.create(folder, device="cpu").engine_core_nice == 10
+    assert EngineConfig.create(folder, device="cpu", engine_core_nice=0).engine_core_nice == 0
+    assert EngineConfig.create(folder, device="cuda").engine_core_nice == 0

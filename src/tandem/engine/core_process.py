@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -48,6 +49,22 @@ IDLE_POLL_SECONDS = 0.5
 _WAKE = object()
 # Bytes of output the kernel may hold for the API process (capped by net.core.wmem_max).
 OUTPUT_SEND_BUFFER = 4 << 20
+
+
+def yield_cores(increment: int) -> None:
+    """Add `increment` to the niceness of every thread of this process (Linux sets it per
+    thread: the forward's OpenMP threads, started while loading, too), after loading, so the
+    load itself runs at full priority beside the API process's own start. Elsewhere the
+    process's niceness, where the platform keeps one per process."""
+    if increment <= 0:
+        return
+    tasks = Path("/proc/self/task")
+    thread_ids = [int(task.name) for task in tasks.iterdir()] if tasks.is_dir() else [0]
+    for thread_id in thread_ids:
+        with contextlib.suppress(OSError):  # a thread that has just ended
+            niceness = os.getpriority(os.PRIO_PROCESS, thread_id)
+            os.setpriority(os.PRIO_PROCESS, thread_id, min(19, niceness + increment))
+    logger.info("engine core: niceness +%d, so the API process goes first", increment)
 
 
 def _reset_prefix_cache(core: EngineCore) -> bool:
@@ -224,6 +241,7 @@ def run_engine_core(
             target=_read_inputs, args=(context, input_address, inputs), daemon=True
         )
         reader.start()
+        yield_cores(config.engine_core_nice)
         freeze_startup_objects()
         # Inference mode for the whole loop: the per-step functions need not enter it each step
         # (worker/inference_mode.py).
