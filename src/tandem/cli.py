@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> None:
                        help="no log line per finished request")  # fmt: skip
     serve.add_argument("--engine-core-nice", type=int, default=None,
                        help="niceness added to the engine core once loaded, so this process's "
-                       "streaming goes first (default: 10 on CPU, 0 on GPU)")  # fmt: skip
+                       "streaming goes first (default: 19 on CPU, 0 on GPU)")  # fmt: skip
     add_kv_transfer_args(serve)
     serve.set_defaults(func=cmd_serve)
 

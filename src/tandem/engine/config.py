@@ -50,8 +50,10 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's
 DEFAULT_CPU_SCHEDULER_STEPS = 8
 # On CPU the engine core's forward holds every core, and the API process's work per step (a
 # chunk per stream) waited behind it for a scheduler tick in about one step of ten: at this
-# niceness the API process goes first for the little CPU it needs (BENCHMARKS.md, issue 7).
-CPU_ENGINE_CORE_NICE = 10
+# niceness the API process goes first for the little CPU it needs (at 10 it still lost a tick
+# now and then: BENCHMARKS.md, issue 7). Under autogroup or a cgroup per service, niceness
+# weighs only against the processes of the same group.
+CPU_ENGINE_CORE_NICE = 19
 GENERATION_CONFIG_SOURCES = ("auto", "vllm")  # or a folder holding generation_config.json
 
 
