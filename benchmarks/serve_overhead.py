@@ -37,6 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tandem import LLM, SamplingParams
 from tandem.bench.launch import free_port, wait_healthy
 
+HOST = "127.0.0.1"  # the server binds loopback; the load generator runs beside it
 TOPICS = [
     "the history of tea", "how bridges carry load", "why the sea is salty", "jazz harmony",
     "the water cycle", "how vaccines work", "the rules of chess", "volcanoes", "bread baking",
@@ -56,7 +57,7 @@ def start_server(port: int, log: Path, extra_args: list[str]) -> subprocess.Pope
     command = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(port),
                "--disable-log-requests", *extra_args]  # fmt: skip
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    if wait_healthy(f"http://127.0.0.1:{port}", process, 120) is None:
+    if wait_healthy(f"http://{HOST}:{port}", process, 120) is None:
         process.kill()
         raise RuntimeError(f"server not healthy within 120 s: {log.read_text()}")
     return process
@@ -176,14 +177,14 @@ def main() -> None:
     args = parser.parse_args()
     texts = prompts(args.num_requests)
     port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
+    base_url = f"http://{HOST}:{port}"
     log = Path("benchmarks/results/serve_overhead_server.log")
     log.parent.mkdir(parents=True, exist_ok=True)
     server = start_server(port, log, shlex.split(args.serve_args))
     try:
         llm = LLM("default")  # both engines idle while the other runs: only one computes at once
         offline_round(llm, texts[:2], 4)  # warm-up
-        asyncio.run(server_round("127.0.0.1", port, texts[:2], 4))
+        asyncio.run(server_round(HOST, port, texts[:2], 4))
         offline_rates, server_rates = [], []
         delivery_p50, delivery_p99, cpu_per_token, client_cpu_per_token = [], [], [], []
         for _ in range(args.rounds):
@@ -191,7 +192,7 @@ def main() -> None:
             offline_rates.append(tokens / elapsed)
             before = metric_samples(base_url)
             cpu_before, client_cpu_before = api_cpu_seconds(server.pid), time.process_time()
-            elapsed, tokens = asyncio.run(server_round("127.0.0.1", port, texts, args.max_tokens))
+            elapsed, tokens = asyncio.run(server_round(HOST, port, texts, args.max_tokens))
             cpu_per_token.append((api_cpu_seconds(server.pid) - cpu_before) / tokens)
             client_cpu_per_token.append((time.process_time() - client_cpu_before) / tokens)
             after = metric_samples(base_url)

@@ -241,6 +241,29 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
     return tokens
 
 
+def sampling_scratch_bytes(num_threads: int, vocab: int) -> int:
+    """The C sampler's scratch (csrc/sample_rows.c): 2 * vocab candidates for each thread."""
+    return num_threads * 2 * vocab * SAMPLING_CANDIDATE_BYTES
+
+
+def sampling_columns(
+    temperature: list[float],
+    top_k: list[int],
+    top_p: list[float],
+    min_p: list[float],
+    uniforms: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows' parameters and uniforms as the C sampler reads them (sample_rows, and the
+    fused decode step's bursts), in this order."""
+    return (
+        torch.tensor(temperature, dtype=torch.float32),
+        torch.tensor(top_k, dtype=torch.int64),
+        torch.tensor(top_p, dtype=torch.float32),
+        torch.tensor(min_p, dtype=torch.float32),
+        uniforms.to(torch.float32).contiguous(),
+    )
+
+
 def sample_rows(
     logits: torch.Tensor,
     temperature: list[float],
@@ -258,14 +281,8 @@ def sample_rows(
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64)
     num_threads = min(torch.get_num_threads(), max(rows, 1))  # scratch for each
-    scratch = torch.empty(num_threads * 2 * vocab * SAMPLING_CANDIDATE_BYTES, dtype=torch.uint8)
-    columns = [
-        torch.tensor(temperature, dtype=torch.float32),
-        torch.tensor(top_k, dtype=torch.int64),
-        torch.tensor(top_p, dtype=torch.float32),
-        torch.tensor(min_p, dtype=torch.float32),
-        uniforms.to(torch.float32).contiguous(),
-    ]
+    scratch = torch.empty(sampling_scratch_bytes(num_threads, vocab), dtype=torch.uint8)
+    columns = sampling_columns(temperature, top_k, top_p, min_p, uniforms)
     load_library().sample_rows(
         logits.data_ptr(), rows, vocab, *(c.data_ptr() for c in columns), tokens.data_ptr(),
         scratch.data_ptr(), num_threads,

@@ -233,15 +233,17 @@ class CpuDecode:
         logits, final = self._head_outputs[0], self._one_row
         if rows > 1:
             logits, final = torch.empty(rows, logits.shape[1]), torch.empty(rows, final.shape[1])
-        sampling, kept = None, []
-        if draws is not None:
-            kept = [torch.tensor(draws.temperature, dtype=torch.float32),
-                    torch.tensor(draws.top_p, dtype=torch.float32),
-                    torch.tensor(draws.min_p, dtype=torch.float32),
-                    torch.tensor(draws.top_k, dtype=torch.int64),
-                    draws.uniforms.to(torch.float32).contiguous()]  # fmt: skip
-            assert kept[-1].shape == (num_steps, rows)
-            sampling = _RowsSampling(*(t.data_ptr() for t in kept), self._scratch(logits))
+        sampling = None
+        if draws is not None:  # (its tensors live on in these names through the call)
+            temperature, top_k, top_p, min_p, uniforms = cpu_kernel.sampling_columns(
+                draws.temperature, draws.top_k, draws.top_p, draws.min_p, draws.uniforms
+            )
+            assert uniforms.shape == (num_steps, rows)
+            sampling = _RowsSampling(
+                temperature=temperature.data_ptr(), top_p=top_p.data_ptr(),
+                min_p=min_p.data_ptr(), top_k=top_k.data_ptr(), uniforms=uniforms.data_ptr(),
+                scratch=self._scratch(logits),
+            )  # fmt: skip
         count = self._call(
             self._steps_function, batch, final, logits, tokens.ctypes.data, blocks.ctypes.data,
             num_steps, stops.ctypes.data, offsets.ctypes.data,
@@ -252,7 +254,7 @@ class CpuDecode:
 
     def _scratch(self, logits: torch.Tensor) -> int:
         """The C sampler's scratch for every thread (kept between calls)."""
-        size = torch.get_num_threads() * 2 * logits.shape[1] * cpu_kernel.SAMPLING_CANDIDATE_BYTES
+        size = cpu_kernel.sampling_scratch_bytes(torch.get_num_threads(), logits.shape[1])
         if self._sampling_scratch is None or self._sampling_scratch.numel() < size:
             self._sampling_scratch = torch.empty(size, dtype=torch.uint8)
         return self._sampling_scratch.data_ptr()
