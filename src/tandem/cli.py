@@ -395,9 +395,11 @@ def main(argv: list[str] | None = None) -> None:
                        help="seconds in-flight requests get to finish after SIGTERM")  # fmt: skip
     serve.add_argument("--disable-log-requests", action="store_true",
                        help="no log line per finished request")  # fmt: skip
-    serve.add_argument("--engine-core-nice", type=int, default=None,
-                       help="niceness added to the engine core once loaded, so this process's "
-                       "streaming goes first (default: 19 on CPU, 0 on GPU)")  # fmt: skip
+    serve.add_argument("--engine-core-nice", type=int, default=0,
+                       help="niceness added to the engine core once loaded: on CPU this "
+                       "process's streaming then goes first, and so does every other busy "
+                       "process on the machine (it starves the forward); for a machine that "
+                       "only serves (default: 0)")  # fmt: skip
     add_kv_transfer_args(serve)
     serve.set_defaults(func=cmd_serve)
 

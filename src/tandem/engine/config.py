@@ -48,12 +48,6 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's
 # the scheduler's MULTI_STEP_WINDOW (a batch-1 step of the default model's ~220 us of engine
 # work is then ~2% of its tokens' time instead of ~7%: BENCHMARKS.md).
 DEFAULT_CPU_SCHEDULER_STEPS = 8
-# On CPU the engine core's forward holds every core, and the API process's work per step (a
-# chunk per stream) waited behind it for a scheduler tick in about one step of ten: at this
-# niceness the API process goes first for the little CPU it needs (at 10 it still lost a tick
-# now and then: BENCHMARKS.md, issue 7). Under autogroup or a cgroup per service, niceness
-# weighs only against the processes of the same group.
-CPU_ENGINE_CORE_NICE = 19
 GENERATION_CONFIG_SOURCES = ("auto", "vllm")  # or a folder holding generation_config.json
 
 
@@ -89,7 +83,11 @@ class EngineConfig:
     # prefill and decode both happen here (role "both").
     kv_transfer: KVTransferConfig | None = None
     # Added to the niceness of the engine-core process's threads once the model is loaded
-    # (server and AsyncLLM; the offline LLM has no such process).
+    # (server and AsyncLLM; the offline LLM has no such process). On a CPU whose cores the
+    # forward holds, the API process's chunks then go first (delivery p99 2-4 ms instead of
+    # ~7.5 at 32 streams), but so does every other busy process: with one CPU-bound process
+    # beside it, at any niceness above 0, the forward's threads ran ~100-600x slower, not ~4x
+    # (BENCHMARKS.md, issue 7). So 0 unless the machine serves and does nothing else.
     engine_core_nice: int = 0
 
     @classmethod
@@ -136,7 +134,7 @@ class EngineConfig:
         kv_transfer_config: KVTransferConfig | None = None,
         attention_backend: str | None = "auto",
         num_scheduler_steps: int | None = None,
-        engine_core_nice: int | None = None,
+        engine_core_nice: int = 0,
     ) -> EngineConfig:
         """Validate every knob before anything heavy loads; raises ValueError/FileNotFoundError
         naming what to change. None for gpu_memory_utilization, swap_space and enforce_eager
@@ -144,9 +142,7 @@ class EngineConfig:
         for CUDA, off on CPU (where the forward's threads use every core and overlap measured
         slower: BENCHMARKS.md), and off with speculative decoding or num_scheduler_steps > 1.
         num_scheduler_steps None: DEFAULT_CPU_SCHEDULER_STEPS where a CPU's decode steps run
-        fused and async scheduling is off, else 1. engine_core_nice None: CPU_ENGINE_CORE_NICE
-        on CPU, where the forward's threads hold every core the API process needs, else 0 (on
-        a GPU the core's own loop paces the device)."""
+        fused and async scheduling is off, else 1."""
         if trust_remote_code:
             raise ValueError(
                 "trust_remote_code=True: tandem never runs code shipped with a checkpoint; the "
@@ -178,7 +174,7 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be >= 0 or -1 (no limit), got {max_logprobs}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
-        if engine_core_nice is not None and (
+        if (
             isinstance(engine_core_nice, bool)
             or not isinstance(engine_core_nice, int)
             or not 0 <= engine_core_nice <= 19
@@ -261,8 +257,6 @@ class EngineConfig:
             num_scheduler_steps, multi_step = 1, False
         if async_scheduling is None:
             async_scheduling = device.startswith("cuda") and speculative is None and not multi_step
-        if engine_core_nice is None:
-            engine_core_nice = CPU_ENGINE_CORE_NICE if device == "cpu" else 0
         if num_scheduler_steps is None:
             steps_apply = fused and not async_scheduling
             num_scheduler_steps = DEFAULT_CPU_SCHEDULER_STEPS if steps_apply else 1

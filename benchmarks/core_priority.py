@@ -1,0 +1,97 @@
+"""What `--engine-core-nice` costs when the server is not alone (issue 7): one stream's tok/s
+from `tandem serve` at each niceness, alone and beside one CPU-bound process (a Python busy
+loop) in the benchmark's own session (the server's too), then in a session of its own.
+
+A niceness above 0 lets the API process's chunks go first (BENCHMARKS.md: delivery p99), but
+niceness weighs against every busy process, not only the API process: this measures by how much
+the forward slows beside one. Each stream runs for at most `--seconds` (a starved forward may
+emit a token a second), greedy, `ignore_eos`.
+
+    .venv/bin/python benchmarks/core_priority.py [--nice 0 19] [--seconds 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tandem.bench.launch import free_port, tandem_serve_command, wait_healthy
+
+LOG = Path("benchmarks/results/core_priority_server.log")
+BUSY_LOOP = "while True: pass"
+SETTLE_SECONDS = 1.0  # after starting or stopping the busy process
+
+
+def stream_rate(url: str, seconds: float) -> float:
+    """Tokens per second of one greedy stream, read for at most `seconds` (a chunk may carry
+    several tokens: each chunk's usage counts them)."""
+    body = {"model": "default", "prompt": "Write a long essay about the history of tea.",
+            "max_tokens": 4096, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    tokens, start = 0, time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=seconds + 60) as reply:
+        reply.raise_for_status()
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                tokens = json.loads(line.removeprefix("data: "))["usage"]["completion_tokens"]
+            if time.perf_counter() - start > seconds:
+                break
+    return tokens / (time.perf_counter() - start)
+
+
+def busy_process(own_session: bool) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", BUSY_LOOP], start_new_session=own_session)
+
+
+def measure(nice: int, seconds: float) -> dict[str, float]:
+    port = free_port()
+    LOG.parent.mkdir(parents=True, exist_ok=True)
+    command = tandem_serve_command(["--engine-core-nice", str(nice)], port)
+    # In this process's session: the busy process started beside it shares it.
+    server = subprocess.Popen(command, stdout=LOG.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        if wait_healthy(url, server, 120) is None:
+            raise RuntimeError(f"server not healthy within 120 s: {LOG.read_text()}")
+        stream_rate(url, 2.0)  # warm up
+        rates = {"alone": stream_rate(url, seconds)}
+        for name, own_session in (("same session", False), ("other session", True)):
+            busy = busy_process(own_session)
+            try:
+                time.sleep(SETTLE_SECONDS)
+                rates[f"beside a busy process, {name}"] = stream_rate(url, seconds)
+            finally:
+                busy.kill()
+                busy.wait()
+            time.sleep(SETTLE_SECONDS)
+        rates["alone again"] = stream_rate(url, seconds)
+        return rates
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nice", type=int, nargs="+", default=[0, 19])
+    parser.add_argument("--seconds", type=float, default=20.0)
+    args = parser.parse_args()
+    results = {nice: measure(nice, args.seconds) for nice in args.nice}
+    columns = list(next(iter(results.values())))
+    print(f"\n{datetime.date.today()}, {platform.machine()}, one stream, tok/s")
+    print("| niceness | " + " | ".join(columns) + " |")
+    print("|---:|" + "---:|" * len(columns))
+    for nice, rates in results.items():
+        print(f"| {nice} | " + " | ".join(f"{rates[c]:.1f}" for c in columns) + " |")
+
+
+if __name__ == "__main__":
+    main()
