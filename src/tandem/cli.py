@@ -104,6 +104,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=None, help="schedule the next step while the forward runs "
                         "(default: on for CUDA, off on CPU)")  # fmt: skip
+    parser.add_argument("--adapt-cpu-threads", action=argparse.BooleanOptionalAction,
+                        default=True, help="on CPU, drop forward threads while other "
+                        "processes hold some of the cores, take them back once free "
+                        "(default: on)")  # fmt: skip
     parser.add_argument("--num-scheduler-steps", type=int, default=None,
                         help="most forwards a step of decodes alone runs (vLLM v0's "
                         "multi-step scheduling; default: up to 8 where a CPU's decode steps "
@@ -186,6 +190,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         async_scheduling=args.async_scheduling,
         attention_backend=args.attention_backend,
         num_scheduler_steps=args.num_scheduler_steps,
+        adapt_cpu_threads=args.adapt_cpu_threads,
     )
 
 

@@ -61,6 +61,7 @@ def test_defaults_are_vllms(folder):
         (dict(engine_core_nice=-1), ValueError, "engine_core_nice must be an int from 0 to 19"),
         (dict(engine_core_nice=20), ValueError, "it can only yield"),
         (dict(engine_core_nice=True), ValueError, "engine_core_nice must be an int"),
+        (dict(adapt_cpu_threads=1), ValueError, "adapt_cpu_threads must be True or False"),
         (dict(tokenizer="/nonexistent/tok"), FileNotFoundError, "tokenizer path"),
         (dict(generation_config="/nonexistent"), FileNotFoundError, "generation_config="),
         (

@@ -89,6 +89,9 @@ class EngineConfig:
     # beside it, at any niceness above 0, the forward's threads ran ~100-600x slower, not ~4x
     # (BENCHMARKS.md, issue 7). So 0 unless the machine serves and does nothing else.
     engine_core_nice: int = 0
+    # On CPU, drop forward threads while other processes hold some of the cores, and take
+    # them back once the cores are free (worker/cpu_threads.py).
+    adapt_cpu_threads: bool = True
 
     @classmethod
     def create(
@@ -135,6 +138,7 @@ class EngineConfig:
         attention_backend: str | None = "auto",
         num_scheduler_steps: int | None = None,
         engine_core_nice: int = 0,
+        adapt_cpu_threads: bool = True,
     ) -> EngineConfig:
         """Validate every knob before anything heavy loads; raises ValueError/FileNotFoundError
         naming what to change. None for gpu_memory_utilization, swap_space and enforce_eager
@@ -183,6 +187,8 @@ class EngineConfig:
                 f"engine_core_nice must be an int from 0 to 19 (added to the engine core's "
                 f"niceness: it can only yield), got {engine_core_nice!r}"
             )
+        if not isinstance(adapt_cpu_threads, bool):
+            raise ValueError(f"adapt_cpu_threads must be True or False, got {adapt_cpu_threads!r}")
         check_kv_cache_dtype(kv_cache_dtype)
         speculative = SpeculativeConfig.parse(speculative_config)
         multi_step = _check_scheduler_steps(num_scheduler_steps, async_scheduling)
@@ -308,6 +314,7 @@ class EngineConfig:
             async_scheduling=async_scheduling,
             kv_transfer=kv_transfer_config,
             engine_core_nice=engine_core_nice,
+            adapt_cpu_threads=adapt_cpu_threads,
         )
 
     @property

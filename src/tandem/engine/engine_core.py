@@ -42,6 +42,7 @@ from tandem.request import Request, RequestStatus
 from tandem.sampling_params import num_top_logprobs
 from tandem.spec_decode.draft_model import DraftModelProposer
 from tandem.spec_decode.ngram import NgramProposer, Proposer
+from tandem.worker.cpu_threads import ForwardThreads, process_run_delay
 from tandem.worker.inference_mode import inference_mode
 from tandem.worker.logits_processors import reads_output_tokens
 from tandem.worker.model_runner import ModelRunner
@@ -193,6 +194,11 @@ class EngineCore:
         self.num_prefill_tokens = 0  # computed since start
         self.num_decode_tokens = 0
         self._init_async_scheduling(config)
+        self.forward_threads = None
+        if config.adapt_cpu_threads and self.runner.device.type == "cpu":
+            threads = torch.get_num_threads()
+            if threads > 1 and process_run_delay() is not None:
+                self.forward_threads = ForwardThreads(threads)
         self.kv_connector = None
         if config.kv_transfer is not None:
             from tandem.kv_transfer.connector import KVConnector  # zmq: server extras only
@@ -1015,6 +1021,8 @@ class EngineCore:
         while the next step's forward runs: where the host, not the forward, sets the pace,
         every 16th step's time includes it (the total is less than step by step)."""
         self.num_steps += 1
+        if self.forward_threads is not None:
+            self._fit_threads(step_time)
         self.num_preemptions += len(scheduled.preempted_request_ids)
         self.num_prefill_tokens += scheduled.num_prefill_tokens
         num_decode_tokens = scheduled.num_decode_tokens * num_steps
@@ -1058,6 +1066,18 @@ class EngineCore:
             )
         ):
             self.finish_stats()
+
+    def _fit_threads(self, step_time: float) -> None:
+        """Use fewer forward threads while another process holds some of the cores
+        (worker/cpu_threads.py): here, and on the executor's thread where the forwards run
+        there (OpenMP keeps the count per thread)."""
+        assert self.forward_threads is not None
+        threads = self.forward_threads.observe(step_time)
+        if threads is None:
+            return
+        torch.set_num_threads(threads)
+        if self._executor is not None:
+            self._executor.submit(torch.set_num_threads, threads)  # before its next forward
 
     def finish_stats(self) -> None:
         """Work out each recorded step's roofline and the cost model's forecast of it, in step

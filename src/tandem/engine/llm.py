@@ -83,6 +83,7 @@ class LLM:
         async_scheduling: bool | None = None,
         attention_backend: str | None = "auto",
         num_scheduler_steps: int | None = None,
+        adapt_cpu_threads: bool = True,
         **vllm_kwargs: Any,
     ) -> None:
         """vLLM's arguments with vLLM's defaults, except: `batching_policy` (tandem's
@@ -92,6 +93,7 @@ class LLM:
         `target_itl_ms` (decode-first sized to a step-time target); async_scheduling defaults to
         None (on for CUDA, off on CPU); num_scheduler_steps (vLLM v0's multi-step scheduling)
         defaults to None (EngineConfig.create: several where a CPU's decode steps run fused);
+        `adapt_cpu_threads` (fewer forward threads while other processes hold cores);
         and gpu_memory_utilization, swap_space, enforce_eager default to None ("not given")."""
         check_vllm_only_args(vllm_kwargs)
         self.config = EngineConfig.create(
@@ -135,6 +137,7 @@ class LLM:
             async_scheduling=async_scheduling,
             attention_backend=attention_backend,
             num_scheduler_steps=num_scheduler_steps,
+            adapt_cpu_threads=adapt_cpu_threads,
         )  # fmt: skip
         self.chat_template = chat_template
         self.tokenizer = (

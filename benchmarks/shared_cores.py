@@ -1,13 +1,16 @@
-"""What `--engine-core-nice` costs when the server is not alone (issue 7): one stream's tok/s
-from `tandem serve` at each niceness, alone and beside one CPU-bound process (a Python busy
-loop) in the benchmark's own session (the server's too), then in a session of its own.
+"""Serving beside another busy process: one stream's tok/s from `tandem serve`, alone and
+beside one CPU-bound process (a Python busy loop) in the benchmark's own session (the server's
+too), then in a session of its own, for each set of server flags given.
 
-A niceness above 0 lets the API process's chunks go first (BENCHMARKS.md: delivery p99), but
-niceness weighs against every busy process, not only the API process: this measures by how much
-the forward slows beside one. Each stream runs for at most `--seconds` (a starved forward may
-emit a token a second), greedy, `ignore_eos`.
+The forward's OpenMP threads wait at every barrier for the one whose core the other process
+shares, so the forward can slow far more than that process's share of the cores; the engine's
+answer is fewer forward threads while it waits for cores (`--adapt-cpu-threads`, the default),
+and a niceness above 0 (`--engine-core-nice`) yields to every busy process, not only to the API
+process. Each stream runs for at most `--seconds` (a starved forward may emit a token a
+second), greedy, `ignore_eos`.
 
-    .venv/bin/python benchmarks/core_priority.py [--nice 0 19] [--seconds 20]
+    .venv/bin/python benchmarks/shared_cores.py [--seconds 20]
+        [--serve-args= --serve-args=--no-adapt-cpu-threads ...]  (one server each)
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import datetime
 import json
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -25,9 +29,10 @@ import httpx
 
 from tandem.bench.launch import free_port, tandem_serve_command, wait_healthy
 
-LOG = Path("benchmarks/results/core_priority_server.log")
+LOG = Path("benchmarks/results/shared_cores_server.log")
 BUSY_LOOP = "while True: pass"
 SETTLE_SECONDS = 1.0  # after starting or stopping the busy process
+DEFAULT_SERVERS = ["", "--no-adapt-cpu-threads", "--engine-core-nice 19"]
 
 
 def stream_rate(url: str, seconds: float) -> float:
@@ -51,12 +56,12 @@ def busy_process(own_session: bool) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", BUSY_LOOP], start_new_session=own_session)
 
 
-def measure(nice: int, seconds: float) -> dict[str, float]:
+def measure(serve_args: list[str], seconds: float) -> dict[str, float]:
     port = free_port()
     LOG.parent.mkdir(parents=True, exist_ok=True)
-    command = tandem_serve_command(["--engine-core-nice", str(nice)], port)
+    command = tandem_serve_command(serve_args, port)
     # In this process's session: the busy process started beside it shares it.
-    server = subprocess.Popen(command, stdout=LOG.open("w"), stderr=subprocess.STDOUT)
+    server = subprocess.Popen(command, stdout=LOG.open("a"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         if wait_healthy(url, server, 120) is None:
@@ -81,16 +86,20 @@ def measure(nice: int, seconds: float) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nice", type=int, nargs="+", default=[0, 19])
+    parser.add_argument("--serve-args", action="append",
+                        help="a server started with these flags (repeat for more; "
+                        f"default: {DEFAULT_SERVERS})")  # fmt: skip
     parser.add_argument("--seconds", type=float, default=20.0)
     args = parser.parse_args()
-    results = {nice: measure(nice, args.seconds) for nice in args.nice}
+    servers = args.serve_args or DEFAULT_SERVERS
+    results = {flags: measure(shlex.split(flags), args.seconds) for flags in servers}
     columns = list(next(iter(results.values())))
     print(f"\n{datetime.date.today()}, {platform.machine()}, one stream, tok/s")
-    print("| niceness | " + " | ".join(columns) + " |")
-    print("|---:|" + "---:|" * len(columns))
-    for nice, rates in results.items():
-        print(f"| {nice} | " + " | ".join(f"{rates[c]:.1f}" for c in columns) + " |")
+    print("| server flags | " + " | ".join(columns) + " |")
+    print("|---|" + "---:|" * len(columns))
+    for flags, rates in results.items():
+        name = f"`{flags}`" if flags else "(defaults)"
+        print(f"| {name} | " + " | ".join(f"{rates[c]:.1f}" for c in columns) + " |")
 
 
 if __name__ == "__main__":
