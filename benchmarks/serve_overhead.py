@@ -10,7 +10,7 @@ through the offline LLM, in one run, alternating.
   not), so that the throughput ratio can be read for what it is.
 
     .venv/bin/python benchmarks/serve_overhead.py [--num-requests 32] [--max-tokens 128]
-        [--serve-args "--engine-core-nice 0"]
+        [--serve-args="--no-stream-writes-first"]
 """
 
 from __future__ import annotations
@@ -173,7 +173,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--serve-args", default="",
-                        help='more `tandem serve` flags, e.g. "--engine-core-nice 0"')  # fmt: skip
+                        help="more `tandem serve` flags, e.g. --serve-args=--no-stream-writes-first"
+                        )  # fmt: skip
     args = parser.parse_args()
     texts = prompts(args.num_requests)
     port = free_port()

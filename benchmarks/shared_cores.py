@@ -4,10 +4,9 @@ too), then in a session of its own, for each set of server flags given.
 
 The forward's OpenMP threads wait at every barrier for the one whose core the other process
 shares, so the forward can slow far more than that process's share of the cores; the engine's
-answer is fewer forward threads while it waits for cores (`--adapt-cpu-threads`, the default),
-and a niceness above 0 (`--engine-core-nice`) yields to every busy process, not only to the API
-process. Each stream runs for at most `--seconds` (a starved forward may emit a token a
-second), greedy, `ignore_eos`.
+answer is fewer forward threads while it waits for cores (`--adapt-cpu-threads`, the default).
+Each stream runs for at most `--seconds` (a starved forward may emit a token a second),
+greedy, `ignore_eos`.
 
     .venv/bin/python benchmarks/shared_cores.py [--seconds 20]
         [--serve-args= --serve-args=--no-adapt-cpu-threads ...]  (one server each)
@@ -32,7 +31,7 @@ from tandem.bench.launch import free_port, tandem_serve_command, wait_healthy
 LOG = Path("benchmarks/results/shared_cores_server.log")
 BUSY_LOOP = "while True: pass"
 SETTLE_SECONDS = 1.0  # after starting or stopping the busy process
-DEFAULT_SERVERS = ["", "--no-adapt-cpu-threads", "--engine-core-nice 19"]
+DEFAULT_SERVERS = ["", "--no-adapt-cpu-threads"]
 
 
 def stream_rate(url: str, seconds: float) -> float:

@@ -209,7 +209,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         model,
         **engine_kwargs(args),
         kv_transfer_config=kv_transfer_config(args),
-        engine_core_nice=args.engine_core_nice,
+        stream_writes_first=args.stream_writes_first,
     )
     # The engine core starts loading the model before this process imports the server
     # (FastAPI, uvicorn, transformers: 2-3 s that overlap the core's start on another core).
@@ -400,11 +400,11 @@ def main(argv: list[str] | None = None) -> None:
                        help="seconds in-flight requests get to finish after SIGTERM")  # fmt: skip
     serve.add_argument("--disable-log-requests", action="store_true",
                        help="no log line per finished request")  # fmt: skip
-    serve.add_argument("--engine-core-nice", type=int, default=0,
-                       help="niceness added to the engine core once loaded: on CPU this "
-                       "process's streaming then goes first, and so does every other busy "
-                       "process on the machine (it starves the forward); for a machine that "
-                       "only serves (default: 0)")  # fmt: skip
+    serve.add_argument("--stream-writes-first", action=argparse.BooleanOptionalAction,
+                       default=None, help="after a step's outputs for 8 or more streams, the "
+                       "engine core waits up to 5 ms for this process to write their chunks "
+                       "before its next forward (default: on for CPU, where the forward takes "
+                       "every core)")  # fmt: skip
     add_kv_transfer_args(serve)
     serve.set_defaults(func=cmd_serve)
 

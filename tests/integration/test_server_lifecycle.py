@@ -23,7 +23,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300, func_only=True)]
 MODEL = "default"
 API_KEY = "env-key-5d1c"
 SHUTDOWN_TIMEOUT = 60  # generous: the streams need ~1 s on an idle machine, a minute when busy
-CORE_NICE = 2  # --engine-core-nice of the server whose core is killed (checked, then gone)
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):", "Water boils at"]
 
 
@@ -53,11 +52,6 @@ async def _start_streams(client: httpx.AsyncClient, bodies: list[dict]) -> list[
              for body, event in zip(bodies, events, strict=True)]  # fmt: skip
     await asyncio.wait_for(asyncio.gather(*(event.wait() for event in events)), 120)
     return tasks
-
-
-def _thread_niceness(pid: int) -> set[int]:
-    tasks = os.listdir(f"/proc/{pid}/task")
-    return {os.getpriority(os.PRIO_PROCESS, int(thread_id)) for thread_id in tasks}
 
 
 def _wait_gone(pids: list[int], timeout: float) -> list[int]:
@@ -124,7 +118,7 @@ def test_engine_core_killed_mid_stream(server_factory):
     """SIGKILL to the engine core: streams end with an error event (or a closed connection),
     a waiting non-streamed request gets a 503, /health stops answering 200, and the server
     exits non-zero within seconds."""
-    server = server_factory.start("--engine-core-nice", str(CORE_NICE), name="doomed-server")
+    server = server_factory.start(name="doomed-server")
     core = server.engine_core_pid()
     children = child_pids(server.pid)
     long = {"model": MODEL, "max_tokens": 4000, "ignore_eos": True, "temperature": 0}
@@ -136,9 +130,6 @@ def test_engine_core_killed_mid_stream(server_factory):
                 client.post("/v1/completions", json={**long, "prompt": PROMPTS[3]})
             )
             await asyncio.sleep(0.5)
-            # Loaded and streaming: every thread of the core has taken the niceness asked for.
-            server_nice = os.getpriority(os.PRIO_PROCESS, server.pid)
-            assert _thread_niceness(core) == {min(19, server_nice + CORE_NICE)}
             os.kill(core, signal.SIGKILL)
             killed = time.monotonic()
             results = await asyncio.wait_for(asyncio.gather(*tasks), 30)

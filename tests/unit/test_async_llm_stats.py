@@ -1,15 +1,18 @@
-"""The API process records a step's telemetry after the streams that step woke have taken their
-outputs: recording a finished request observes every gap it lived through, and when a batch
-finishes together that must not hold up every stream's last token."""
+"""What the API process does after the streams a step woke have taken their outputs: it records
+the step's telemetry (recording a finished request observes every gap it lived through, and
+when a batch finishes together that must not hold up every stream's last token), and tells the
+core the chunks are written where it waits for that (stream writes first: core_process.py)."""
 
 import asyncio
 
 from tandem.engine.async_llm import AsyncLLM
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine_core import EngineCoreOutput
-from tandem.engine.messages import CoreOutputs
+from tandem.engine.messages import CoreOutputs, OutputsWritten
 from tandem.engine.stats import FinishedRequestStats, SchedulerStats, StepStats
 from tandem.sampling_params import SamplingParams
+
+STATS = SchedulerStats(0, 0, 0.0, 16, 16, 0, 0, 0, 1, 2)
 
 
 class FakeCoreClient:
@@ -61,9 +64,8 @@ def test_a_finished_batch_gets_its_last_tokens_before_the_stats_are_recorded(tin
 
         consumers = [asyncio.create_task(consume(name)) for name in ("a", "b")]
         await asyncio.sleep(0)  # both wait for their first output
-        stats = SchedulerStats(0, 0, 0.0, 16, 16, 0, 0, 0, 1, 2)
         outputs = [finishing_output("a"), finishing_output("b")]
-        await client.messages.put(CoreOutputs(outputs, [], stats, []))
+        await client.messages.put(CoreOutputs(outputs, [], STATS, []))
         await asyncio.gather(*consumers)
         await asyncio.sleep(0)
         engine._output_task.cancel()
@@ -71,3 +73,31 @@ def test_a_finished_batch_gets_its_last_tokens_before_the_stats_are_recorded(tin
 
     events = asyncio.run(scenario())
     assert events == ["got a", "got b", "steps", "finished a", "finished b"]
+
+
+def test_the_api_process_answers_after_the_streams_took_their_outputs(tiny_llama):
+    async def scenario() -> list[str]:
+        events: list[str] = []
+        client = FakeCoreClient()
+        client.send = lambda message: events.append(f"sent {message!r}")  # type: ignore
+        config = EngineConfig.create(str(tiny_llama[0]), skip_tokenizer_init=True)
+        engine = AsyncLLM(config, [], client=client)
+        engine._output_task = asyncio.create_task(engine._output_loop())
+        params = SamplingParams(max_tokens=1, detokenize=False)
+
+        async def consume(request_id: str) -> None:
+            async for output in engine.generate([1, 2, 3], params, request_id):
+                if output.finished:
+                    events.append(f"got {request_id}")
+
+        consumers = [asyncio.create_task(consume(name)) for name in ("a", "b")]
+        await asyncio.sleep(0)
+        events.clear()  # the requests' own messages
+        outputs = [finishing_output("a"), finishing_output("b")]
+        await client.messages.put(CoreOutputs(outputs, [], STATS, [], written_ack=5))
+        await asyncio.gather(*consumers)
+        await asyncio.sleep(0)
+        engine._output_task.cancel()
+        return events
+
+    assert asyncio.run(scenario()) == ["got a", "got b", f"sent {OutputsWritten(5)!r}"]

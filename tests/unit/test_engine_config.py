@@ -58,10 +58,8 @@ def test_defaults_are_vllms(folder):
         (dict(num_scheduler_steps=0), ValueError, "num_scheduler_steps must be >= 1"),
         (dict(num_scheduler_steps=True), ValueError, "num_scheduler_steps must be an int"),
         (dict(num_scheduler_steps=4, async_scheduling=True), ValueError, "async_scheduling"),
-        (dict(engine_core_nice=-1), ValueError, "engine_core_nice must be an int from 0 to 19"),
-        (dict(engine_core_nice=20), ValueError, "it can only yield"),
-        (dict(engine_core_nice=True), ValueError, "engine_core_nice must be an int"),
         (dict(adapt_cpu_threads=1), ValueError, "adapt_cpu_threads must be True or False"),
+        (dict(stream_writes_first="yes"), ValueError, "stream_writes_first must be True"),
         (dict(tokenizer="/nonexistent/tok"), FileNotFoundError, "tokenizer path"),
         (dict(generation_config="/nonexistent"), FileNotFoundError, "generation_config="),
         (
@@ -272,9 +270,10 @@ def test_multi_step_scheduling_is_on_by_default_only_where_decode_steps_run_fuse
     assert both.scheduler.num_scheduler_steps == (4 if fused else 1)
 
 
-def test_the_engine_core_keeps_its_priority_unless_asked(folder):
-    """A niceness above 0 lets every busy process on the machine starve the forward, not
-    only the API process go first: opt-in, on any device."""
-    assert EngineConfig.create(folder, device="cpu").engine_core_nice == 0
-    assert EngineConfig.create(folder, device="cuda").engine_core_nice == 0
-    assert EngineConfig.create(folder, device="cpu", engine_core_nice=19).engine_core_nice == 19
+def test_stream_writes_first_on_cpu_only(folder):
+    """On CPU the forward takes every core the API process needs to write the chunks; on a
+    GPU the core waiting for them would leave the device idle."""
+    assert EngineConfig.create(folder, device="cpu").stream_writes_first
+    assert not EngineConfig.create(folder, device="cuda").stream_writes_first
+    config = EngineConfig.create(folder, device="cpu", stream_writes_first=False)
+    assert not config.stream_writes_first

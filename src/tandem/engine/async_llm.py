@@ -20,6 +20,7 @@ from tandem.engine.messages import (
     CoreFailed,
     CoreOutputs,
     CoreReady,
+    OutputsWritten,
     UtilityCall,
     UtilityResult,
 )
@@ -374,6 +375,11 @@ class AsyncLLM:
             if collector is not None:
                 collector.put_error(RequestRefusedError(error.message))
         self.scheduler_stats = message.scheduler_stats
+        if message.written_ack:
+            # After the woken streams' writes, as the stats below: the core waits for it.
+            asyncio.get_running_loop().call_soon(
+                self.client.send, OutputsWritten(message.written_ack)
+            )
         if self.stat_loggers:
             # After the streams this message woke have written their chunks (call_soon runs in
             # order, and their wake-ups were queued above): a finished request's record

@@ -82,13 +82,10 @@ class EngineConfig:
     # Disaggregated serving: this instance's role and where its KV transfers meet; None:
     # prefill and decode both happen here (role "both").
     kv_transfer: KVTransferConfig | None = None
-    # Added to the niceness of the engine-core process's threads once the model is loaded
-    # (server and AsyncLLM; the offline LLM has no such process). On a CPU whose cores the
-    # forward holds, the API process's chunks then go first (delivery p99 2-4 ms instead of
-    # ~7.5 at 32 streams), but so does every other busy process: with one CPU-bound process
-    # beside it, at any niceness above 0, the forward's threads ran ~100-600x slower, not ~4x
-    # (BENCHMARKS.md, issue 7). So 0 unless the machine serves and does nothing else.
-    engine_core_nice: int = 0
+    # The engine core waits (briefly) for the API process to write a step's streamed chunks
+    # before its next forward (engine/core_process.py): on CPU, where the forward takes every
+    # core; on a GPU the device would idle meanwhile.
+    stream_writes_first: bool = False
     # On CPU, drop forward threads while other processes hold some of the cores, and take
     # them back once the cores are free (worker/cpu_threads.py).
     adapt_cpu_threads: bool = True
@@ -137,8 +134,8 @@ class EngineConfig:
         kv_transfer_config: KVTransferConfig | None = None,
         attention_backend: str | None = "auto",
         num_scheduler_steps: int | None = None,
-        engine_core_nice: int = 0,
         adapt_cpu_threads: bool = True,
+        stream_writes_first: bool | None = None,
     ) -> EngineConfig:
         """Validate every knob before anything heavy loads; raises ValueError/FileNotFoundError
         naming what to change. None for gpu_memory_utilization, swap_space and enforce_eager
@@ -146,7 +143,7 @@ class EngineConfig:
         for CUDA, off on CPU (where the forward's threads use every core and overlap measured
         slower: BENCHMARKS.md), and off with speculative decoding or num_scheduler_steps > 1.
         num_scheduler_steps None: DEFAULT_CPU_SCHEDULER_STEPS where a CPU's decode steps run
-        fused and async scheduling is off, else 1."""
+        fused and async scheduling is off, else 1. stream_writes_first None: on for CPU."""
         if trust_remote_code:
             raise ValueError(
                 "trust_remote_code=True: tandem never runs code shipped with a checkpoint; the "
@@ -178,14 +175,9 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be >= 0 or -1 (no limit), got {max_logprobs}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
-        if (
-            isinstance(engine_core_nice, bool)
-            or not isinstance(engine_core_nice, int)
-            or not 0 <= engine_core_nice <= 19
-        ):
+        if stream_writes_first is not None and not isinstance(stream_writes_first, bool):
             raise ValueError(
-                f"engine_core_nice must be an int from 0 to 19 (added to the engine core's "
-                f"niceness: it can only yield), got {engine_core_nice!r}"
+                f"stream_writes_first must be True, False or None, got {stream_writes_first!r}"
             )
         if not isinstance(adapt_cpu_threads, bool):
             raise ValueError(f"adapt_cpu_threads must be True or False, got {adapt_cpu_threads!r}")
@@ -263,6 +255,8 @@ class EngineConfig:
             num_scheduler_steps, multi_step = 1, False
         if async_scheduling is None:
             async_scheduling = device.startswith("cuda") and speculative is None and not multi_step
+        if stream_writes_first is None:
+            stream_writes_first = device == "cpu"
         if num_scheduler_steps is None:
             steps_apply = fused and not async_scheduling
             num_scheduler_steps = DEFAULT_CPU_SCHEDULER_STEPS if steps_apply else 1
@@ -313,8 +307,8 @@ class EngineConfig:
             draft_runner=draft_runner,
             async_scheduling=async_scheduling,
             kv_transfer=kv_transfer_config,
-            engine_core_nice=engine_core_nice,
             adapt_cpu_threads=adapt_cpu_threads,
+            stream_writes_first=stream_writes_first,
         )
 
     @property

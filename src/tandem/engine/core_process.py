@@ -15,7 +15,6 @@ import socket
 import threading
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -32,6 +31,7 @@ from tandem.engine.messages import (
     CoreInput,
     CoreOutputs,
     CoreReady,
+    OutputsWritten,
     RequestError,
     Shutdown,
     UtilityCall,
@@ -49,22 +49,11 @@ IDLE_POLL_SECONDS = 0.5
 _WAKE = object()
 # Bytes of output the kernel may hold for the API process (capped by net.core.wmem_max).
 OUTPUT_SEND_BUFFER = 4 << 20
-
-
-def yield_cores(increment: int) -> None:
-    """Add `increment` to the niceness of every thread of this process (Linux sets it per
-    thread: the forward's OpenMP threads, started while loading, too), after loading, so the
-    load itself runs at full priority beside the API process's own start. Elsewhere the
-    process's niceness, where the platform keeps one per process."""
-    if increment <= 0:
-        return
-    tasks = Path("/proc/self/task")
-    thread_ids = [int(task.name) for task in tasks.iterdir()] if tasks.is_dir() else [0]
-    for thread_id in thread_ids:
-        with contextlib.suppress(OSError):  # a thread that has just ended
-            niceness = os.getpriority(os.PRIO_PROCESS, thread_id)
-            os.setpriority(os.PRIO_PROCESS, thread_id, min(19, niceness + increment))
-    logger.info("engine core: niceness +%d, so the API process goes first", increment)
+# Stream writes first (EngineConfig.stream_writes_first): after a message with at least this
+# many outputs (the API process's chunks for 8 streams take ~0.4 ms of CPU) the core waits for
+# the API process to have written them, at most WRITES_MAX_WAIT_SECONDS.
+WRITES_MIN_OUTPUTS = 8
+WRITES_MAX_WAIT_SECONDS = 0.005
 
 
 def _reset_prefix_cache(core: EngineCore) -> bool:
@@ -123,6 +112,9 @@ class _CoreLoop:
         self.parent_pid = parent_pid
         self.errors: list[RequestError] = []
         self.running = True
+        self.writes_first = core.config.stream_writes_first
+        self.num_acks = 0  # outputs messages sent whose writes the core waited for
+        self.written_ack = 0  # the latest the API process has answered
 
     def run(self, inputs: queue.Queue) -> None:
         while self.running:
@@ -147,10 +139,31 @@ class _CoreLoop:
             stepped = self.core.num_steps != num_steps
             steps = self.core.take_finished_stats()  # an abort while idle may have made some
             if outputs or stepped or changed or self.errors or steps:
-                message = CoreOutputs(outputs, self.errors, self.core.scheduler_stats(), steps)
-                self._send(message)
+                ack = 0
+                if self.writes_first and len(outputs) >= WRITES_MIN_OUTPUTS:
+                    self.num_acks += 1
+                    ack = self.num_acks
+                stats = self.core.scheduler_stats()
+                self._send(CoreOutputs(outputs, self.errors, stats, steps, ack))
                 self.errors = []
+                if ack:
+                    self._wait_for_writes(inputs, ack)
             self._check_parent()
+
+    def _wait_for_writes(self, inputs: queue.Queue, ack: int) -> None:
+        """Stream writes first: on a CPU the next forward's threads take every core, and the
+        API process, writing a chunk per stream of the outputs just sent (~1.5 ms of CPU for
+        32), lost its core to them for a scheduler tick in about one step of ten (delivery p99
+        7.5 ms; 3-4 ms waiting: BENCHMARKS.md, issue 7). Meanwhile other inputs are handled."""
+        deadline = time.perf_counter() + WRITES_MAX_WAIT_SECONDS
+        while self.written_ack < ack and self.running:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            try:
+                self._handle(inputs.get(timeout=left))
+            except queue.Empty:
+                return
 
     def _drain(self, inputs: queue.Queue) -> bool:
         changed = False
@@ -185,6 +198,8 @@ class _CoreLoop:
             core.finish_requests(message.request_ids, RequestStatus.FINISHED_ABORTED)
         elif isinstance(message, UtilityCall):
             self._call_utility(message)
+        elif isinstance(message, OutputsWritten):
+            self.written_ack = max(self.written_ack, message.ack)
         elif isinstance(message, Shutdown):
             self.running = False
 
@@ -241,7 +256,6 @@ def run_engine_core(
             target=_read_inputs, args=(context, input_address, inputs), daemon=True
         )
         reader.start()
-        yield_cores(config.engine_core_nice)
         freeze_startup_objects()
         # Inference mode for the whole loop: the per-step functions need not enter it each step
         # (worker/inference_mode.py).

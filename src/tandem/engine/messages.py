@@ -40,7 +40,13 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-CoreInput = AddRequest | AbortRequests | UtilityCall | Shutdown
+class OutputsWritten(msgspec.Struct, tag="written"):
+    """The streams that the CoreOutputs numbered `ack` woke have written their chunks."""
+
+    ack: int
+
+
+CoreInput = AddRequest | AbortRequests | UtilityCall | Shutdown | OutputsWritten
 
 
 class CoreReady(msgspec.Struct, tag="ready"):
@@ -62,6 +68,9 @@ class CoreOutputs(msgspec.Struct, tag="outputs"):
     errors: list[RequestError]
     scheduler_stats: SchedulerStats
     steps: list[StepStats]
+    # Nonzero: the core waits for OutputsWritten(ack) before its next step (stream writes
+    # first: core_process.py).
+    written_ack: int = 0
 
 
 class UtilityResult(msgspec.Struct, tag="result"):
