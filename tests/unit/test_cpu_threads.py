@@ -71,10 +71,22 @@ def test_one_contended_window_is_a_burst_not_a_neighbour():
 
 def test_what_the_threads_waited_while_idle_is_not_counted():
     process = FakeProcess(2)
-    process.delay += 5.0  # loading, or idle beside a busy API process
+    assert process.windows(wait=1.0, count=CONTENDED_WINDOWS - 1) == []
+    process.delay += 5.0  # idle beside a busy API process, say
     process.now += 10 * IDLE_GAP_SECONDS
     assert process.windows(wait=0.0, count=2 * CONTENDED_WINDOWS) == []
     assert process.threads.threads == 2
+
+
+def test_short_bursts_between_pauses_still_lead_to_a_try():
+    """Bursts of steps too short to fill a window count down to the next try all the same."""
+    process = FakeProcess(2)
+    assert process.windows(wait=1.0, count=CONTENDED_WINDOWS) == [1]
+    changes = []
+    for _ in range(round(FIRST_PROBE_SECONDS / 0.1) + 1):
+        process.now += 10 * IDLE_GAP_SECONDS  # a pause, then 0.1 s of steps
+        changes += [process.step(0.0, 0.05), process.step(0.0, 0.05)]
+    assert [change for change in changes if change is not None] == [2]
 
 
 def test_a_failed_try_waits_twice_as_long_before_the_next():
@@ -113,17 +125,10 @@ def test_the_wait_between_tries_stops_growing():
 
 
 def test_without_the_counter_nothing_changes():
-    threads = ForwardThreads(2, lambda: None)
-    assert all(threads.observe(0.0) is None for _ in range(10))
+    clock = iter(range(100))
+    threads = ForwardThreads(2, lambda: None, lambda: next(clock) * WINDOW_SECONDS)
+    assert all(threads.observe(WINDOW_SECONDS) is None for _ in range(50))
     assert threads.threads == 2
-
-
-def test_a_thread_that_ended_takes_its_wait_with_it():
-    """The sum over the threads can fall when one ends: no negative wait."""
-    process = FakeProcess(2)
-    process.delay -= 3.0
-    assert process.windows(wait=0.0, count=2 * CONTENDED_WINDOWS) == []
-    assert process.threads.threads == 2
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="schedstat: Linux")
@@ -152,5 +157,5 @@ def test_the_counter_sees_a_core_shared_with_a_busy_process():
             busy.wait()
     finally:
         os.sched_setaffinity(0, before_affinity)
-    assert shared > 0.1, (alone, shared)  # half of 0.6 s, less what the scheduler rounds
-    assert alone < shared / 2, (alone, shared)
+    # Half of the 0.6 s, less what the scheduler rounds, more than whatever else ran there.
+    assert shared - alone > 0.1, (alone, shared)

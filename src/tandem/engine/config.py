@@ -48,6 +48,11 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's
 # the scheduler's MULTI_STEP_WINDOW (a batch-1 step of the default model's ~220 us of engine
 # work is then ~2% of its tokens' time instead of ~7%: BENCHMARKS.md).
 DEFAULT_CPU_SCHEDULER_STEPS = 8
+# Stream writes first (EngineConfig.stream_writes_first, engine/core_process.py): after an
+# outputs message for at least this many streams (the API process's chunks for 8 take ~0.4 ms
+# of CPU) the engine core waits for the API process to have written them, at most this long.
+WRITES_MIN_OUTPUTS = 8
+WRITES_MAX_WAIT_SECONDS = 0.005
 GENERATION_CONFIG_SOURCES = ("auto", "vllm")  # or a folder holding generation_config.json
 
 

@@ -1,8 +1,9 @@
-"""The engine-core process: a busy loop of schedule → forward → sample → update that never waits
-on a client. Inputs arrive on a ZeroMQ PULL socket, read and decoded by a thread (so decoding
-overlaps the forward, which releases the GIL); each step's outputs leave in one message that
-the loop writes to the API process's Unix socket itself. It blocks only when it has nothing to
-run, or when the API process has fallen a whole socket buffer behind in reading its outputs."""
+"""The engine-core process: a busy loop of schedule → forward → sample → update. Inputs arrive
+on a ZeroMQ PULL socket, read and decoded by a thread (so decoding overlaps the forward, which
+releases the GIL); each step's outputs leave in one message that the loop writes to the API
+process's Unix socket itself. It blocks only when it has nothing to run, when the API process
+has fallen a whole socket buffer behind in reading its outputs, or (stream writes first) for
+at most WRITES_MAX_WAIT_SECONDS while the API process writes a step's chunks."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import msgspec
 import torch
 import zmq
 
-from tandem.engine.config import EngineConfig
+from tandem.engine.config import WRITES_MAX_WAIT_SECONDS, WRITES_MIN_OUTPUTS, EngineConfig
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.gc_policy import freeze_startup_objects, step_loop_gc
 from tandem.engine.messages import (
@@ -49,11 +50,6 @@ IDLE_POLL_SECONDS = 0.5
 _WAKE = object()
 # Bytes of output the kernel may hold for the API process (capped by net.core.wmem_max).
 OUTPUT_SEND_BUFFER = 4 << 20
-# Stream writes first (EngineConfig.stream_writes_first): after a message with at least this
-# many outputs (the API process's chunks for 8 streams take ~0.4 ms of CPU) the core waits for
-# the API process to have written them, at most WRITES_MAX_WAIT_SECONDS.
-WRITES_MIN_OUTPUTS = 8
-WRITES_MAX_WAIT_SECONDS = 0.005
 
 
 def _reset_prefix_cache(core: EngineCore) -> bool:
@@ -115,17 +111,19 @@ class _CoreLoop:
         self.writes_first = core.config.stream_writes_first
         self.num_acks = 0  # outputs messages sent whose writes the core waited for
         self.written_ack = 0  # the latest the API process has answered
+        self.handled_while_waiting = False  # inputs the next outputs message must report
 
     def run(self, inputs: queue.Queue) -> None:
         while self.running:
-            if not self.core.has_work():
+            if not self.core.has_work() and not self.handled_while_waiting:
                 try:
                     self._handle(inputs.get(timeout=IDLE_POLL_SECONDS))
                 except queue.Empty:
                     self._check_parent()
                     if self.core.kv_connector is None:
                         continue
-            changed = self._drain(inputs)
+            changed = self._drain(inputs) or self.handled_while_waiting
+            self.handled_while_waiting = False
             if not self.running:
                 return
             num_steps = self.core.num_steps
@@ -154,16 +152,20 @@ class _CoreLoop:
         """Stream writes first: on a CPU the next forward's threads take every core, and the
         API process, writing a chunk per stream of the outputs just sent (~1.5 ms of CPU for
         32), lost its core to them for a scheduler tick in about one step of ten (delivery p99
-        7.5 ms; 3-4 ms waiting: BENCHMARKS.md, issue 7). Meanwhile other inputs are handled."""
+        7.5 ms; 3-4 ms waiting: BENCHMARKS.md, issue 7). Other inputs are handled meanwhile,
+        and reported with the next outputs message."""
         deadline = time.perf_counter() + WRITES_MAX_WAIT_SECONDS
         while self.written_ack < ack and self.running:
             left = deadline - time.perf_counter()
             if left <= 0:
                 return
             try:
-                self._handle(inputs.get(timeout=left))
+                message = inputs.get(timeout=left)
             except queue.Empty:
                 return
+            self._handle(message)
+            if not isinstance(message, OutputsWritten):
+                self.handled_while_waiting = True
 
     def _drain(self, inputs: queue.Queue) -> bool:
         changed = False

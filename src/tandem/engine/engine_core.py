@@ -5,6 +5,7 @@ stop strings and n > 1 live in the front end (llm_engine.py)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import json
 import logging
@@ -13,7 +14,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -1076,8 +1077,22 @@ class EngineCore:
         if threads is None:
             return
         torch.set_num_threads(threads)
-        if self._executor is not None:
-            self._executor.submit(torch.set_num_threads, threads)  # before its next forward
+        if self._executor is not None:  # after the step launched already
+            self._executor.submit(torch.set_num_threads, threads)
+
+    @contextlib.contextmanager
+    def forward_thread_count(self) -> Iterator[None]:
+        """The offline loop's steps run on the caller's thread: they take the count fitted so
+        far, and the caller gets its own back after."""
+        if self.forward_threads is None:
+            yield
+            return
+        callers = torch.get_num_threads()
+        torch.set_num_threads(self.forward_threads.threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(callers)
 
     def finish_stats(self) -> None:
         """Work out each recorded step's roofline and the cost model's forecast of it, in step

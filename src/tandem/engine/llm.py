@@ -414,7 +414,7 @@ class LLM:
         try:
             # Inference mode for the whole loop: the per-step functions need not enter it each
             # step (worker/inference_mode.py).
-            with step_loop_gc(), torch.inference_mode():
+            with step_loop_gc(), torch.inference_mode(), core.forward_thread_count():
                 while self.llm_engine.has_unfinished_requests():
                     for output in self.llm_engine.step():
                         if output.finished:

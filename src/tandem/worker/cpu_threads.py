@@ -4,7 +4,7 @@ The forward splits each matmul and attention call over one OpenMP thread per cor
 call ends at a barrier. When another busy process shares one of those cores, the thread on it
 runs only between that process's time slices, and every barrier waits for it: one Python busy
 loop beside a 2-thread server took a stream from ~250 to 94 tok/s (the loop in the server's
-session) or to 2 (in another), while the same server on one thread streamed ~185 beside it
+session) or to 2 (in another), while the same server on one thread streamed ~190 beside it
 (BENCHMARKS.md, issue 10). So the engine watches how long its threads wait, runnable, for a
 core (Linux's per-thread schedstat), and drops a thread while they wait; now and then it tries
 a thread more, and keeps it if the wait does not come back.
@@ -39,7 +39,7 @@ TASKS = "/proc/self/task"
 def process_run_delay() -> float | None:
     """Seconds this process's threads have spent runnable but waiting for a CPU (the second
     field of each thread's /proc schedstat), summed; None where Linux does not report it."""
-    total = 0
+    total, read = 0, False
     try:
         tasks = os.listdir(TASKS)
     except OSError:
@@ -48,9 +48,10 @@ def process_run_delay() -> float | None:
         try:
             with open(f"{TASKS}/{task}/schedstat", "rb") as stats:
                 total += int(stats.read().split()[1])
+            read = True
         except (OSError, IndexError, ValueError):
             continue  # a thread that has just ended
-    return total / 1e9
+    return total / 1e9 if read else None
 
 
 class ForwardThreads:
@@ -84,10 +85,11 @@ class ForwardThreads:
             # waited while the engine idled or loaded (beside the API process's own start,
             # say) is not the steps' wait.
             self._window_busy, self._window_delay = 0.0, self._run_delay() or 0.0
-            return None
+            self._contended_windows = 0
+            return self._count_down(busy_seconds)
         self._window_busy += busy_seconds
         if self._window_busy < WINDOW_SECONDS:
-            return None
+            return self._count_down(busy_seconds)
         delay = self._run_delay()
         if delay is None:
             return None
@@ -109,14 +111,22 @@ class ForwardThreads:
         if self._contended_windows >= CONTENDED_WINDOWS and self.threads > 1:
             self._until_probe = self._probe_every
             return self._fewer(waited / busy)
-        if self.threads < self.max_threads:
-            self._until_probe -= busy
-            if self._until_probe <= 0:
-                self._probing = True
-                self._contended_windows = 0
-                self.threads += 1
-                return self.threads
-        return None
+        return self._count_down(busy_seconds)
+
+    def _count_down(self, busy_seconds: float) -> int | None:
+        """On fewer threads, count the steps' time down to the next try of one more (by
+        steps, not windows: short bursts of steps between pauses fill no window)."""
+        if self.threads == self.max_threads or self._probing:
+            return None
+        self._until_probe -= busy_seconds
+        if self._until_probe > 0:
+            return None
+        self._probing = True
+        self._contended_windows = 0
+        # The try's window holds only steps on the count tried.
+        self._window_busy, self._window_delay = 0.0, self._run_delay() or 0.0
+        self.threads += 1
+        return self.threads
 
     def _fewer(self, waiting: float) -> int:
         self.threads -= 1
