@@ -48,10 +48,13 @@ def finishing_output(request_id: str) -> EngineCoreOutput:
     )
 
 
-def test_a_finished_batch_gets_its_last_tokens_before_the_stats_are_recorded(tiny_llama):
+def test_after_the_streams_took_their_outputs_the_core_hears_then_the_stats_are_recorded(
+    tiny_llama,
+):
     async def scenario() -> list[str]:
         events: list[str] = []
         client = FakeCoreClient()
+        client.send = lambda message: events.append(f"sent {message!r}")  # type: ignore
         config = EngineConfig.create(str(tiny_llama[0]), skip_tokenizer_init=True)
         engine = AsyncLLM(config, [OrderLogger(events)], client=client)
         engine._output_task = asyncio.create_task(engine._output_loop())
@@ -64,34 +67,6 @@ def test_a_finished_batch_gets_its_last_tokens_before_the_stats_are_recorded(tin
 
         consumers = [asyncio.create_task(consume(name)) for name in ("a", "b")]
         await asyncio.sleep(0)  # both wait for their first output
-        outputs = [finishing_output("a"), finishing_output("b")]
-        await client.messages.put(CoreOutputs(outputs, [], STATS, []))
-        await asyncio.gather(*consumers)
-        await asyncio.sleep(0)
-        engine._output_task.cancel()
-        return events
-
-    events = asyncio.run(scenario())
-    assert events == ["got a", "got b", "steps", "finished a", "finished b"]
-
-
-def test_the_api_process_answers_after_the_streams_took_their_outputs(tiny_llama):
-    async def scenario() -> list[str]:
-        events: list[str] = []
-        client = FakeCoreClient()
-        client.send = lambda message: events.append(f"sent {message!r}")  # type: ignore
-        config = EngineConfig.create(str(tiny_llama[0]), skip_tokenizer_init=True)
-        engine = AsyncLLM(config, [], client=client)
-        engine._output_task = asyncio.create_task(engine._output_loop())
-        params = SamplingParams(max_tokens=1, detokenize=False)
-
-        async def consume(request_id: str) -> None:
-            async for output in engine.generate([1, 2, 3], params, request_id):
-                if output.finished:
-                    events.append(f"got {request_id}")
-
-        consumers = [asyncio.create_task(consume(name)) for name in ("a", "b")]
-        await asyncio.sleep(0)
         events.clear()  # the requests' own messages
         outputs = [finishing_output("a"), finishing_output("b")]
         await client.messages.put(CoreOutputs(outputs, [], STATS, [], written_ack=5))
@@ -100,4 +75,6 @@ def test_the_api_process_answers_after_the_streams_took_their_outputs(tiny_llama
         engine._output_task.cancel()
         return events
 
-    assert asyncio.run(scenario()) == ["got a", "got b", f"sent {OutputsWritten(5)!r}"]
+    assert asyncio.run(scenario()) == [
+        "got a", "got b", f"sent {OutputsWritten(5)!r}", "steps", "finished a", "finished b",
+    ]  # fmt: skip
