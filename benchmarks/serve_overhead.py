@@ -23,11 +23,8 @@ import os
 import platform
 import re
 import shlex
-import signal
 import socket
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -35,7 +32,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem import LLM, SamplingParams
-from tandem.bench.launch import free_port, wait_healthy
+from tandem.bench.launch import LaunchedServer, tandem_serve_command
 
 HOST = "127.0.0.1"  # the server binds loopback; the load generator runs beside it
 TOPICS = [
@@ -51,16 +48,6 @@ TOPICS = [
 
 def prompts(count: int) -> list[str]:
     return [f"Write a short essay about {TOPICS[i % len(TOPICS)]}." for i in range(count)]
-
-
-def start_server(port: int, log: Path, extra_args: list[str]) -> subprocess.Popen:
-    command = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(port),
-               "--disable-log-requests", *extra_args]  # fmt: skip
-    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    if wait_healthy(f"http://{HOST}:{port}", process, 120) is None:
-        process.kill()
-        raise RuntimeError(f"server not healthy within 120 s: {log.read_text()}")
-    return process
 
 
 def metric_samples(base_url: str) -> dict[str, float]:
@@ -177,12 +164,12 @@ def main() -> None:
                         )  # fmt: skip
     args = parser.parse_args()
     texts = prompts(args.num_requests)
-    port = free_port()
-    base_url = f"http://{HOST}:{port}"
     log = Path("benchmarks/results/serve_overhead_server.log")
-    log.parent.mkdir(parents=True, exist_ok=True)
-    server = start_server(port, log, shlex.split(args.serve_args))
-    try:
+    log.unlink(missing_ok=True)
+    command = tandem_serve_command(shlex.split(args.serve_args))
+    # In this process's session, as a server started from a shell is beside its clients.
+    with LaunchedServer(command, log, ready_timeout=120, new_session=False) as server:
+        base_url, port, pid = server.url, server.port, server.process.pid
         llm = LLM("default")  # both engines idle while the other runs: only one computes at once
         offline_round(llm, texts[:2], 4)  # warm-up
         asyncio.run(server_round(HOST, port, texts[:2], 4))
@@ -192,9 +179,9 @@ def main() -> None:
             elapsed, tokens = offline_round(llm, texts, args.max_tokens)
             offline_rates.append(tokens / elapsed)
             before = metric_samples(base_url)
-            cpu_before, client_cpu_before = api_cpu_seconds(server.pid), time.process_time()
+            cpu_before, client_cpu_before = api_cpu_seconds(pid), time.process_time()
             elapsed, tokens = asyncio.run(server_round(HOST, port, texts, args.max_tokens))
-            cpu_per_token.append((api_cpu_seconds(server.pid) - cpu_before) / tokens)
+            cpu_per_token.append((api_cpu_seconds(pid) - cpu_before) / tokens)
             client_cpu_per_token.append((time.process_time() - client_cpu_before) / tokens)
             after = metric_samples(base_url)
             server_rates.append(tokens / elapsed)
@@ -204,9 +191,6 @@ def main() -> None:
             print(f"round {len(server_rates)}: offline {offline_rates[-1]:.1f} tok/s, server "
                   f"{server_rates[-1]:.1f} tok/s, delivery p99 <= {delivery_p99[-1] * 1e3:.2f} "
                   "ms", flush=True)  # fmt: skip
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(60)
     offline, served = statistics.median(offline_rates), statistics.median(server_rates)
     print(f"\n{datetime.date.today()}, {platform.machine()} {os.cpu_count()} cores, "
           f"{args.num_requests} streams x {args.max_tokens} tokens, {args.rounds} rounds "

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from tandem.bench.launch import free_port, tandem_serve_command, wait_healthy
+from tandem.bench.launch import LaunchedServer, tandem_serve_command
 
 LOG = Path("benchmarks/results/shared_cores_server.log")
 BUSY_LOOP = "while True: pass"
@@ -56,31 +56,22 @@ def busy_process(own_session: bool) -> subprocess.Popen:
 
 
 def measure(serve_args: list[str], seconds: float) -> dict[str, float]:
-    port = free_port()
-    LOG.parent.mkdir(parents=True, exist_ok=True)
-    command = tandem_serve_command(serve_args, port)
     # In this process's session: the busy process started beside it shares it.
-    server = subprocess.Popen(command, stdout=LOG.open("a"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        if wait_healthy(url, server, 120) is None:
-            raise RuntimeError(f"server not healthy within 120 s: {LOG.read_text()}")
-        stream_rate(url, 2.0)  # warm up
-        rates = {"alone": stream_rate(url, seconds)}
+    command = tandem_serve_command(serve_args)
+    with LaunchedServer(command, LOG, ready_timeout=120, new_session=False) as server:
+        stream_rate(server.url, 2.0)  # warm up
+        rates = {"alone": stream_rate(server.url, seconds)}
         for name, own_session in (("same session", False), ("other session", True)):
             busy = busy_process(own_session)
             try:
                 time.sleep(SETTLE_SECONDS)
-                rates[f"beside a busy process, {name}"] = stream_rate(url, seconds)
+                rates[f"beside a busy process, {name}"] = stream_rate(server.url, seconds)
             finally:
                 busy.kill()
                 busy.wait()
             time.sleep(SETTLE_SECONDS)
-        rates["alone again"] = stream_rate(url, seconds)
+        rates["alone again"] = stream_rate(server.url, seconds)
         return rates
-    finally:
-        server.terminate()
-        server.wait(60)
 
 
 def main() -> None:

@@ -56,8 +56,9 @@ def wait_healthy(
 
 
 class LaunchedServer:
-    """`command` (a list; "{port}" in it is replaced by a free port) run in its own process
-    group. Use as a context manager."""
+    """`command` (a list; "{port}" in it is replaced by a free port) run in its own session and
+    process group, or with `new_session=False` in the caller's (where a benchmark measures what
+    shares the server's session). Use as a context manager."""
 
     def __init__(
         self,
@@ -66,12 +67,14 @@ class LaunchedServer:
         ready_timeout: float = 300.0,
         env: dict[str, str] | None = None,
         port: int | None = None,
+        new_session: bool = True,
     ) -> None:
         self.port = port or free_port()
         self.command = [part.replace("{port}", str(self.port)) for part in command]
         self.log_path = Path(log_path)
         self.ready_timeout = ready_timeout
         self.env = {**os.environ, **(env or {})}
+        self.new_session = new_session
         self.process: subprocess.Popen | None = None
         self.ready_seconds: float | None = None
 
@@ -90,7 +93,7 @@ class LaunchedServer:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=self.env,
-                start_new_session=True,
+                start_new_session=self.new_session,
             )
         self.ready_seconds = wait_healthy(self.url, self.process, self.ready_timeout)
         if self.ready_seconds is not None:
@@ -101,6 +104,14 @@ class LaunchedServer:
 
     def stop(self, timeout: float = 60.0) -> None:
         if self.process is None or self.process.poll() is not None:
+            return
+        if not self.new_session:  # the group is the caller's: the server stops its own children
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
             return
         group = os.getpgid(self.process.pid)
         os.killpg(group, signal.SIGTERM)

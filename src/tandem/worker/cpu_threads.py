@@ -7,7 +7,10 @@ loop beside a 2-thread server took a stream from ~250 to 94 tok/s (the loop in t
 session) or to 2 (in another), while the same server on one thread streamed ~190 beside it
 (BENCHMARKS.md, issue 10). So the engine watches how long its threads wait, runnable, for a
 core (Linux's per-thread schedstat), and drops a thread while they wait; now and then it tries
-a thread more, and keeps it if the wait does not come back.
+a thread more, and keeps it if the wait does not come back. (cpu_load.py counts the other work
+on this process's CPUs instead, for probes that must not keep a contended timing; here that
+count would include the API process's own chunks, and says nothing of whether the forward's
+threads waited.)
 """
 
 from __future__ import annotations
