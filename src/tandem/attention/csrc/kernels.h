@@ -41,6 +41,26 @@ int64_t row_groups_argmax(int64_t n_out, int64_t group_rows, float *out,
                           void (*compute)(const void *context, int64_t group),
                           const void *context, int num_threads);
 
+/* Asks the cache for `bytes` from `start` ahead of their use (a prefetch never faults). The
+   matmuls fetch the next rows' weights while they multiply this one's, so that the weights'
+   stream from memory overlaps the arithmetic instead of alternating with it: on the 2-core
+   Zen 5 EPYC, over the embedded model's 30 layers, the packed int8 product of 6-16 token rows
+   took 1.3-1.45x less time (1.1x at 1-4 rows, 1.3x at 32), the dense fp32 one of 4-32 rows
+   1.4-1.6x less. */
+static inline void prefetch_bytes(const void *start, int64_t bytes) {
+    for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch((const char *)start + byte);
+}
+
+/* Block g of the packed row group after the one at `codes`, `scales` into the cache (row
+   groups lie one after another: `groups` blocks of block_bytes codes and block_scales fp16
+   scales each): a matmul fetches it while it multiplies this group's block g. */
+static inline void prefetch_next_row_group(const uint8_t *codes, const uint16_t *scales,
+                                           int64_t groups, int64_t g, int64_t block_bytes,
+                                           int64_t block_scales) {
+    prefetch_bytes(codes + (groups + g) * block_bytes, block_bytes);
+    prefetch_bytes(scales + (groups + g) * block_scales, (int64_t)sizeof(uint16_t) * block_scales);
+}
+
 /* The packed matmuls' functions specialized per token-row count, 1 to 8 (their loops unroll
    into registers): DEFINE(PREFIX_n, QUANT_TYPE, n) for each n, and a table of them. */
 #define DEFINE_1_TO_8(DEFINE, PREFIX, QUANT_TYPE)                                               \

@@ -81,17 +81,27 @@ static inline vf widen_f16(const uint16_t *p) {
 #endif
 }
 
+static int64_t group_code_bytes(int64_t quant_type) {
+    return (quant_type == Q8_0 ? BLOCK : BLOCK / 2) * LANES;
+}
+
+static int64_t group_scales(int64_t quant_type) { return (quant_type == Q8_0 ? 1 : 2) * LANES; }
+
 /* WIDTH of a row group's 16 output rows, from `lane` on, for TOKENS rows of x [TOKENS, k]
    (contiguous fp32), with each column group's sum of x in sums [TOKENS, k / 32];
    out[t * n_out + r] for the `valid` rows. Called with constants, so the loops unroll into
    registers. */
 static inline __attribute__((always_inline)) void row_lanes(
     const uint8_t *codes, const uint16_t *scales, int64_t k, int quant_type, const float *x,
-    const float *sums, int tokens, float *out, int64_t n_out, int64_t valid, int lane) {
+    const float *sums, int tokens, float *out, int64_t n_out, int64_t valid, int lane,
+    int fetch_next) {
     const int64_t groups = k / BLOCK;
     vf acc[8];
     for (int t = 0; t < tokens; t++) acc[t] = (vf){0};
     for (int64_t g = 0; g < groups; g++) {
+        if (fetch_next)
+            prefetch_next_row_group(codes, scales, groups, g, group_code_bytes(quant_type),
+                                    group_scales(quant_type));
         vf part[8][2];
         for (int t = 0; t < tokens; t++) part[t][0] = part[t][1] = (vf){0};
         if (quant_type == Q8_0) {
@@ -137,20 +147,15 @@ static inline __attribute__((always_inline)) void row_lanes(
     }
 }
 
-/* One row group (16 output rows), its lanes a vector at a time; `valid` of them exist. */
+/* One row group (16 output rows), its lanes a vector at a time; `valid` of them exist; with
+   `fetch_next`, the next group's weights into the cache meanwhile. */
 static inline __attribute__((always_inline)) void row_group(
     const uint8_t *codes, const uint16_t *scales, int64_t k, int quant_type, const float *x,
-    const float *sums, int tokens, float *out, int64_t n_out, int64_t valid) {
+    const float *sums, int tokens, float *out, int64_t n_out, int64_t valid, int fetch_next) {
     for (int lane = 0; lane < LANES && lane < valid; lane += WIDTH)
         row_lanes(codes, scales, k, quant_type, x, sums, tokens, out + lane, n_out,
-                  valid - lane < WIDTH ? valid - lane : WIDTH, lane);
+                  valid - lane < WIDTH ? valid - lane : WIDTH, lane, fetch_next && lane == 0);
 }
-
-static int64_t group_code_bytes(int64_t quant_type) {
-    return (quant_type == Q8_0 ? BLOCK : BLOCK / 2) * LANES;
-}
-
-static int64_t group_scales(int64_t quant_type) { return (quant_type == Q8_0 ? 1 : 2) * LANES; }
 
 #define DEFINE_ROWS(NAME, QUANT_TYPE, TOKENS)                                                   \
 static void NAME(const uint8_t *codes, const uint16_t *scales, int64_t n_out, int64_t k,        \
@@ -161,7 +166,7 @@ static void NAME(const uint8_t *codes, const uint16_t *scales, int64_t n_out, in
         row_group(codes + n * groups * group_code_bytes(QUANT_TYPE),                            \
                   scales + n * groups * group_scales(QUANT_TYPE), k, QUANT_TYPE, x, sums,       \
                   TOKENS, out + n * LANES, n_out,                                               \
-                  n_out - n * LANES < LANES ? n_out - n * LANES : LANES);                       \
+                  n_out - n * LANES < LANES ? n_out - n * LANES : LANES, n + 1 < row_groups);   \
 }
 
 DEFINE_1_TO_8(DEFINE_ROWS, rows_q4, Q4)
@@ -205,14 +210,15 @@ static void one_row_group(const void *context, int64_t n) {
     const one_row *a = context;
     const int64_t groups = a->k / BLOCK;
     const int64_t valid = a->n_out - n * LANES < LANES ? a->n_out - n * LANES : LANES;
+    const int fetch_next = (n + 1) * LANES < a->n_out;
     if (a->quant_type == Q8_0) /* constant quant types: row_group inlines for each */
         row_group(a->codes + n * groups * group_code_bytes(Q8_0),
                   a->scales + n * groups * group_scales(Q8_0), a->k, Q8_0, a->x, a->sums, 1,
-                  a->out + n * LANES, a->n_out, valid);
+                  a->out + n * LANES, a->n_out, valid, fetch_next);
     else
         row_group(a->codes + n * groups * group_code_bytes(Q4),
                   a->scales + n * groups * group_scales(Q4), a->k, Q4, a->x, a->sums, 1,
-                  a->out + n * LANES, a->n_out, valid);
+                  a->out + n * LANES, a->n_out, valid, fetch_next);
 }
 
 /* One token row x [k] times the matrix as packed_matmul computes it (out [n_out]), and in

@@ -54,6 +54,15 @@
 
 enum { Q4 = 0, Q8_0 = 1 };
 
+/* With `fetch_next`, block g of the row group after this one into the cache. */
+static inline void fetch_next_block(int fetch_next, const uint8_t *codes, const uint16_t *scales,
+                                    int64_t groups, int64_t g, int quant_type) {
+    if (fetch_next)
+        prefetch_next_row_group(codes, scales, groups, g,
+                                (quant_type == Q4 ? BLOCK / 2 : BLOCK) * LANES,
+                                (quant_type == Q4 ? 2 : 1) * LANES);
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #define VNNI 1
 #else
@@ -172,18 +181,19 @@ static const uint8_t Q4_TO_LANES[64] = {
 
 /* One row group (16 output rows) for TOKENS rows of activation codes xq [TOKENS, k] (signed;
    Q8_0 weight codes are offset to unsigned here), out[t * n_out + r] for the group's `valid`
-   rows. Called with
+   rows; with `fetch_next`, the next group's weights into the cache meanwhile. Called with
    constants, so the loops unroll into registers. */
 static inline __attribute__((always_inline)) void row_group(
     const uint8_t *codes, const uint16_t *scales, int64_t k, int quant_type, const int8_t *xq,
     const float *xu, const int16_t *xk, const float *xs, const float *xd, int tokens, float *out,
-    int64_t n_out, int64_t valid) {
+    int64_t n_out, int64_t valid, int fetch_next) {
     const int64_t groups = k / BLOCK;
     const __m512i to_lanes = _mm512_loadu_si512(Q4_TO_LANES), nibble = _mm512_set1_epi8(15);
     const __m512i offset = _mm512_set1_epi8((char)0x80);
     __m512 acc[MAX_ROWS];
     UNROLL for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
+        fetch_next_block(fetch_next, codes, scales, groups, g, quant_type);
         __m512i w[8];
         __m512 d, m;
         if (quant_type == Q8_0) {
@@ -263,13 +273,14 @@ static inline __m256 scales_of(const uint16_t *s, int a, int b) {
 static inline __attribute__((always_inline)) void row_group(
     const uint8_t *codes, const uint16_t *scales, int64_t k, int quant_type, const int8_t *xq,
     const float *xu, const int16_t *xk, const float *xs, const float *xd, int tokens, float *out,
-    int64_t n_out, int64_t valid) {
+    int64_t n_out, int64_t valid, int fetch_next) {
     const int64_t groups = k / BLOCK;
     const __m256i row_pairs = _mm256_loadu_si256((const __m256i *)ROW_PAIRS);
     const __m256i nibble = _mm256_set1_epi8(15);
     __m256 acc[MAX_ROWS][2];
     for (int t = 0; t < tokens; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
+        fetch_next_block(fetch_next, codes, scales, groups, g, quant_type);
         __m256i w[8][2], magnitude[8][2]; /* per 4 columns, the two vectors of rows */
         __m256 d[2], m[2];
         if (quant_type == Q8_0) {
@@ -486,9 +497,9 @@ static inline __attribute__((always_inline)) void wide_tile(
     const float *xu = x->units + v * 8 * groups, *xs = x->sums + v * 8 * groups;
     for (int64_t g = 0; g < groups; g++) {
         if (next) {
-            for (int64_t line = 0; line < block_bytes; line += 64)
-                _mm_prefetch((const char *)(next + g * block_bytes + line), _MM_HINT_T0);
-            _mm_prefetch((const char *)(next_scales + g * block_scales), _MM_HINT_T0);
+            prefetch_bytes(next + g * block_bytes, block_bytes);
+            prefetch_bytes(next_scales + g * block_scales,
+                           (int64_t)sizeof(uint16_t) * block_scales);
         }
         __m256i dot[WIDE_ROWS];
         UNROLL for (int r = 0; r < WIDE_ROWS; r++) dot[r] = _mm256_setzero_si256();
@@ -598,8 +609,10 @@ static void wide_row_group(const uint8_t *codes, const uint16_t *scales, int64_t
 static inline void row_group(const uint8_t *codes, const uint16_t *scales, int64_t k,
                              int quant_type, const int8_t *xq, const float *xu, const int16_t *xk,
                              const float *xs, const float *xd, int tokens, float *out,
-                             int64_t n_out, int64_t valid) {
+                             int64_t n_out, int64_t valid, int fetch_next) {
     const int64_t groups = k / BLOCK;
+    for (int64_t g = 0; g < groups; g++)
+        fetch_next_block(fetch_next, codes, scales, groups, g, quant_type);
     for (int t = 0; t < tokens; t++) {
         const int8_t *xt = xq + t * k;
         for (int64_t r = 0; r < valid; r++) {
@@ -637,13 +650,14 @@ static inline void row_group(const uint8_t *codes, const uint16_t *scales, int64
 
 typedef void (*group_fn)(const uint8_t *, const uint16_t *, int64_t, const int8_t *,
                          const float *, const int16_t *, const float *, const float *, float *,
-                         int64_t, int64_t);
+                         int64_t, int64_t, int);
 
 #define DEFINE_GROUP(NAME, QUANT_TYPE, TOKENS)                                                  \
 static void NAME(const uint8_t *codes, const uint16_t *scales, int64_t k, const int8_t *xq,     \
                  const float *xu, const int16_t *xk, const float *xs, const float *xd,          \
-                 float *out, int64_t n_out, int64_t valid) {                                    \
-    row_group(codes, scales, k, QUANT_TYPE, xq, xu, xk, xs, xd, TOKENS, out, n_out, valid);     \
+                 float *out, int64_t n_out, int64_t valid, int fetch_next) {                    \
+    row_group(codes, scales, k, QUANT_TYPE, xq, xu, xk, xs, xd, TOKENS, out, n_out, valid,      \
+              fetch_next);                                                                      \
 }
 
 DEFINE_1_TO_8(DEFINE_GROUP, group_q4, Q4)
@@ -722,7 +736,8 @@ void packed_matmul_int8_into(const uint8_t *codes, const uint16_t *scales, int64
                 by_tokens[tokens - 1](group_codes, group_scales, k, xq + t * k, xu + t * groups,
                                       xk + t * groups * SUBS, xs + t * groups,
                                       xd ? xd + t * groups * SUBS : NULL,
-                                      out + t * n_out + n * LANES, n_out, valid);
+                                      out + t * n_out + n * LANES, n_out, valid,
+                                      t == 0 && n + 1 < row_groups);
             }
         }
     }
@@ -747,7 +762,7 @@ static void one_row_group(const void *context, int64_t n) {
     GROUP_BY_TYPE[a->quant_type][0](
         a->codes + n * groups * (a->quant_type == Q8_0 ? 512 : 256),
         a->scales + n * groups * (a->quant_type == Q8_0 ? 16 : 32), a->k, a->xq, a->xu, a->xk,
-        a->xs, a->xd, a->out + n * LANES, a->n_out, valid);
+        a->xs, a->xd, a->out + n * LANES, a->n_out, valid, (n + 1) * LANES < a->n_out);
 }
 
 /* packed_matmul_argmax through int8 activations: packed_matmul_int8's products. */

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "element_types.h"
+#include "kernels.h"
 #include "vector_math.h"
 
 #define MAX_QUERIES 32 /* query heads in one work item: a run's tokens × the GQA group */
@@ -98,10 +99,8 @@ static inline int64_t query_limits(const Layout *L, const Item *it, int64_t limi
 
 /* Fetches a cache position's key and value rows ahead of their use. */
 static inline void prefetch_position(const char *key, const char *value, int64_t bytes) {
-    for (int64_t byte = 0; byte < bytes; byte += 64) {
-        __builtin_prefetch(key + byte);
-        __builtin_prefetch(value + byte);
-    }
+    prefetch_bytes(key, bytes);
+    prefetch_bytes(value, bytes);
 }
 
 /* The scalar item, for any element type, and any head size (HEAD_DIM 0) or one compiled as a
