@@ -8,7 +8,13 @@ each row's roofline floor: batch-1 decode at context 128 and 4k, batch-64 and -2
     PYTHONPATH=src:tests python benchmarks/gpu_check.py
     PYTHONPATH=src:tests TRITON_INTERPRET=1 python benchmarks/gpu_check.py --small  # CPU dry run
 
-Prints PASS/FAIL lines and a timing table; exits non-zero if a check failed.
+Prints PASS/FAIL lines and a timing table; exits non-zero if a check failed. On a lent machine
+(a fresh one: every triton kernel compiles, 1-2 min in all) the whole script may outlast one
+10-minute call; split it, and keep what is printed if the call is cut short:
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=src:tests python benchmarks/gpu_check.py \
+        --only parity,kernels,table 2>&1 | tee $OUT/gpu_check.log
+    ... --only offline,hf-compiled  # the second call
 """
 
 from __future__ import annotations
@@ -145,12 +151,9 @@ def decode_graphs_match(folder: str, prompts: list[list[int]], name: str) -> Non
 def memory_profile_sizes_the_cache(folder: str) -> None:
     """With no cache size given, the cache takes what gpu_memory_utilization leaves after the
     profiling step: the instance then holds about that share of the device."""
-    import gc
-
     if DEVICE != "cuda":
         return
-    gc.collect()
-    torch.cuda.empty_cache()
+    free_device_memory()
     utilization = 0.3
     llm = LLM(folder, device=DEVICE, dtype="bfloat16", skip_tokenizer_init=True,
               gpu_memory_utilization=utilization, max_num_seqs=8)  # fmt: skip
@@ -164,8 +167,7 @@ def memory_profile_sizes_the_cache(folder: str) -> None:
           f"{runner.num_kv_blocks} KV blocks; torch holds {share:.1%} of the device "
           f"(asked {utilization:.0%})")  # fmt: skip
     del llm, runner
-    gc.collect()
-    torch.cuda.empty_cache()
+    free_device_memory()
 
 
 def triton_kernels_match() -> None:
@@ -305,6 +307,8 @@ def time_hf_compiled_decode(hf, context: int, steps: int = 32) -> float:
     generate call; seconds per new token after the first."""
     ids = torch.randint(0, 1000, (1, context), device=DEVICE)
     hf.generation_config.cache_implementation = "static"
+    # generate compiles a static-cache forward itself too: one compile, this one, not two.
+    hf.generation_config.disable_compile = True
     forward = hf.forward
     hf.forward = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
     try:
@@ -323,6 +327,7 @@ def time_hf_compiled_decode(hf, context: int, steps: int = 32) -> float:
     finally:
         hf.forward = forward
         hf.generation_config.cache_implementation = None
+        hf.generation_config.disable_compile = False
 
 
 def floor_seconds(shape: ModelShape, peaks: MachinePeaks, work: list[tuple[int, int]]) -> float:
@@ -332,6 +337,38 @@ def floor_seconds(shape: ModelShape, peaks: MachinePeaks, work: list[tuple[int, 
         sums += request_sums(cached, new, True)
     step = sums_work(shape, sums)
     return max(step.flops / peaks.flops_per_second, step.bytes / peaks.bytes_per_second)
+
+
+def hf_seconds(fn) -> float | None:
+    """HF's time for a row, or None where it runs out of memory beside tandem's model."""
+    try:
+        return fn()
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None
+
+
+def free_device_memory() -> None:
+    import gc
+
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def tandem_rows(hf, config, shape: ModelShape, peaks: MachinePeaks, div: int) -> list[tuple]:
+    """The table's rows from tandem's copy of the HF model's weights, which (with its KV
+    cache, held by the model's layers) is freed on return: the offline section's engine
+    sizes its cache by the memory left free."""
+    with torch.device("meta"):
+        ours = CausalLM(config).to(torch.bfloat16)
+    ours.to_empty(device=DEVICE)
+    ours.model.rotary.build_table()
+    load_weights(ours, iter(hf.state_dict().items()))
+    rows = table_rows(ours, hf, shape, peaks, div)
+    del ours
+    free_device_memory()
+    return rows
 
 
 def table_rows(ours, hf, shape: ModelShape, peaks: MachinePeaks, div: int) -> list[tuple]:
@@ -349,10 +386,7 @@ def table_rows(ours, hf, shape: ModelShape, peaks: MachinePeaks, div: int) -> li
         for batch, context in [(1, 128), (1, 4096 // div), (64 // div, 1024 // div),
                                (big_batch, 1024 // div)]:  # fmt: skip
             ours_s = time_decode(runner, decode_rows(batch, context, 0))
-            try:
-                hf_s = time_hf_decode(hf, batch, context)
-            except torch.cuda.OutOfMemoryError:
-                hf_s = None
+            hf_s = hf_seconds(lambda b=batch, c=context: time_hf_decode(hf, b, c))
             floor = floor_seconds(shape, peaks, [(context, 1)] * batch)
             rows.append((f"decode, batch {batch}, context {context}", ours_s, hf_s, floor))
             print(f"  {rows[-1][0]} done", flush=True)
@@ -361,7 +395,7 @@ def table_rows(ours, hf, shape: ModelShape, peaks: MachinePeaks, div: int) -> li
             prompt = Slice([0] * length, 0, length, list(range(-(-length // 16))))
             prefills[length] = timed(lambda p=prompt, r=runner: r.execute([p]), repeats=3)
             hf_ids = torch.randint(0, 1000, (1, length), device=DEVICE)
-            hf_s = timed(lambda i=hf_ids: hf(i, logits_to_keep=1), repeats=3)
+            hf_s = hf_seconds(lambda i=hf_ids: timed(lambda: hf(i, logits_to_keep=1), repeats=3))
             rows.append((f"prefill {length} tokens", prefills[length], hf_s,
                          floor_seconds(shape, peaks, [(0, length)])))  # fmt: skip
         chunk = 2048 // div
@@ -391,14 +425,14 @@ def llama_8b_table(tmp: str, sections: set[str]) -> None:
                      head_dim=64)  # fmt: skip
     hf_config = LlamaConfig(**sizes, max_position_embeddings=16384, rope_theta=500000.0,
                             tie_word_embeddings=False)  # fmt: skip
-    with torch.device(DEVICE):
-        hf = LlamaForCausalLM(hf_config).to(torch.bfloat16).eval()
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: an fp32 copy first would need 32 GB
+    try:
+        with torch.device(DEVICE):
+            hf = LlamaForCausalLM(hf_config).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
     config = model_config_from_hf({**hf_config.to_dict(), "architectures": ["LlamaForCausalLM"]})
-    with torch.device("meta"):
-        ours = CausalLM(config).to(torch.bfloat16)
-    ours.to_empty(device=DEVICE)
-    ours.model.rotary.build_table()
-    load_weights(ours, iter(hf.state_dict().items()))
     shape = ModelShape.of(config, 2, 2, 2)
     peaks = (
         H200_MEASURED
@@ -406,14 +440,22 @@ def llama_8b_table(tmp: str, sections: set[str]) -> None:
         else machine_peaks(torch.device(DEVICE), torch.bfloat16)
     )
     div = 16 if SMALL else 1
-    rows = table_rows(ours, hf, shape, peaks, div) if "table" in sections else []
-    compiled = None
+    if "table" in sections:
+        print_table(tandem_rows(hf, config, shape, peaks, div), peaks)
+    # The table is out before anything that could outlast the device's time.
+    if "offline" in sections:
+        offline_throughput(tmp, hf)
     if DEVICE == "cuda" and "hf-compiled" in sections:
         try:
             with torch.inference_mode():
                 compiled = time_hf_compiled_decode(hf, 128)
+            print(f"HF static cache + torch.compile, batch-1 decode at context 128: "
+                  f"{compiled * 1e3:.2f} ms/token")  # fmt: skip
         except Exception as error:  # its compile is HF's business: report, go on
             print(f"  HF compiled decode failed: {type(error).__name__}: {error}")
+
+
+def print_table(rows: list[tuple], peaks: MachinePeaks) -> None:
     if rows:
         graphs = ", decode graphs" if DEVICE == "cuda" else ""
         print(f"\n# gpu_check  {device_name()}  torch {torch.__version__}  Llama-3-8B-shaped"
@@ -426,20 +468,11 @@ def llama_8b_table(tmp: str, sections: set[str]) -> None:
             speedup = "—" if hf_s is None else f"{hf_s / ours_s:.2f}×"
             print(f"| {name} | {ours_s * 1e3:.2f} | {hf_text} | {speedup} | {floor * 1e3:.2f} | "
                   f"{ours_s / floor:.2f}× |")  # fmt: skip
-    if compiled is not None:
-        print(
-            f"HF static cache + torch.compile, batch-1 decode at context 128: "
-            f"{compiled * 1e3:.2f} ms/token"
-        )
-    if "offline" in sections:
-        offline_throughput(tmp, hf)
 
 
 def offline_throughput(tmp: str, hf) -> None:
     """500 random requests of 1,024 prompt tokens and 256 new ones through LLM.generate
     against HF generate in batches of 64 (timed on the first two batches)."""
-    import gc
-
     num_requests, prompt_len, new_tokens = (8, 64, 16) if SMALL else (500, 1024, 256)
     folder = f"{tmp}/llama-8b-shaped"
     hf.save_pretrained(folder)
@@ -454,9 +487,7 @@ def offline_throughput(tmp: str, hf) -> None:
                         use_tqdm=False)  # fmt: skip
     ours = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
     del llm, outs
-    gc.collect()
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
+    free_device_memory()
     hf_batches = [prompts[i : i + 64].to(DEVICE) for i in range(0, min(128, num_requests), 64)]
     synchronize()
     start = time.perf_counter()
@@ -505,6 +536,10 @@ def main() -> None:
         if "kernels" in sections:
             triton_kernels_match()
             done("kernels")
+            from tandem.attention import torch_backend
+
+            torch_backend._workspaces.clear()  # ~2 GB of gathers the table does not need
+            free_device_memory()
         if sections & {"table", "hf-compiled", "offline"}:
             llama_8b_table(tmp, sections)
             done("table")
