@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.attention.metadata import AttentionMetadata
+from tandem.attention.metadata import AttentionMetadata, copy_to_device
 
 # Programs a decode-only step should launch to keep a large GPU busy (an H200 has 132 SMs);
 # fewer, and contexts are split into ranges of at least MIN_SPLIT_KEYS keys.
@@ -244,6 +244,13 @@ def _block_q_and_tile(max_query_len: int, queries_per_kv: int) -> tuple[int, int
     return max(64, group_p) // group_p, 64
 
 
+def _num_stages(dtype: torch.dtype, tile: int, head_dim_p: int) -> int:
+    """Software-pipeline stages of the attention kernel: triton's default 3, but one for fp32
+    tiles of 64 keys of 128 (the reference dtype, never a speed path): 3 stages of their keys
+    and values (64 KB a stage) would pass the 227 KB of shared memory a Hopper block has."""
+    return 1 if dtype == torch.float32 and tile * head_dim_p >= 64 * 128 else 3
+
+
 def _decode_splits(num_programs: int) -> int:
     return min(-(-TARGET_PROGRAMS // max(num_programs, 1)), MAX_SPLITS)
 
@@ -263,10 +270,12 @@ def plan_programs(md: AttentionMetadata, queries_per_kv: int, num_kv_heads: int)
     if max_query_len <= block_q and num_programs < TARGET_PROGRAMS:
         max_keys = int(md.seq_lens_cpu.max(initial=1))
         num_splits = min(_decode_splits(num_programs), -(-max_keys // MIN_SPLIT_KEYS))
-    device = md.slot_mapping.device
+    requests, query_starts = copy_to_device(
+        [program_request, program_query_start], md.slot_mapping.device
+    )
     return _Plan(
-        program_request=torch.from_numpy(program_request).to(device, non_blocking=True),
-        program_query_start=torch.from_numpy(program_query_start).to(device, non_blocking=True),
+        program_request=requests,
+        program_query_start=query_starts,
         block_q=block_q,
         tile=tile,
         num_splits=num_splits,
@@ -349,6 +358,7 @@ def paged_attention(
         IEEE=query.dtype == torch.float32,
         # 64-row programs spill registers with 4 warps at head size 128 (ptxas, sm_90).
         num_warps=8 if plan.block_q * _next_power_of_2(queries_per_kv) >= 64 else 4,
+        num_stages=_num_stages(query.dtype, plan.tile, head_dim_p),
     )  # fmt: skip
     if splits > 1:
         _merge_splits[(num_tokens, num_heads)](
