@@ -333,3 +333,20 @@ def test_refits_every_4_then_16_then_an_eighth_of_the_window():
     assert fitted_at[:14] == list(range(8, 64, 4))
     assert {gaps[at] for at in fitted_at if 64 <= at < 120} == {16}
     assert {gaps[at] for at in fitted_at[:-1] if at >= 512} == {64}
+
+
+def test_prompts_without_decodes_beside_them_take_the_whole_budget():
+    """The target keeps decoding streams' gaps; a step with no decodes has none to keep, so a
+    lone prompt goes in chunks of its full per-request limit (128 of the 256 budget) however
+    long the forecast says they take (~140 ms against 50), and the target applies again once
+    its first token makes it a decode beside the next prompt."""
+    scheduler = targeted(0.050)
+    add(scheduler, "long", 300, max_tokens=3, ignore_eos=True)
+    outputs = [step(scheduler) for _ in range(3)]
+    assert [o.num_prefill_tokens for o in outputs] == [128, 128, 44]
+    assert FakeCost().predict(batch_sums(outputs[0].scheduled)) > 0.050
+    add(scheduler, "next", 400, max_tokens=1, ignore_eos=True)
+    beside = step(scheduler)
+    assert beside.num_decode_tokens == 1
+    assert FakeCost().predict(batch_sums(beside.scheduled)) <= 0.050 + 1e-12
+    assert 0 < beside.num_prefill_tokens < 256
