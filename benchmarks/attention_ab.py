@@ -28,7 +28,7 @@ from tandem.attention import cpu_kernel
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 CACHE_BYTES = 48 << 20  # copies of a layout's cache up to this much: more than this L3
 SOURCE = "src/tandem/attention/csrc/paged_decode_attention.c"
-HEADERS = ("element_types.h", "vector_math.h")
+HEADERS = ("element_types.h", "kernels.h", "vector_math.h")
 # name -> [(context before the step, new tokens)] per request
 LAYOUTS = {
     "32 decodes over 100": [(100, 1)] * 32,
