@@ -49,8 +49,8 @@ static inline vf multiply_add(vf a, vf b, vf c) {
 }
 
 /* out[t * n_out + r] for r < valid, t < TOKENS, of the ROWS weight rows at `weight`; with
-   `fetch_next`, the ROWS rows after them into the cache meanwhile. Called with constants, so
-   the sums stay in registers. */
+   `fetch_next`, the ROWS rows after them into the cache meanwhile (a line per 16 floats).
+   Called with constants, so the sums stay in registers. */
 static inline __attribute__((always_inline)) void pass(
     const float *weight, int64_t k, const float *x, int64_t x_stride, int tokens,
     const float *bias, float *out, int64_t n_out, int64_t valid, int fetch_next) {
@@ -63,8 +63,8 @@ static inline __attribute__((always_inline)) void pass(
     for (; c + WIDTH <= k; c += WIDTH) {
         vf w[ROWS];
         for (int r = 0; r < ROWS; r++) w[r] = load(rows[r] + c);
-        if (fetch_next)
-            for (int r = 0; r < ROWS; r++) prefetch_bytes(weight + (ROWS + r) * k + c, sizeof w[r]);
+        if (fetch_next && c % 16 == 0)
+            for (int r = 0; r < ROWS; r++) prefetch_bytes(weight + (ROWS + r) * k + c, 64);
         for (int t = 0; t < tokens; t++) {
             const vf xv = load(x + t * x_stride + c);
             for (int r = 0; r < ROWS; r++) sums[t][r] = multiply_add(w[r], xv, sums[t][r]);
@@ -111,9 +111,10 @@ void dense_matmul_f32(const float *weight, const float *bias, int64_t n_out, int
         const int64_t valid = n_out - row < ROWS ? n_out - row : ROWS;
         for (int64_t t = 0; t < num_tokens; t += TOKEN_PASS) {
             const int64_t tokens = num_tokens - t < TOKEN_PASS ? num_tokens - t : TOKEN_PASS;
+            /* The first pass fetches the next block where it has all ROWS rows. */
             PASSES[tokens - 1](weight + row * k, k, x + t * x_stride, x_stride,
                                bias != NULL ? bias + row : NULL, out + t * n_out + row, n_out,
-                               valid, t == 0 && block + 1 < blocks);
+                               valid, t == 0 && row + 2 * ROWS <= n_out);
         }
     }
 }

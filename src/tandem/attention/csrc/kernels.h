@@ -51,14 +51,24 @@ static inline void prefetch_bytes(const void *start, int64_t bytes) {
     for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch((const char *)start + byte);
 }
 
-/* Block g of the packed row group after the one at `codes`, `scales` into the cache (row
-   groups lie one after another: `groups` blocks of block_bytes codes and block_scales fp16
-   scales each): a matmul fetches it while it multiplies this group's block g. */
+/* The packed matmuls' layout (models/packed.py): row groups of 16 output rows one after
+   another, each a run of 32-column blocks of one quant type's codes and fp16 scales. */
+enum { Q4 = 0, Q8_0 = 1 }; /* Q4: w = d·q + m (a Q4_0 block arrives with m = −8d) */
+static inline int64_t block_code_bytes(int64_t quant_type) {
+    return quant_type == Q8_0 ? 512 : 256;
+}
+static inline int64_t block_scale_count(int64_t quant_type) { /* Q4: d, then m */
+    return quant_type == Q8_0 ? 16 : 32;
+}
+
+/* Block g of the row group after the one at `codes`, `scales` (`groups` blocks each) into the
+   cache: a matmul fetches it while it multiplies this group's block g. */
 static inline void prefetch_next_row_group(const uint8_t *codes, const uint16_t *scales,
-                                           int64_t groups, int64_t g, int64_t block_bytes,
-                                           int64_t block_scales) {
-    prefetch_bytes(codes + (groups + g) * block_bytes, block_bytes);
-    prefetch_bytes(scales + (groups + g) * block_scales, (int64_t)sizeof(uint16_t) * block_scales);
+                                           int64_t groups, int64_t g, int64_t quant_type) {
+    prefetch_bytes(codes + (groups + g) * block_code_bytes(quant_type),
+                   block_code_bytes(quant_type));
+    prefetch_bytes(scales + (groups + g) * block_scale_count(quant_type),
+                   (int64_t)sizeof(uint16_t) * block_scale_count(quant_type));
 }
 
 /* The packed matmuls' functions specialized per token-row count, 1 to 8 (their loops unroll

@@ -36,7 +36,6 @@
 #define BLOCK 32
 #define LANES 16
 
-enum { Q4 = 0, Q8_0 = 1 }; /* Q4: w = d·q + m (a Q4_0 block arrives with m = −8d) */
 
 /* The lanes of one vector. AVX-512 holds a row group's 16 rows in one register; elsewhere a
    group is taken in two halves of 8 rows, so that AVX2's sixteen 256-bit registers hold four
@@ -81,12 +80,6 @@ static inline vf widen_f16(const uint16_t *p) {
 #endif
 }
 
-static int64_t group_code_bytes(int64_t quant_type) {
-    return (quant_type == Q8_0 ? BLOCK : BLOCK / 2) * LANES;
-}
-
-static int64_t group_scales(int64_t quant_type) { return (quant_type == Q8_0 ? 1 : 2) * LANES; }
-
 /* WIDTH of a row group's 16 output rows, from `lane` on, for TOKENS rows of x [TOKENS, k]
    (contiguous fp32), with each column group's sum of x in sums [TOKENS, k / 32];
    out[t * n_out + r] for the `valid` rows. Called with constants, so the loops unroll into
@@ -99,9 +92,7 @@ static inline __attribute__((always_inline)) void row_lanes(
     vf acc[8];
     for (int t = 0; t < tokens; t++) acc[t] = (vf){0};
     for (int64_t g = 0; g < groups; g++) {
-        if (fetch_next)
-            prefetch_next_row_group(codes, scales, groups, g, group_code_bytes(quant_type),
-                                    group_scales(quant_type));
+        if (fetch_next) prefetch_next_row_group(codes, scales, groups, g, quant_type);
         vf part[8][2];
         for (int t = 0; t < tokens; t++) part[t][0] = part[t][1] = (vf){0};
         if (quant_type == Q8_0) {
@@ -163,9 +154,9 @@ static void NAME(const uint8_t *codes, const uint16_t *scales, int64_t n_out, in
     const int64_t row_groups = (n_out + LANES - 1) / LANES, groups = k / BLOCK;                 \
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) if(n_out * k >= 65536)")\
     for (int64_t n = 0; n < row_groups; n++)                                                    \
-        row_group(codes + n * groups * group_code_bytes(QUANT_TYPE),                            \
-                  scales + n * groups * group_scales(QUANT_TYPE), k, QUANT_TYPE, x, sums,       \
-                  TOKENS, out + n * LANES, n_out,                                               \
+        row_group(codes + n * groups * block_code_bytes(QUANT_TYPE),                            \
+                  scales + n * groups * block_scale_count(QUANT_TYPE), k, QUANT_TYPE, x,        \
+                  sums, TOKENS, out + n * LANES, n_out,                                         \
                   n_out - n * LANES < LANES ? n_out - n * LANES : LANES, n + 1 < row_groups);   \
 }
 
@@ -212,12 +203,12 @@ static void one_row_group(const void *context, int64_t n) {
     const int64_t valid = a->n_out - n * LANES < LANES ? a->n_out - n * LANES : LANES;
     const int fetch_next = (n + 1) * LANES < a->n_out;
     if (a->quant_type == Q8_0) /* constant quant types: row_group inlines for each */
-        row_group(a->codes + n * groups * group_code_bytes(Q8_0),
-                  a->scales + n * groups * group_scales(Q8_0), a->k, Q8_0, a->x, a->sums, 1,
+        row_group(a->codes + n * groups * block_code_bytes(Q8_0),
+                  a->scales + n * groups * block_scale_count(Q8_0), a->k, Q8_0, a->x, a->sums, 1,
                   a->out + n * LANES, a->n_out, valid, fetch_next);
     else
-        row_group(a->codes + n * groups * group_code_bytes(Q4),
-                  a->scales + n * groups * group_scales(Q4), a->k, Q4, a->x, a->sums, 1,
+        row_group(a->codes + n * groups * block_code_bytes(Q4),
+                  a->scales + n * groups * block_scale_count(Q4), a->k, Q4, a->x, a->sums, 1,
                   a->out + n * LANES, a->n_out, valid, fetch_next);
 }
 

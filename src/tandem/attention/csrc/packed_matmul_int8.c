@@ -52,17 +52,6 @@
 #define UNROLL _Pragma("GCC unroll 8") /* keeps each token's sums in registers */
 #endif
 
-enum { Q4 = 0, Q8_0 = 1 };
-
-/* With `fetch_next`, block g of the row group after this one into the cache. */
-static inline void fetch_next_block(int fetch_next, const uint8_t *codes, const uint16_t *scales,
-                                    int64_t groups, int64_t g, int quant_type) {
-    if (fetch_next)
-        prefetch_next_row_group(codes, scales, groups, g,
-                                (quant_type == Q4 ? BLOCK / 2 : BLOCK) * LANES,
-                                (quant_type == Q4 ? 2 : 1) * LANES);
-}
-
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #define VNNI 1
 #else
@@ -193,7 +182,7 @@ static inline __attribute__((always_inline)) void row_group(
     __m512 acc[MAX_ROWS];
     UNROLL for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        fetch_next_block(fetch_next, codes, scales, groups, g, quant_type);
+        if (fetch_next) prefetch_next_row_group(codes, scales, groups, g, quant_type);
         __m512i w[8];
         __m512 d, m;
         if (quant_type == Q8_0) {
@@ -280,7 +269,7 @@ static inline __attribute__((always_inline)) void row_group(
     __m256 acc[MAX_ROWS][2];
     for (int t = 0; t < tokens; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        fetch_next_block(fetch_next, codes, scales, groups, g, quant_type);
+        if (fetch_next) prefetch_next_row_group(codes, scales, groups, g, quant_type);
         __m256i w[8][2], magnitude[8][2]; /* per 4 columns, the two vectors of rows */
         __m256 d[2], m[2];
         if (quant_type == Q8_0) {
@@ -490,8 +479,8 @@ static inline __attribute__((always_inline)) void wide_tile(
     const interleaved *x, int64_t v, int64_t r0, const uint8_t *next,
     const uint16_t *next_scales, float tile[WIDE_ROWS][8]) {
     const int64_t groups = k / BLOCK;
-    const int64_t block_bytes = (quant_type == Q4 ? BLOCK / 2 : BLOCK) * LANES;
-    const int64_t block_scales = (quant_type == Q4 ? 2 : 1) * LANES;
+    const int64_t block_bytes = block_code_bytes(quant_type);
+    const int64_t block_scales = block_scale_count(quant_type);
     const int8_t *xc = x->codes + v * 8 * k;
     const int32_t *xk = x->multiples + v * 8 * (k / SUB);
     const float *xu = x->units + v * 8 * groups, *xs = x->sums + v * 8 * groups;
@@ -573,15 +562,14 @@ static void wide_row_group(const uint8_t *codes, const uint16_t *scales, int64_t
                            int quant_type, const interleaved *x, int64_t num_tokens, float *out,
                            int64_t n_out, int64_t valid, int last) {
     const int64_t groups = k / BLOCK, vectors = (num_tokens + 7) / 8;
-    const int64_t block_bytes = (quant_type == Q4 ? BLOCK / 2 : BLOCK) * LANES;
-    const uint8_t *next = last ? NULL : codes + groups * block_bytes;
-    const uint16_t *next_scales = scales + groups * (quant_type == Q4 ? 2 : 1) * LANES;
+    const uint8_t *next = last ? NULL : codes + groups * block_code_bytes(quant_type);
+    const uint16_t *next_scales = scales + groups * block_scale_count(quant_type);
     uint8_t rows[quant_type == Q4 ? LANES * k : 1];
     float d[groups * LANES], m[groups * LANES];
     for (int64_t g = 0; g < groups; g++) {
         if (quant_type == Q4)
             unpack_q4_block(codes + g * (BLOCK / 2) * LANES, rows + g * BLOCK, k);
-        const uint16_t *s = scales + g * (quant_type == Q4 ? 2 : 1) * LANES;
+        const uint16_t *s = scales + g * block_scale_count(quant_type);
         for (int h = 0; h < 2; h++) {
             _mm256_storeu_ps(d + g * LANES + 8 * h,
                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 8 * h))));
@@ -611,13 +599,13 @@ static inline void row_group(const uint8_t *codes, const uint16_t *scales, int64
                              const float *xs, const float *xd, int tokens, float *out,
                              int64_t n_out, int64_t valid, int fetch_next) {
     const int64_t groups = k / BLOCK;
-    for (int64_t g = 0; g < groups; g++)
-        fetch_next_block(fetch_next, codes, scales, groups, g, quant_type);
     for (int t = 0; t < tokens; t++) {
         const int8_t *xt = xq + t * k;
         for (int64_t r = 0; r < valid; r++) {
             float acc = 0.0f;
             for (int64_t g = 0; g < groups; g++) {
+                if (fetch_next && t == 0 && r == 0)
+                    prefetch_next_row_group(codes, scales, groups, g, quant_type);
                 int32_t dot[SUBS] = {0};
                 float d, m = 0.0f;
                 if (quant_type == Q8_0) {
@@ -722,8 +710,8 @@ void packed_matmul_int8_into(const uint8_t *codes, const uint16_t *scales, int64
         #pragma omp for schedule(guided)
         for (int64_t n = 0; n < row_groups; n++) {
             const int64_t valid = n_out - n * LANES < LANES ? n_out - n * LANES : LANES;
-            const uint8_t *group_codes = codes + n * groups * (quant_type == Q8_0 ? 512 : 256);
-            const uint16_t *group_scales = scales + n * groups * (quant_type == Q8_0 ? 16 : 32);
+            const uint8_t *group_codes = codes + n * groups * block_code_bytes(quant_type);
+            const uint16_t *group_scales = scales + n * groups * block_scale_count(quant_type);
 #if WIDE
             if (wide && (quant_type == Q4 || !holds_minimum(group_codes, groups))) {
                 wide_row_group(group_codes, group_scales, k, quant_type, &by_vector, num_tokens,
@@ -760,8 +748,8 @@ static void one_row_group(const void *context, int64_t n) {
     const int64_t groups = a->k / BLOCK;
     const int64_t valid = a->n_out - n * LANES < LANES ? a->n_out - n * LANES : LANES;
     GROUP_BY_TYPE[a->quant_type][0](
-        a->codes + n * groups * (a->quant_type == Q8_0 ? 512 : 256),
-        a->scales + n * groups * (a->quant_type == Q8_0 ? 16 : 32), a->k, a->xq, a->xu, a->xk,
+        a->codes + n * groups * block_code_bytes(a->quant_type),
+        a->scales + n * groups * block_scale_count(a->quant_type), a->k, a->xq, a->xu, a->xk,
         a->xs, a->xd, a->out + n * LANES, a->n_out, valid, (n + 1) * LANES < a->n_out);
 }
 
