@@ -335,18 +335,19 @@ def test_refits_every_4_then_16_then_an_eighth_of_the_window():
     assert {gaps[at] for at in fitted_at[:-1] if at >= 512} == {64}
 
 
-def test_prompts_without_decodes_beside_them_take_the_whole_budget():
-    """The target keeps decoding streams' gaps; a step with no decodes has none to keep, so a
-    lone prompt goes in chunks of its full per-request limit (128 of the 256 budget) however
-    long the forecast says they take (~140 ms against 50), and the target applies again once
-    its first token makes it a decode beside the next prompt."""
+def test_prompts_take_whole_chunks_while_the_step_samples_nothing():
+    """The target keeps the gaps of requests waiting for a token; a step that samples none
+    keeps nobody waiting, so a lone prompt goes in chunks of its full per-request limit (128
+    of the 256 budget) however long the forecast says they take (~140 ms against 50). Its last
+    chunk samples its first token: the next prompt's chunk is then sized by the target (none
+    fits: the first token does not wait for it), and beside the new decode after that."""
     scheduler = targeted(0.050)
     add(scheduler, "long", 300, max_tokens=3, ignore_eos=True)
-    outputs = [step(scheduler) for _ in range(3)]
-    assert [o.num_prefill_tokens for o in outputs] == [128, 128, 44]
+    add(scheduler, "next", 300, max_tokens=1, ignore_eos=True)  # one prompt mid-prefill at a time
+    outputs = [step(scheduler) for _ in range(4)]
+    assert [o.num_prefill_tokens for o in outputs[:3]] == [128, 128, 44]
     assert FakeCost().predict(batch_sums(outputs[0].scheduled)) > 0.050
-    add(scheduler, "next", 400, max_tokens=1, ignore_eos=True)
-    beside = step(scheduler)
+    beside = outputs[3]
     assert beside.num_decode_tokens == 1
     assert FakeCost().predict(batch_sums(beside.scheduled)) <= 0.050 + 1e-12
-    assert 0 < beside.num_prefill_tokens < 256
+    assert 0 < beside.num_prefill_tokens < 128

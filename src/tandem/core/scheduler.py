@@ -194,11 +194,6 @@ def _num_decodes(plan: _StepPlan) -> int:
     return sum(1 for request, _ in plan.entries.values() if request.is_prefill_done)
 
 
-def _has_decodes(plan: _StepPlan) -> bool:
-    """Decode-first plans decodes first: the first entry answers, whatever the plan's size."""
-    return any(request.is_prefill_done for request, _ in plan.entries.values())
-
-
 class Scheduler:
     def __init__(
         self,
@@ -670,10 +665,15 @@ class Scheduler:
         where the step's decodes alone already pass the target, which then cannot be met
         anyway. (A fixed forced chunk overran targets the decodes left room for: in fp32, 16
         prompt tokens beside 8 decodes made the streams' worst gaps, 1.4-1.7x the target.)
-        A step with no decodes has no stream's gap to keep: its prompts take all they may (a
-        lone 1,536-token prompt had gone on in chunks of 16-28 tokens once the streams ended)."""
+        A step that samples no token so far (no decodes, no prompt finishing) keeps nobody
+        waiting for its end: its prompts take all they may (a lone 1,536-token prompt had gone
+        on in chunks of 16-28 tokens once the streams ended); a prompt's last chunk makes the
+        step produce its first token, and the target holds for the chunks after it."""
         target = self._planning_target()
-        if target is None or num_tokens == 0 or not _has_decodes(plan):
+        if target is None or num_tokens == 0:
+            return num_tokens
+        if plan.num_sampled == 0:
+            plan.has_prefill = True  # the step's prompts progress: no forced chunk after it
             return num_tokens
         assert self.cost_model is not None
         cost_model = self.cost_model
