@@ -3,10 +3,10 @@ both built with the library's flags and called directly, alternated in one proce
 machine's speed moves by a third between minutes; within one process and a few seconds it
 moves far less). The embedded model's 30 layers, their 210 matrices as the file holds them (q,
 k, v, o, gate, up, down; the engine fuses q/k/v and gate/up): the GGUF's Q4_1 codes in the
-packed kernels' layout (66 MB, more than the L3 caches of the machines here, so each pass
-streams them from memory) with int8 activations (csrc/packed_matmul_int8.c) and with fp32
-ones (csrc/packed_matmul.c), and the same matrices dequantized to fp32 through the dense
-kernel (csrc/dense_matmul.c, a float32 model's decode path; 405 MB). 2 threads.
+packed kernels' layout (66 MB, so each pass streams them from memory where the last-level
+cache is smaller, as on the 2-core EPYCs) with int8 activations (csrc/packed_matmul_int8.c)
+and with fp32 ones (csrc/packed_matmul.c), and the same matrices dequantized to fp32 through
+the dense kernel (csrc/dense_matmul.c, a float32 model's decode path; 405 MB). 2 threads.
 Prints ms per pass over the layers (best of 5 passes per round) and base / new per round;
 the two builds' outputs must be equal bit for bit.
 
@@ -37,6 +37,7 @@ SIGNATURES = {
     "dense_matmul_f32": [P, P, I64, I64, P, I64, I64, P, INT],
     "packed_matmul_int8_into": [P, P, I64, I64, I64, P, I64, P, P, INT],
     "packed_matmul": [P, P, I64, I64, I64, P, I64, P, INT],
+    "packed_matmul_int8_scratch": [I64, I64],
 }
 
 
@@ -53,7 +54,7 @@ def build(sources: Path, target: Path, march: str | None) -> ctypes.CDLL:
     library = ctypes.CDLL(str(target))
     for name, argtypes in SIGNATURES.items():
         getattr(library, name).argtypes = argtypes
-        getattr(library, name).restype = None
+        getattr(library, name).restype = I64 if name.endswith("_scratch") else None
     return library
 
 
@@ -78,8 +79,8 @@ class Matrix:
             blocks = blocks.as_q4_1()
         codes, scales = blocks.kernel_layout()
         self.codes, self.scales = np.ascontiguousarray(codes), np.ascontiguousarray(scales)
-        self.quant_type = 1 if blocks.quant_type == "Q8_0" else 0
-        self.dense = np.ascontiguousarray(blocks.int4_codes().dequantize(), dtype=np.float32)
+        self.quant_type = cpu_kernel.QUANT_TYPE_IDS[blocks.quant_type]
+        self.dense = blocks.dequantize().contiguous().numpy()
         self.n_out, self.k = self.dense.shape
 
 
@@ -128,13 +129,15 @@ def main() -> None:
     config = gguf_model_config(path)
     matrices = [Matrix(blocks) for name, blocks in iter_gguf_packable(path, config)
                 if name.startswith("model.layers.")]  # fmt: skip
-    scratch = np.empty(1 << 24, np.uint8)
     with tempfile.TemporaryDirectory() as folder:
         base_dir = base_sources(args.base, Path(folder))
         libraries = {
             "base": build(base_dir, Path(folder) / "base.so", args.march),
             "new": build(CSRC, Path(folder) / "new.so", args.march),
         }
+        widest = max(m.k for m in matrices)
+        scratch = np.empty(max(lib.packed_matmul_int8_scratch(max(args.tokens), widest)
+                               for lib in libraries.values()), np.uint8)  # fmt: skip
         print(f"# matmul_ab  base {args.base} / working tree  -march={args.march or 'native'}  "
               f"{len(matrices)} matrices, {THREADS} threads")  # fmt: skip
         for kernel in args.kernels:

@@ -45,7 +45,7 @@ int64_t row_groups_argmax(int64_t n_out, int64_t group_rows, float *out,
    matmuls fetch the next rows' weights while they multiply this one's, so that the weights'
    stream from memory overlaps the arithmetic instead of alternating with it: on the 2-core
    Zen 5 EPYC, over the embedded model's 30 layers (benchmarks/matmul_ab.py), the packed int8
-   product of 6-16 token rows took 1.3-1.5x less time (1.1-1.3x at 1-4 rows, 1.3x at 32), the
+   product of 6-16 token rows took 1.3-1.5x less time (1.1-1.4x at 1-4 rows, 1.3x at 32), the
    dense fp32 one of 4-32 rows 1.25-1.35x less. */
 static inline void prefetch_bytes(const void *start, int64_t bytes) {
     for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch((const char *)start + byte);
