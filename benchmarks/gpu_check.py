@@ -8,9 +8,11 @@ each row's roofline floor: batch-1 decode at context 128 and 4k, batch-64 and -2
     PYTHONPATH=src:tests python benchmarks/gpu_check.py
     PYTHONPATH=src:tests TRITON_INTERPRET=1 python benchmarks/gpu_check.py --small  # CPU dry run
 
-Prints PASS/FAIL lines and a timing table; exits non-zero if a check failed. On a lent machine
-(a fresh one: every triton kernel compiles, 1-2 min in all) the whole script may outlast one
-10-minute call; split it, and keep what is printed if the call is cut short:
+Prints PASS/FAIL lines and a timing table; exits non-zero if a check failed. Ask for the H200
+(`kind=nvidia-h200`): the table holds two 16 GB copies of the model and a 35 GB KV cache (for
+batch 256 at context 1k), which leaves an H100 little for activations and HF's own cache. On a
+lent machine (a fresh one: every triton kernel compiles, 1-2 min in all) the whole script may
+outlast one 10-minute call; split it, and keep what is printed if the call is cut short:
 
     PYTHONUNBUFFERED=1 PYTHONPATH=src:tests python benchmarks/gpu_check.py \
         --only parity,kernels,table 2>&1 | tee $OUT/gpu_check.log
@@ -308,6 +310,7 @@ def time_hf_compiled_decode(hf, context: int, steps: int = 32) -> float:
     ids = torch.randint(0, 1000, (1, context), device=DEVICE)
     hf.generation_config.cache_implementation = "static"
     # generate compiles a static-cache forward itself too: one compile, this one, not two.
+    disable_compile = getattr(hf.generation_config, "disable_compile", None)
     hf.generation_config.disable_compile = True
     forward = hf.forward
     hf.forward = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
@@ -327,7 +330,7 @@ def time_hf_compiled_decode(hf, context: int, steps: int = 32) -> float:
     finally:
         hf.forward = forward
         hf.generation_config.cache_implementation = None
-        hf.generation_config.disable_compile = False
+        hf.generation_config.disable_compile = disable_compile
 
 
 def floor_seconds(shape: ModelShape, peaks: MachinePeaks, work: list[tuple[int, int]]) -> float:
@@ -344,8 +347,9 @@ def hf_seconds(fn) -> float | None:
     try:
         return fn()
     except torch.cuda.OutOfMemoryError:
-        torch.cuda.empty_cache()
-        return None
+        pass
+    free_device_memory()  # out of the handler: its traceback held the failed call's tensors
+    return None
 
 
 def free_device_memory() -> None:
