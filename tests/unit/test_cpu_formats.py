@@ -274,3 +274,26 @@ def test_only_float32_models_without_packed_weights_on_cpu_use_the_dense_kernel(
     assert dense_max_tokens("float32", 0, "cuda:0", TINY) == 0
     config = EngineConfig.create(tiny_llama[0], device="cpu", dtype="float32")
     assert config.runner.dense_max_tokens == 16
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("kernel_wins_up_to, expected", [(128, 128), (256, 256), (1024, 1024)])
+def test_the_dense_kernel_takes_prompt_sized_steps_where_it_measures_faster(
+    fresh_cache, monkeypatch, kernel_wins_up_to, expected
+):
+    """Where the kernel won every decode size, one layer's matrices are timed at the prompt
+    sizes (LARGE_PROBE_ROUNDS rounds), and it keeps the sizes it wins there too."""
+    timed: list[tuple[int, int]] = []
+
+    def fake_timings(candidates, rows):
+        timed.append((rows, len(candidates["kernel"][0])))
+        return {"torch": 1.0 * rows, "kernel": (0.5 if rows <= kernel_wins_up_to else 2.0) * rows}
+
+    monkeypatch.setattr(formats_module, "_interleaved_ms", fake_timings)
+    assert dense_kernel_max_tokens(TINY) == expected
+    large = [(rows, matrices) for rows, matrices in timed if rows > DECODE_PROBE_TOKENS[-1]]
+    if kernel_wins_up_to < DECODE_PROBE_TOKENS[-1]:
+        assert not large
+        return
+    assert [rows for rows, _ in large] == list(LARGE_PROBE_TOKENS) * LARGE_PROBE_ROUNDS
+    assert {matrices for _, matrices in large} == {4}  # one layer's

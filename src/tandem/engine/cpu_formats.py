@@ -111,11 +111,17 @@ def dense_kernel_max_tokens(config: ModelConfig) -> int:
     """Up to how many tokens a step of a float32 model multiplies its weights in the C kernel
     (csrc/dense_matmul.c) rather than through torch's GEMM: the largest step size the kernel
     was faster at here (0: none, or no kernel), timed over the model's layer shapes once per
-    machine and model shape (cached). On the 2-core AVX2 EPYC it took the layers 1.6-1.7x less
-    time at one token, 2.7-2.9x less at 2-4, and lost from 64 or 128 tokens up."""
+    machine and model shape (cached); where it won every decode size, prompt-sized steps are
+    timed too, as for the packed weights. On the 2-core AVX2 EPYC it took the layers 1.6-1.7x
+    less time at one token, 2.7-2.9x less at 2-4, and lost from 64 or 128 tokens up; on the Zen
+    5 EPYC, with its prefetch, it won up to 1,024 rows (1.55x at 256, 1.4x at 512, 1.2x at
+    1,024, even at 2,048)."""
     if cpu_kernel.load_library() is None:
         return 0
-    key = "|".join(("dense float32 kernel", *_machine_and_model(config), _kernels_name()))
+    key = "|".join((
+        "dense float32 kernel", *_machine_and_model(config), _kernels_name(),
+        f"steps up to {LARGE_PROBE_TOKENS[-1]}",
+    ))  # fmt: skip
 
     def measure() -> dict:
         started = time.perf_counter()
@@ -135,11 +141,19 @@ def dense_kernel_max_tokens(config: ModelConfig) -> int:
             if measured["kernel"] >= measured["torch"]:
                 break
             max_tokens = rows
+        large_ms: dict[str, dict[int, float]] = {}
+        if max_tokens == DECODE_PROBE_TOKENS[-1]:
+            one_layer = weights[: len(_layer_shapes(config))]
+            candidates = {
+                "torch": (one_layer, _dense, torch.float32),
+                "kernel": (one_layer, _dense_kernel, torch.float32),
+            }
+            max_tokens = _large_max_tokens(candidates, "kernel", "torch", max_tokens, large_ms)
         logger.info(
-            "dense float32 kernel for steps of at most %d tokens (probe, %.2f s, ms: %s)",
-            max_tokens, time.perf_counter() - started, decode_ms,
+            "dense float32 kernel for steps of at most %d tokens (probe, %.2f s, ms: %s %s)",
+            max_tokens, time.perf_counter() - started, decode_ms, large_ms,
         )  # fmt: skip
-        return {"max_tokens": max_tokens, "decode_ms": decode_ms}
+        return {"max_tokens": max_tokens, "decode_ms": decode_ms, "large_ms": large_ms}
 
     return int(
         cached_measurement("cpu-formats.json", key, measure, torch.get_num_threads())["max_tokens"]
@@ -278,16 +292,33 @@ def probe_cpu_formats(config: ModelConfig, packable: bool) -> CpuFormats:
                 dtype: (dense[: len(shapes)], _dense, activations),
                 used: (running[used][: len(shapes)], _packed, activations),
             }
-            for _ in range(LARGE_PROBE_ROUNDS):
-                for rows in LARGE_PROBE_TOKENS:
-                    for name, ms in _interleaved_ms(one_layer, rows).items():
-                        by_rows = large_ms.setdefault(name, {})
-                        by_rows[rows] = min(ms, by_rows.get(rows, ms))
-            for rows in LARGE_PROBE_TOKENS:
-                if large_ms[used][rows] >= large_ms[dtype][rows]:
-                    break
-                packed_max_tokens = rows
+            packed_max_tokens = _large_max_tokens(
+                one_layer, used, dtype, packed_max_tokens, large_ms
+            )
     return CpuFormats(dtype, packed_max_tokens, prefill_ms, decode_ms, int8_min_tokens, large_ms)
+
+
+def _large_max_tokens(
+    one_layer: dict[str, Candidate],
+    challenger: str,
+    incumbent: str,
+    max_tokens: int,
+    large_ms: dict[str, dict[int, float]],
+) -> int:
+    """`max_tokens` grown over LARGE_PROBE_TOKENS while the challenger (one layer's matrices:
+    such steps are compute-bound and reuse each weight from cache) stays faster than the
+    incumbent: LARGE_PROBE_ROUNDS rounds over the sizes, each size's best kept in `large_ms`,
+    so that a slow spell does not decide one."""
+    for _ in range(LARGE_PROBE_ROUNDS):
+        for rows in LARGE_PROBE_TOKENS:
+            for name, ms in _interleaved_ms(one_layer, rows).items():
+                by_rows = large_ms.setdefault(name, {})
+                by_rows[rows] = min(ms, by_rows.get(rows, ms))
+    for rows in LARGE_PROBE_TOKENS:
+        if large_ms[challenger][rows] >= large_ms[incumbent][rows]:
+            break
+        max_tokens = rows
+    return max_tokens
 
 
 def _dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
