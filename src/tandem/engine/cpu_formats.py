@@ -115,7 +115,7 @@ def dense_kernel_max_tokens(config: ModelConfig) -> int:
     timed too, as for the packed weights. On the 2-core AVX2 EPYC it took the layers 1.6-1.7x
     less time at one token, 2.7-2.9x less at 2-4, and lost from 64 or 128 tokens up; on the Zen
     5 EPYC, with its prefetch, it won up to 1,024 rows (1.55x at 256, 1.4x at 512, 1.2x at
-    1,024, even at 2,048)."""
+    1,024) and tied at 2,048, where noise picks."""
     if cpu_kernel.load_library() is None:
         return 0
     key = "|".join((
