@@ -103,26 +103,28 @@ class LaunchedServer:
         raise RuntimeError(f"{self.command[0]} did not become ready; the end of its log:\n{tail}")
 
     def stop(self, timeout: float = 60.0) -> None:
-        if self.process is None or self.process.poll() is not None:
+        process = self.process
+        if process is None or process.poll() is not None:
             return
-        if not self.new_session:  # the group is the caller's: the server stops its own children
-            self.process.terminate()
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-            return
-        group = os.getpgid(self.process.pid)
-        os.killpg(group, signal.SIGTERM)
+        # Its own group, or (in the caller's group) the server alone, which stops its children.
+        group = os.getpgid(process.pid) if self.new_session else None
+
+        def send(sig: int) -> None:
+            if group is None:
+                process.send_signal(sig)
+            else:
+                os.killpg(group, sig)
+
+        send(signal.SIGTERM)
         try:
-            self.process.wait(timeout)
+            process.wait(timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(group, signal.SIGKILL)
-            self.process.wait(10)
+            send(signal.SIGKILL)
+            process.wait(10)
         else:  # the leader is gone; its children (an engine core, workers) go with the group
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(group, signal.SIGKILL)
+            if group is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(group, signal.SIGKILL)
 
     def __enter__(self) -> LaunchedServer:
         return self.start()

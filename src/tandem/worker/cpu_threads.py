@@ -87,7 +87,7 @@ class ForwardThreads:
             # After a pause (or at the first step) a window starts here: what the threads
             # waited while the engine idled or loaded (beside the API process's own start,
             # say) is not the steps' wait.
-            self._window_busy, self._window_delay = 0.0, self._run_delay() or 0.0
+            self._start_window()
             self._contended_windows = 0
             return self._count_down(busy_seconds)
         self._window_busy += busy_seconds
@@ -126,10 +126,12 @@ class ForwardThreads:
             return None
         self._probing = True
         self._contended_windows = 0
-        # The try's window holds only steps on the count tried.
-        self._window_busy, self._window_delay = 0.0, self._run_delay() or 0.0
+        self._start_window()  # the try's window holds only steps on the count tried
         self.threads += 1
         return self.threads
+
+    def _start_window(self) -> None:
+        self._window_busy, self._window_delay = 0.0, self._run_delay() or 0.0
 
     def _fewer(self, waiting: float) -> int:
         self.threads -= 1
