@@ -7,8 +7,12 @@
 
    Per 4 output rows, a pass of up to TOKEN_PASS token rows shares each load of the weights
    (4 rows × TOKEN_PASS tokens of vector sums fill the registers), and the next passes read
-   the same rows again from L1 (L2 for rows wider than ~2,000). The first pass fetches the
-   next 4 rows into the cache as it goes (prefetch_bytes). Each (row, token) dot sums its k
+   the same rows again from L1 (L2 for rows wider than ~2,000). The passes share the fetch of
+   the next 4 rows into the cache (prefetch_bytes), each its own share of their lines, so that
+   memory streams them throughout the block rather than in its first pass alone (over the
+   embedded model's layers on the Zen 5 EPYC, benchmarks/matmul_ab.py: 1.15-1.25x less time
+   at 8-12 token rows, 1.05-1.15x at 16-32; the AVX2 build 1.4x at 8-12, 1.2-1.3x at 16-32).
+   Each (row, token) dot sums its k
    terms in the same order whatever the step holds, so a row's output does not depend on the
    batch around it. */
 
@@ -28,6 +32,10 @@
 #define TOKEN_PASS 2
 #endif
 #define ROWS 4 /* output rows per pass */
+/* In steps of up to this many token rows the passes share the fetch of the next rows; in
+   larger ones the first pass fetches them all (at 40-128 rows, sharing it was no faster on
+   the Zen 5 EPYC, or 1-5% slower). */
+#define SPREAD_TOKENS 32
 
 typedef float vf __attribute__((vector_size(4 * WIDTH)));
 
@@ -48,23 +56,29 @@ static inline vf multiply_add(vf a, vf b, vf c) {
 #endif
 }
 
-/* out[t * n_out + r] for r < valid, t < TOKENS, of the ROWS weight rows at `weight`; with
-   `fetch_next`, the ROWS rows after them into the cache meanwhile (a line per 16 floats).
-   Called with constants, so the sums stay in registers. */
+/* out[t * n_out + r] for r < valid, t < TOKENS, of the ROWS weight rows at `weight`; pass
+   `fetch_pass` of `fetch_passes` fetches its share of the ROWS rows after them into the cache
+   meanwhile (a line per 16 floats, every fetch_passes-th line; none where fetch_passes is 0).
+   Called with constants, so the sums stay in registers; `spread` (fetch_passes > 1) is one
+   too, so that a lone fetching pass keeps a loop without the share's bookkeeping (a batch-1
+   step was 2-9% slower with it). */
 static inline __attribute__((always_inline)) void pass(
-    const float *weight, int64_t k, const float *x, int64_t x_stride, int tokens,
-    const float *bias, float *out, int64_t n_out, int64_t valid, int fetch_next) {
+    const float *weight, int64_t k, const float *x, int64_t x_stride, int tokens, int spread,
+    const float *bias, float *out, int64_t n_out, int64_t valid, int64_t fetch_pass,
+    int64_t fetch_passes) {
     const float *rows[ROWS];
     for (int r = 0; r < ROWS; r++) rows[r] = weight + (r < valid ? r : 0) * k;
     vf sums[TOKEN_PASS][ROWS];
     for (int t = 0; t < tokens; t++)
         for (int r = 0; r < ROWS; r++) sums[t][r] = (vf){0};
-    int64_t c = 0;
+    int64_t c = 0, fetch_at = fetch_passes > 0 ? 16 * fetch_pass : k;
     for (; c + WIDTH <= k; c += WIDTH) {
         vf w[ROWS];
         for (int r = 0; r < ROWS; r++) w[r] = load(rows[r] + c);
-        if (fetch_next && c % 16 == 0)
+        if (spread ? c == fetch_at : fetch_passes > 0 && c % 16 == 0) {
             for (int r = 0; r < ROWS; r++) prefetch_bytes(weight + (ROWS + r) * k + c, 64);
+            fetch_at += 16 * fetch_passes;
+        }
         for (int t = 0; t < tokens; t++) {
             const vf xv = load(x + t * x_stride + c);
             for (int r = 0; r < ROWS; r++) sums[t][r] = multiply_add(w[r], xv, sums[t][r]);
@@ -80,23 +94,28 @@ static inline __attribute__((always_inline)) void pass(
 }
 
 typedef void (*pass_fn)(const float *, int64_t, const float *, int64_t, const float *, float *,
-                        int64_t, int64_t, int);
+                        int64_t, int64_t, int64_t, int64_t);
 
-#define DEFINE_PASS(TOKENS)                                                                     \
-static void pass_##TOKENS(const float *weight, int64_t k, const float *x, int64_t x_stride,     \
-                          const float *bias, float *out, int64_t n_out, int64_t valid,          \
-                          int fetch_next) {                                                     \
-    pass(weight, k, x, x_stride, TOKENS, bias, out, n_out, valid, fetch_next);                  \
+#define DEFINE_PASS(NAME, TOKENS, SPREAD)                                                       \
+static void NAME(const float *weight, int64_t k, const float *x, int64_t x_stride,              \
+                 const float *bias, float *out, int64_t n_out, int64_t valid,                   \
+                 int64_t fetch_pass, int64_t fetch_passes) {                                    \
+    pass(weight, k, x, x_stride, TOKENS, SPREAD, bias, out, n_out, valid, fetch_pass,           \
+         fetch_passes);                                                                         \
 }
+#define DEFINE_PASSES(TOKENS)                                                                   \
+    DEFINE_PASS(pass_##TOKENS, TOKENS, 0) DEFINE_PASS(spread_pass_##TOKENS, TOKENS, 1)
 
-DEFINE_PASS(1)
-DEFINE_PASS(2)
+DEFINE_PASSES(1)
+DEFINE_PASSES(2)
 #if TOKEN_PASS == 4
-DEFINE_PASS(3)
-DEFINE_PASS(4)
-static const pass_fn PASSES[TOKEN_PASS] = {pass_1, pass_2, pass_3, pass_4};
+DEFINE_PASSES(3)
+DEFINE_PASSES(4)
+static const pass_fn PASSES[2][TOKEN_PASS] = {{pass_1, pass_2, pass_3, pass_4},
+                                              {spread_pass_1, spread_pass_2, spread_pass_3,
+                                               spread_pass_4}};
 #else
-static const pass_fn PASSES[TOKEN_PASS] = {pass_1, pass_2};
+static const pass_fn PASSES[2][TOKEN_PASS] = {{pass_1, pass_2}, {spread_pass_1, spread_pass_2}};
 #endif
 
 /* out [num_tokens, n_out] (contiguous) = x [num_tokens, k] (rows x_stride apart) · weightᵀ
@@ -105,16 +124,20 @@ void dense_matmul_f32(const float *weight, const float *bias, int64_t n_out, int
                       const float *x, int64_t x_stride, int64_t num_tokens, float *out,
                       int num_threads) {
     const int64_t blocks = (n_out + ROWS - 1) / ROWS;
+    const int64_t passes = (num_tokens + TOKEN_PASS - 1) / TOKEN_PASS;
     #pragma omp parallel for num_threads(num_threads) schedule(static) if(n_out * k >= 65536)
     for (int64_t block = 0; block < blocks; block++) {
         const int64_t row = block * ROWS;
         const int64_t valid = n_out - row < ROWS ? n_out - row : ROWS;
+        /* The passes share the fetch of the next block, where it has all ROWS rows. */
+        const int64_t fetch_passes =
+            row + 2 * ROWS > n_out ? 0 : num_tokens <= SPREAD_TOKENS ? passes : 1;
         for (int64_t t = 0; t < num_tokens; t += TOKEN_PASS) {
             const int64_t tokens = num_tokens - t < TOKEN_PASS ? num_tokens - t : TOKEN_PASS;
-            /* The first pass fetches the next block where it has all ROWS rows. */
-            PASSES[tokens - 1](weight + row * k, k, x + t * x_stride, x_stride,
-                               bias != NULL ? bias + row : NULL, out + t * n_out + row, n_out,
-                               valid, t == 0 && row + 2 * ROWS <= n_out);
+            PASSES[fetch_passes > 1][tokens - 1](
+                weight + row * k, k, x + t * x_stride, x_stride, bias != NULL ? bias + row : NULL,
+                out + t * n_out + row, n_out, valid, t / TOKEN_PASS,
+                t / TOKEN_PASS < fetch_passes ? fetch_passes : 0);
         }
     }
 }
