@@ -216,18 +216,20 @@ int prefill_attention_f32(const float *query, int64_t q_token_stride, int64_t q_
     #pragma omp parallel num_threads(num_threads) if(num_items > 1)
     {
         /* The keys transposed once for every item: [kv head, dimension, position], zeros
-           past the context; a block of KEYS positions of one kv head at a time. */
+           past the context; a block of KEYS positions of one kv head at a time, written a
+           dimension's row at a time (a position's 64 writes, each to another row, had taken
+           longer than the attention of a short chunk over a long context: 17 queries over
+           1,500 positions 1.26 ms a call against 0.57 now, Zen 5 EPYC). */
         #pragma omp for schedule(static)
         for (int64_t part = 0; part < num_kv_heads * (keys_padded / KEYS); part++) {
             const int64_t h = part % num_kv_heads, first = part / num_kv_heads * KEYS;
-            for (int64_t position = first; position < first + KEYS; position++) {
-                float *column = keys_t + h * head_dim * keys_padded + position;
-                if (position >= context_len) {
-                    for (int64_t d = 0; d < head_dim; d++) column[d * keys_padded] = 0.0f;
-                    continue;
-                }
-                const float *key = keys + position * kv_token_stride + h * kv_head_stride;
-                for (int64_t d = 0; d < head_dim; d++) column[d * keys_padded] = key[d];
+            const int64_t filled = context_len - first < KEYS ? context_len - first : KEYS;
+            const float *key = keys + first * kv_token_stride + h * kv_head_stride;
+            for (int64_t d = 0; d < head_dim; d++) {
+                float *row = keys_t + (h * head_dim + d) * keys_padded + first;
+                for (int64_t position = 0; position < filled; position++)
+                    row[position] = key[position * kv_token_stride + d];
+                for (int64_t position = filled; position < KEYS; position++) row[position] = 0.0f;
             }
         }
         const size_t work_bytes = sizeof(float) * work_floats(problem.group, head_dim);
