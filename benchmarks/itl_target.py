@@ -5,7 +5,12 @@
 2. The stutter scenario (8 streams, a 1,536-token prompt every 3 s) under decode-first with
    budgets 256 / 512 / 2048, prefill-first (2048), and decode-first with --target-itl-ms:
    the streams' p99 and max gap, and the long prompts' TTFT. Goal: max gap <= 1.25x the
-   target, long-prompt TTFT within 1.5x of prefill-first's.
+   target, long-prompt TTFT within 1.5x of prefill-first's. The streams are long enough to
+   decode, at their own pace alone, until 3 s after the last prompt arrives (their length
+   from step 1's gap), so that every prompt arrives while they decode: with a fixed length
+   the streams of a faster engine ended before the later prompts came, and those prompts'
+   TTFT measured a prefill alone. The table says how many prompts got their first token
+   while all 8 streams still decoded.
 3. The telemetry's own cost per step (roofline count, forecast, model update) against the
    median step time. Goal: under 1%.
 
@@ -16,13 +21,15 @@ Markdown summary) go to benchmarks/results/itl_target/.
     .venv/bin/python benchmarks/itl_target.py --only-target MS   # that target's row alone
 
 `--only-target MS` runs the stutter scenario under that target only (no streams-alone run, no
-fixed budgets): for A/Bs of the scheduler at one target, runs of two trees alternated.
+fixed budgets; the streams sized from a gap of MS / 1.5): for A/Bs of the scheduler at one
+target, runs of two trees alternated.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import sys
 import time
 from pathlib import Path
@@ -38,13 +45,21 @@ from tandem.models.loader import load_model_config, resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 STREAMS = 8
+STREAM_TOKENS_ALONE = 160  # the streams-alone run's, which measures the gap
+LONG_START, LONG_EVERY = 2.0, 3.0  # seconds: the first long prompt's arrival, then one every
 
 
-def stutter(num_long: int) -> w.Workload:
+def stutter(num_long: int, stream_tokens: int = STREAM_TOKENS_ALONE) -> w.Workload:
     return w.stutter_workload(
-        num_long, 1, streams=STREAMS, output_len=(160, 160), long_len=1536, long_start=2.0,
-        long_every=3.0,
+        num_long, 1, streams=STREAMS, output_len=(stream_tokens, stream_tokens), long_len=1536,
+        long_start=LONG_START, long_every=LONG_EVERY,
     )  # fmt: skip
+
+
+def stream_tokens(num_long: int, gap_ms: float) -> int:
+    """Tokens that keep a stream decoding, at a gap of `gap_ms`, until LONG_EVERY after the
+    last long prompt's arrival."""
+    return math.ceil((LONG_START + num_long * LONG_EVERY) * 1e3 / gap_ms)
 
 
 def run_server(args: list[str], label: str, workload: w.Workload, out: Path) -> dict:
@@ -83,6 +98,10 @@ def telemetry_seconds_per_step() -> float:
     return (time.perf_counter() - start) / num_steps
 
 
+def _seconds(values_ms: list[float]) -> str:
+    return ", ".join(f"{value / 1e3:.2f} s" for value in values_ms)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--long-prompts", type=int, default=3)
@@ -97,16 +116,21 @@ def main() -> None:
         target_args = [flag, "decode-first", "--max-num-batched-tokens", "2048",
                        "--target-itl-ms", f"{args.only_target:.1f}"]  # fmt: skip
         label = f"target {args.only_target:.0f} ms"
-        f = stream_figures(run_server(target_args, label, stutter(args.long_prompts), out))
-        print(f"{label}: ITL p50 {f['itl_p50']:.0f} ms, p99 {f['itl_p99']:.0f} ms, max "
-              f"{f['itl_max']:.0f} ms ({f['itl_max'] / args.only_target:.2f}x), long TTFT "
-              f"{f['long_ttft']:.0f} ms", flush=True)  # fmt: skip
+        tokens = stream_tokens(args.long_prompts, args.only_target / 1.5)
+        f = stream_figures(run_server(target_args, label, stutter(args.long_prompts, tokens), out))
+        print(f"{label}, streams of {tokens} tokens: ITL p50 {f['itl_p50']:.0f} ms, p99 "
+              f"{f['itl_p99']:.0f} ms, max {f['itl_max']:.0f} ms "
+              f"({f['itl_max'] / args.only_target:.2f}x), long TTFT {f['long_ttft']:.0f} ms "
+              f"({_seconds(f['long_ttfts'])}; {f['long_beside_streams']} beside the streams)",
+              flush=True)  # fmt: skip
         return
 
     alone = run_server([], "streams alone", stutter(0), out)
     decode_step_ms = stream_figures(alone)["itl_p50"]
     target_ms = 1.5 * decode_step_ms
-    print(f"streams alone: median gap {decode_step_ms:.1f} ms -> target {target_ms:.1f} ms")
+    tokens = stream_tokens(args.long_prompts, decode_step_ms)
+    print(f"streams alone: median gap {decode_step_ms:.1f} ms -> target {target_ms:.1f} ms; "
+          f"streams of {tokens} tokens")  # fmt: skip
 
     setups = [
         ("decode-first 256", [flag, "decode-first", "--max-num-batched-tokens", "256"]),
@@ -128,7 +152,7 @@ def main() -> None:
     figures = {}
     for label, server_args in setups:
         figures[label] = stream_figures(
-            run_server(server_args, label, stutter(args.long_prompts), out)
+            run_server(server_args, label, stutter(args.long_prompts, tokens), out)
         )
         f = figures[label]
         print(f"  {label}: p99 {f['itl_p99']:.0f} ms, max {f['itl_max']:.0f} ms, "
@@ -143,18 +167,20 @@ def main() -> None:
         f"`{' '.join([Path(sys.executable).name, *sys.argv])}`",
         "",
         f"{STREAMS} streams alone: median gap {decode_step_ms:.1f} ms; target "
-        f"{target_ms:.1f} ms (1.5x). Stutter: {args.long_prompts} prompts of 1,536 tokens, "
-        "one every 3 s.",
+        f"{target_ms:.1f} ms (1.5x). Stutter: {STREAMS} streams of {tokens} tokens, "
+        f"{args.long_prompts} prompts of 1,536 tokens, one every {LONG_EVERY:.0f} s from "
+        f"{LONG_START:.0f} s.",
         "",
         "| setup | streams' ITL p50 | p99 | max | max / target | long prompt TTFT p50 "
-        "| TTFT / prefill-first's |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| TTFT / prefill-first's | each prompt's TTFT | prompts beside all streams |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for label, f in figures.items():
         lines.append(
             f"| {label} | {f['itl_p50']:.0f} ms | {f['itl_p99']:.0f} ms | {f['itl_max']:.0f} ms "
             f"| {f['itl_max'] / target_ms:.2f}x | {f['long_ttft']:.0f} ms "
-            f"| {f['long_ttft'] / prefill_first_ttft:.2f}x |"
+            f"| {f['long_ttft'] / prefill_first_ttft:.2f}x | {_seconds(f['long_ttfts'])} "
+            f"| {f['long_beside_streams']} of {len(f['long_ttfts'])} |"
         )
     lines += [
         "",

@@ -191,15 +191,21 @@ def describe(params: dict) -> str:
 
 
 def stream_figures(run: dict) -> dict:
+    """The streams' gaps and the long prompts' TTFTs (each, in arrival order, and their median),
+    and how many long prompts got their first token while every stream still decoded (the
+    others ran beside fewer streams, or none)."""
     streams = [r for r in run["records"] if r.tag == "stream"]
-    longs = [r for r in run["records"] if r.tag == "long"]
+    longs = sorted((r for r in run["records"] if r.tag == "long" and r.ok), key=lambda r: r.send)
     m = compute_metrics(streams)
-    long_ttft = [(r.chunks[0] - r.send) * 1e3 for r in longs if r.ok]
+    long_ttfts = [(r.chunks[0] - r.send) * 1e3 for r in longs]
+    first_stream_end = min((r.end for r in streams), default=0.0)
     return {
         "itl_p50": m["itl_ms"]["median"],
         "itl_p99": m["itl_ms"]["p99"],
         "itl_max": m["itl_ms"]["max"],
-        "long_ttft": statistics.median(long_ttft or [0]),
+        "long_ttft": statistics.median(long_ttfts or [0]),
+        "long_ttfts": long_ttfts,
+        "long_beside_streams": sum(r.chunks[0] < first_stream_end for r in longs),
         "failed": sum(not r.ok for r in run["records"]),
     }
 
