@@ -10,8 +10,8 @@
    the same rows again from L1 (L2 for rows wider than ~2,000). The passes share the fetch of
    the next 4 rows into the cache (prefetch_bytes), each its own share of their lines, so that
    memory streams them throughout the block rather than in its first pass alone (over the
-   embedded model's layers on the Zen 5 EPYC, benchmarks/matmul_ab.py: 1.15-1.25x less time
-   at 8-12 token rows, 1.05-1.15x at 16-32; the AVX2 build 1.4x at 8-12, 1.2-1.3x at 16-32).
+   embedded model's layers on the Zen 5 EPYC, benchmarks/matmul_ab.py: 1.1-1.2x less time
+   at 8-16 token rows, 1.0-1.04x at 24-32; its AVX2 build 1.1-1.2x at 4, 1.3-1.4x at 8-32).
    Each (row, token) dot sums its k
    terms in the same order whatever the step holds, so a row's output does not depend on the
    batch around it. */
@@ -59,9 +59,9 @@ static inline vf multiply_add(vf a, vf b, vf c) {
 /* out[t * n_out + r] for r < valid, t < TOKENS, of the ROWS weight rows at `weight`; pass
    `fetch_pass` of `fetch_passes` fetches its share of the ROWS rows after them into the cache
    meanwhile (a line per 16 floats, every fetch_passes-th line; none where fetch_passes is 0).
-   Called with constants, so the sums stay in registers; `spread` (fetch_passes > 1) is one
-   too, so that a lone fetching pass keeps a loop without the share's bookkeeping (a batch-1
-   step was 2-9% slower with it). */
+   Called with constants, so the sums stay in registers; `spread` is one too: without it
+   (fetch_passes 0 or 1) the loop is the one that fetched in the first pass alone, without
+   the share's bookkeeping, which had made 1-row and 64-row steps 1-3% slower. */
 static inline __attribute__((always_inline)) void pass(
     const float *weight, int64_t k, const float *x, int64_t x_stride, int tokens, int spread,
     const float *bias, float *out, int64_t n_out, int64_t valid, int64_t fetch_pass,
@@ -93,29 +93,36 @@ static inline __attribute__((always_inline)) void pass(
         }
 }
 
+/* Per token count: a pass that fetches all of the next rows or none (`fetch_next`), and one
+   that fetches its share of them. */
 typedef void (*pass_fn)(const float *, int64_t, const float *, int64_t, const float *, float *,
-                        int64_t, int64_t, int64_t, int64_t);
+                        int64_t, int64_t, int);
+typedef void (*spread_pass_fn)(const float *, int64_t, const float *, int64_t, const float *,
+                               float *, int64_t, int64_t, int64_t, int64_t);
 
-#define DEFINE_PASS(NAME, TOKENS, SPREAD)                                                       \
-static void NAME(const float *weight, int64_t k, const float *x, int64_t x_stride,              \
-                 const float *bias, float *out, int64_t n_out, int64_t valid,                   \
-                 int64_t fetch_pass, int64_t fetch_passes) {                                    \
-    pass(weight, k, x, x_stride, TOKENS, SPREAD, bias, out, n_out, valid, fetch_pass,           \
-         fetch_passes);                                                                         \
-}
 #define DEFINE_PASSES(TOKENS)                                                                   \
-    DEFINE_PASS(pass_##TOKENS, TOKENS, 0) DEFINE_PASS(spread_pass_##TOKENS, TOKENS, 1)
+static void pass_##TOKENS(const float *weight, int64_t k, const float *x, int64_t x_stride,     \
+                          const float *bias, float *out, int64_t n_out, int64_t valid,          \
+                          int fetch_next) {                                                     \
+    pass(weight, k, x, x_stride, TOKENS, 0, bias, out, n_out, valid, 0, fetch_next);            \
+}                                                                                               \
+static void spread_pass_##TOKENS(const float *weight, int64_t k, const float *x,                \
+                                 int64_t x_stride, const float *bias, float *out, int64_t n_out,\
+                                 int64_t valid, int64_t fetch_pass, int64_t fetch_passes) {     \
+    pass(weight, k, x, x_stride, TOKENS, 1, bias, out, n_out, valid, fetch_pass, fetch_passes); \
+}
 
 DEFINE_PASSES(1)
 DEFINE_PASSES(2)
 #if TOKEN_PASS == 4
 DEFINE_PASSES(3)
 DEFINE_PASSES(4)
-static const pass_fn PASSES[2][TOKEN_PASS] = {{pass_1, pass_2, pass_3, pass_4},
-                                              {spread_pass_1, spread_pass_2, spread_pass_3,
-                                               spread_pass_4}};
+static const pass_fn PASSES[TOKEN_PASS] = {pass_1, pass_2, pass_3, pass_4};
+static const spread_pass_fn SPREAD_PASSES[TOKEN_PASS] = {spread_pass_1, spread_pass_2,
+                                                         spread_pass_3, spread_pass_4};
 #else
-static const pass_fn PASSES[2][TOKEN_PASS] = {{pass_1, pass_2}, {spread_pass_1, spread_pass_2}};
+static const pass_fn PASSES[TOKEN_PASS] = {pass_1, pass_2};
+static const spread_pass_fn SPREAD_PASSES[TOKEN_PASS] = {spread_pass_1, spread_pass_2};
 #endif
 
 /* out [num_tokens, n_out] (contiguous) = x [num_tokens, k] (rows x_stride apart) · weightᵀ
@@ -129,15 +136,20 @@ void dense_matmul_f32(const float *weight, const float *bias, int64_t n_out, int
     for (int64_t block = 0; block < blocks; block++) {
         const int64_t row = block * ROWS;
         const int64_t valid = n_out - row < ROWS ? n_out - row : ROWS;
-        /* The passes share the fetch of the next block, where it has all ROWS rows. */
-        const int64_t fetch_passes =
-            row + 2 * ROWS > n_out ? 0 : num_tokens <= SPREAD_TOKENS ? passes : 1;
+        /* The next block is fetched where it has all ROWS rows: by the passes together in
+           steps of up to SPREAD_TOKENS rows, else by the first. */
+        const int fetch = row + 2 * ROWS <= n_out;
+        const int spread = fetch && passes > 1 && num_tokens <= SPREAD_TOKENS;
         for (int64_t t = 0; t < num_tokens; t += TOKEN_PASS) {
             const int64_t tokens = num_tokens - t < TOKEN_PASS ? num_tokens - t : TOKEN_PASS;
-            PASSES[fetch_passes > 1][tokens - 1](
-                weight + row * k, k, x + t * x_stride, x_stride, bias != NULL ? bias + row : NULL,
-                out + t * n_out + row, n_out, valid, t / TOKEN_PASS,
-                t / TOKEN_PASS < fetch_passes ? fetch_passes : 0);
+            const float *row_bias = bias != NULL ? bias + row : NULL;
+            if (spread)
+                SPREAD_PASSES[tokens - 1](weight + row * k, k, x + t * x_stride, x_stride,
+                                          row_bias, out + t * n_out + row, n_out, valid,
+                                          t / TOKEN_PASS, passes);
+            else
+                PASSES[tokens - 1](weight + row * k, k, x + t * x_stride, x_stride, row_bias,
+                                   out + t * n_out + row, n_out, valid, fetch && t == 0);
         }
     }
 }
