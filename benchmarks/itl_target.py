@@ -1,13 +1,14 @@
 """ITL-targeted decode-first against fixed token budgets (issue 9), in one run on this machine:
 
-1. 8 streams decoding alone: their median inter-token gap is the decode step; the target is
-   1.5x it.
+1. 8 streams decoding alone (the scenario's streams, below): their median inter-token gap
+   is the decode step; the target is 1.5x it.
 2. The stutter scenario (8 streams, a 1,536-token prompt every 3 s) under decode-first with
    budgets 256 / 512 / 2048, prefill-first (2048), and decode-first with --target-itl-ms:
    the streams' p99 and max gap, and the long prompts' TTFT. Goal: max gap <= 1.25x the
    target, long-prompt TTFT within 1.5x of prefill-first's. The streams are long enough to
    decode, at their own pace alone, until 3 s after the last prompt arrives (their length
-   from step 1's gap), so that every prompt arrives while they decode: with a fixed length
+   from a run of 160-token streams alone), so that every prompt arrives while they decode:
+   with a fixed length
    the streams of a faster engine ended before the later prompts came, and those prompts'
    TTFT measured a prefill alone. The table says how many prompts got their first token
    while all 8 streams still decoded.
@@ -29,12 +30,22 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import sys
 import time
 from pathlib import Path
 
-from serve_workloads import KV_CACHE, bench, policy_flag, serve, stream_figures
+from serve_workloads import (
+    KV_CACHE,
+    LONG_EVERY,
+    LONG_START,
+    STUTTER_STREAMS,
+    bench,
+    covering_stream_tokens,
+    policy_flag,
+    serve,
+    stream_figures,
+    stutter_scenario,
+)
 from tandem.bench import plots
 from tandem.bench import workloads as w
 from tandem.bench.launch import tandem_serve_command
@@ -44,22 +55,6 @@ from tandem.core.step_cost import StepCostModel
 from tandem.models.loader import load_model_config, resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
-STREAMS = 8
-STREAM_TOKENS_ALONE = 160  # the streams-alone run's, which measures the gap
-LONG_START, LONG_EVERY = 2.0, 3.0  # seconds: the first long prompt's arrival, then one every
-
-
-def stutter(num_long: int, stream_tokens: int = STREAM_TOKENS_ALONE) -> w.Workload:
-    return w.stutter_workload(
-        num_long, 1, streams=STREAMS, output_len=(stream_tokens, stream_tokens), long_len=1536,
-        long_start=LONG_START, long_every=LONG_EVERY,
-    )  # fmt: skip
-
-
-def stream_tokens(num_long: int, gap_ms: float) -> int:
-    """Tokens that keep a stream decoding, at a gap of `gap_ms`, until LONG_EVERY after the
-    last long prompt's arrival."""
-    return math.ceil((LONG_START + num_long * LONG_EVERY) * 1e3 / gap_ms)
 
 
 def run_server(args: list[str], label: str, workload: w.Workload, out: Path) -> dict:
@@ -87,7 +82,7 @@ def telemetry_seconds_per_step() -> float:
     chunk), averaged over many steps with the model refitting as it does in the engine."""
     shape = ModelShape.of(load_model_config(resolve_model_path("default")), 4, 4, 4)
     model = StepCostModel(shape, MachinePeaks("probe", 2e11, 2e10))
-    batch = [_Work(500 + i, 1, True) for i in range(STREAMS)] + [_Work(512, 256, False)]
+    batch = [_Work(500 + i, 1, True) for i in range(STUTTER_STREAMS)] + [_Work(512, 256, False)]
     num_steps = 5000
     start = time.perf_counter()
     for index in range(num_steps):
@@ -116,8 +111,10 @@ def main() -> None:
         target_args = [flag, "decode-first", "--max-num-batched-tokens", "2048",
                        "--target-itl-ms", f"{args.only_target:.1f}"]  # fmt: skip
         label = f"target {args.only_target:.0f} ms"
-        tokens = stream_tokens(args.long_prompts, args.only_target / 1.5)
-        f = stream_figures(run_server(target_args, label, stutter(args.long_prompts, tokens), out))
+        tokens = covering_stream_tokens(args.long_prompts, args.only_target / 1.5e3)
+        f = stream_figures(
+            run_server(target_args, label, stutter_scenario(args.long_prompts, tokens), out)
+        )
         print(f"{label}, streams of {tokens} tokens: ITL p50 {f['itl_p50']:.0f} ms, p99 "
               f"{f['itl_p99']:.0f} ms, max {f['itl_max']:.0f} ms "
               f"({f['itl_max'] / args.only_target:.2f}x), long TTFT {f['long_ttft']:.0f} ms "
@@ -125,12 +122,15 @@ def main() -> None:
               flush=True)  # fmt: skip
         return
 
-    alone = run_server([], "streams alone", stutter(0), out)
+    # Short streams alone give the pace that sizes the scenario's streams; streams of that
+    # length alone give the decode step (their steps slow as their contexts grow).
+    short = run_server([], "short streams alone", stutter_scenario(0), out)
+    tokens = covering_stream_tokens(args.long_prompts, stream_figures(short)["itl_p50"] / 1e3)
+    alone = run_server([], "streams alone", stutter_scenario(0, tokens), out)
     decode_step_ms = stream_figures(alone)["itl_p50"]
     target_ms = 1.5 * decode_step_ms
-    tokens = stream_tokens(args.long_prompts, decode_step_ms)
-    print(f"streams alone: median gap {decode_step_ms:.1f} ms -> target {target_ms:.1f} ms; "
-          f"streams of {tokens} tokens")  # fmt: skip
+    print(f"streams of {tokens} tokens alone: median gap {decode_step_ms:.1f} ms -> target "
+          f"{target_ms:.1f} ms")  # fmt: skip
 
     setups = [
         ("decode-first 256", [flag, "decode-first", "--max-num-batched-tokens", "256"]),
@@ -152,7 +152,7 @@ def main() -> None:
     figures = {}
     for label, server_args in setups:
         figures[label] = stream_figures(
-            run_server(server_args, label, stutter(args.long_prompts, tokens), out)
+            run_server(server_args, label, stutter_scenario(args.long_prompts, tokens), out)
         )
         f = figures[label]
         print(f"  {label}: p99 {f['itl_p99']:.0f} ms, max {f['itl_max']:.0f} ms, "
@@ -166,8 +166,8 @@ def main() -> None:
         f"Machine: {info.get('cpu')}, {info['cores']} cores. Command: "
         f"`{' '.join([Path(sys.executable).name, *sys.argv])}`",
         "",
-        f"{STREAMS} streams alone: median gap {decode_step_ms:.1f} ms; target "
-        f"{target_ms:.1f} ms (1.5x). Stutter: {STREAMS} streams of {tokens} tokens, "
+        f"{STUTTER_STREAMS} streams alone: median gap {decode_step_ms:.1f} ms; target "
+        f"{target_ms:.1f} ms (1.5x). Stutter: {STUTTER_STREAMS} streams of {tokens} tokens, "
         f"{args.long_prompts} prompts of 1,536 tokens, one every {LONG_EVERY:.0f} s from "
         f"{LONG_START:.0f} s.",
         "",

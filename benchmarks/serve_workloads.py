@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import platform
 import statistics
 import subprocess
@@ -188,6 +189,27 @@ def compare(names: list[str], sizes: dict, out: Path, dtype: str) -> list[str]:
 def describe(params: dict) -> str:
     skip = {"name", "prompt_format", "input_mean", "input_sigma", "output_mean", "output_sigma"}
     return ", ".join(f"{k} {v}" for k, v in params.items() if k not in skip)
+
+
+# Issue 9's stutter scenario: STUTTER_STREAMS streams decoding, prompts of 1,536 tokens
+# arriving from LONG_START seconds, one every LONG_EVERY.
+STUTTER_STREAMS = 8
+STREAM_TOKENS_ALONE = 160  # a streams-alone run's, which measures their pace
+LONG_START, LONG_EVERY = 2.0, 3.0
+
+
+def stutter_scenario(num_long: int, stream_tokens: int = STREAM_TOKENS_ALONE) -> w.Workload:
+    return w.stutter_workload(
+        num_long, 1, streams=STUTTER_STREAMS, output_len=(stream_tokens, stream_tokens),
+        long_len=1536, long_start=LONG_START, long_every=LONG_EVERY,
+    )  # fmt: skip
+
+
+def covering_stream_tokens(num_long: int, seconds_per_token: float) -> int:
+    """Tokens that keep a stream decoding, at `seconds_per_token`, until LONG_EVERY after the
+    last long prompt's arrival: every prompt then arrives while the streams decode (streams of
+    a fixed length end before the later prompts come once the engine is fast enough)."""
+    return math.ceil((LONG_START + num_long * LONG_EVERY) / seconds_per_token)
 
 
 def stream_figures(run: dict) -> dict:

@@ -5,7 +5,10 @@ median absolute error <= 10%, p90 <= 20% over the stutter and random workloads),
    default engine: dtype auto), each alone on the machine, run the stutter workload (8 streams
    decoding, 1,536-token prompts arriving), the same with `--target-itl-ms` (where the
    scheduler sizes prompt chunks by the forecast), and the random workload; the step logs go
-   to benchmarks/results/step_forecast/.
+   to benchmarks/results/step_forecast/. A run of the streams alone first measures their pace,
+   which sizes the stutter's streams (they decode until after the last prompt arrives: at a
+   fixed 160 tokens the default engine's streams ended before the first came); streams of
+   that length alone set the target at 1.5x their pace, as benchmarks/itl_target.py does.
 2. Every log is scored twice over its steps after the first SKIP_STEPS (the model's unfitted
    start): the forecasts the engine logged (`predicted_step_time`, each made before the step
    it forecasts ran), and those of this tree's StepCostModel replaying the log from its first
@@ -27,8 +30,15 @@ import statistics
 import sys
 from pathlib import Path
 
-from serve_workloads import KV_CACHE, SIZES, bench, serve
-from tandem.bench import workloads as w
+from serve_workloads import (
+    KV_CACHE,
+    SIZES,
+    STREAM_TOKENS_ALONE,
+    bench,
+    covering_stream_tokens,
+    serve,
+    stutter_scenario,
+)
 from tandem.bench.launch import tandem_serve_command
 from tandem.bench.report import percentile
 from tandem.bench.runner import machine
@@ -40,21 +50,36 @@ from tandem.models.loader import load_model_config, resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP_STEPS = 32
-TARGET_ITL_MS = 150.0
+NUM_LONG = 3  # the stutter's long prompts
 
 
-def stutter() -> w.Workload:
-    return w.stutter_workload(
-        3, 1, streams=8, output_len=(160, 160), long_len=1536, long_start=2.0, long_every=3.0
+def streams_pace(out: Path, stream_tokens: int, label: str) -> float:
+    """Seconds per token of the stutter's streams decoding alone, from each one's first token
+    to its last (not the median gap: a multi-step burst's tokens arrive together)."""
+    server = serve(tandem_serve_command(["--kv-cache-memory", KV_CACHE]), out / f"{label}.log")
+    try:
+        run = bench(server, stutter_scenario(0, stream_tokens), None, label, out)
+    finally:
+        server.stop()
+    return statistics.median(
+        (r.end - r.chunks[0]) / (r.output_tokens - 1) for r in run["records"] if r.ok
     )
 
 
 def write_logs(out: Path) -> list[Path]:
+    # Short streams' pace sizes the scenario's streams; those alone set the target (their
+    # steps slow as their contexts grow).
+    tokens = covering_stream_tokens(NUM_LONG, streams_pace(out, STREAM_TOKENS_ALONE, "short"))
+    seconds = streams_pace(out, tokens, "alone")
+    target_ms = 1.5e3 * seconds
+    print(f"streams of {tokens} tokens alone: {seconds * 1e3:.2f} ms a token -> target "
+          f"{target_ms:.1f} ms", flush=True)  # fmt: skip
     runs = [
-        ("stutter", [], stutter()),
-        ("stutter-target", ["--target-itl-ms", str(TARGET_ITL_MS)], stutter()),
+        ("stutter", [], stutter_scenario(NUM_LONG, tokens)),
+        ("stutter-target", ["--target-itl-ms", f"{target_ms:.1f}"],
+         stutter_scenario(NUM_LONG, tokens)),
         ("random", [], SIZES["random"][0]()),
-    ]
+    ]  # fmt: skip
     logs = []
     for label, flags, workload in runs:
         log = out / f"{label}.jsonl"
