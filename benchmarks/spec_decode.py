@@ -9,7 +9,10 @@ that needs no download, the embedded model in dtype "auto" drafting for its fp32
 Greedy decoding of NEW_TOKENS tokens each (ignore_eos), so every engine emits as many tokens,
 the same ones up to near-ties (bf16 has many): the comparison is time. The batch 1 row runs its
 prompts one at a time. The texts are the docstrings of Python standard-library modules: local,
-and different from each other.
+and different from each other. tok/s is each engine's best round; "x" (speedup) is the median
+over rounds of its tok/s over the plain engine's in the same round, the engines' order
+reversed every other round (a ratio of best rounds was as noisy as this machine: adaptive
+engines that verified no drafts read 0.94-1.13x their plain twins).
 Nothing else may compute meanwhile (two OpenMP processes on 2 cores slow each other 10-30x).
 
     .venv/bin/python benchmarks/spec_decode.py [--rounds 2] [--batches 1 8 32 64]
@@ -30,6 +33,7 @@ import datetime
 import importlib
 import json
 import platform
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -210,23 +214,27 @@ def run_group(group: str, batches: list[int], rounds: int) -> list[dict]:
         for batch in batches:
             chosen = texts[: BATCH_1_PROMPTS if batch == 1 else batch]
             best: dict[str, tuple[float, int, SpecDecodeStats]] = {}
-            for _ in range(rounds):
-                for name, llm in engines.items():
+            rates: dict[str, list[float]] = {name: [] for name in engines}
+            for round_index in range(rounds):
+                order = list(engines.items())
+                for name, llm in order if round_index % 2 == 0 else order[::-1]:
                     result = run(llm, chosen, batch)
+                    rates[name].append(result[1] / result[0])
                     if name not in best or result[0] < best[name][0]:
                         best[name] = result
             counts = {name: result[1] for name, result in best.items()}
             if len(set(counts.values())) != 1:
                 print(f"  note: token counts differ (near-ties): {counts}")
-            base_seconds, base_tokens, _ = best["none"]
             for name, (seconds, tokens, stats) in best.items():
+                ratios = [a / b for a, b in zip(rates[name], rates["none"], strict=True)]
                 row = {
                     "group": group,
                     "workload": workload,
                     "batch": batch,
                     "engine": name,
                     "tok_s": tokens / seconds,
-                    "speedup": (tokens / seconds) / (base_tokens / base_seconds),
+                    "speedup": statistics.median(ratios),
+                    "speedup_by_round": ratios,
                     "acceptance": stats.acceptance_rate,
                     "mean_accepted_length": stats.mean_acceptance_length,
                     "drafts_per_token": stats.num_draft_tokens / tokens,
