@@ -115,8 +115,8 @@ def replayed(steps: list[dict], packed_max_tokens: int) -> list[float]:
         num_steps = step.get("num_steps", 1)  # multi-step scheduling's forwards, as the engine
         num_new = step["num_prefill_tokens"] + step["num_decode_tokens"] // num_steps
         sums = BatchSums(num_new, step["num_attended"], step["num_context"], step["num_sampled"])
-        seconds = (step["step_time"] - step["propose_time"]) / num_steps
-        forecasts.append(num_steps * model.observe(sums, seconds))
+        seconds = step["step_time"] - step["propose_time"]
+        forecasts.append(model.observe(sums, seconds, num_steps=num_steps))
     return forecasts
 
 

@@ -113,7 +113,8 @@ def test_batched_telemetry_is_the_step_by_step_telemetry(tiny_llama, tmp_path):
                          step.num_context, step.num_sampled)  # fmt: skip
         work = sums_work(core.model_shape, sums)
         assert (step.flops, step.bytes) == (work.flops, work.bytes)
-        assert step.predicted_step_time == replay.observe(sums, step.step_time - step.propose_time)
+        seconds = step.step_time - step.propose_time
+        assert step.predicted_step_time == replay.observe(sums, seconds, num_steps=step.num_steps)
     assert replay.coefficients == core.cost_model.coefficients is not None
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r.pop("step") for r in records] == list(range(1, len(steps) + 1))

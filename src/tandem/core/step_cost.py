@@ -10,7 +10,8 @@ g per new token of a step that uses them. Kernels that work in blocks of rows (t
 matmul takes four at a time) or CUDA graphs captured at padded batch sizes make small steps'
 time a staircase in their token count that no line follows: for steps of up to
 RESIDUAL_MAX_TOKENS tokens, the ratio of the measured time to the line's is learned per token
-count, as a moving average, and scales the line (a ratio, not a difference: learned at one
+count (and apart for the forwards of multi-step bursts, which share their step's own work), as
+a moving average, and scales the line (a ratio, not a difference: learned at one
 context it still scales the line at another, and never drives a forecast to nothing; and it
 follows this machine's drift from minute to minute, which a window of 512 steps refitted every
 64 does not). A larger step with prompt tokens (not a large decode batch, whose jitter on a GPU
@@ -60,6 +61,14 @@ def features(sums: BatchSums, packed_max_tokens: int = 0) -> tuple[float, ...]:
     )  # fmt: skip
 
 
+def residual_key(num_new_tokens: int, num_steps: int) -> tuple[int, bool]:
+    """A small step's ratio to the line is learned per token count, and apart for the forwards
+    of multi-step bursts: they share their step's own work (scheduling, outputs) where a lone
+    step pays all of it, so one ratio for both had forecast bursts 20-40% long and the lone
+    steps between them as much short. (Until one kind is seen, the other's ratio serves.)"""
+    return num_new_tokens, num_steps > 1
+
+
 class StepCostModel:
     """Predicts a step's seconds from its BatchSums; `observe` each step's measured time."""
 
@@ -85,18 +94,23 @@ class StepCostModel:
         # One per feature (a tuple: the step loop's dot product in Python beats numpy's call).
         self.coefficients: tuple[float, ...] | None = None  # None: the roofline predicts
         self.overhead: float | None = None  # least (measured - roofline) seen, >= 0
-        # Small steps by token count: measured time / the fitted line's (moving average).
-        self.residuals: dict[int, float] = {}
+        # Small steps by residual_key: measured time / the fitted line's (moving average).
+        self.residuals: dict[tuple[int, bool], float] = {}
         # Larger steps with prompt tokens: measured / forecast time - 1 (negative: early).
         self._overruns: deque[float] = deque(maxlen=HEADROOM_STEPS)
         self.headroom = 0.0
         self.max_observed_tokens = 0  # the most new tokens of any step seen
 
-    def predict(self, sums: BatchSums) -> float:
+    def predict(self, sums: BatchSums, num_steps: int = 1) -> float:
+        """Seconds for a step of these sums, or for a burst of `num_steps` forwards of them."""
         if self.coefficients is None:
-            return self.roofline_seconds(sums) + (self.overhead or 0.0)
+            return num_steps * (self.roofline_seconds(sums) + (self.overhead or 0.0))
         line = self._line(features(sums, self.packed_max_tokens))
-        return line * self.residuals.get(sums.num_new_tokens, 1.0)
+        return num_steps * line * self._ratio(residual_key(sums.num_new_tokens, num_steps))
+
+    def _ratio(self, key: tuple[int, bool]) -> float:
+        ratio = self.residuals.get(key)
+        return ratio if ratio is not None else self.residuals.get((key[0], not key[1]), 1.0)
 
     def _line(self, row: tuple[float, ...]) -> float:
         assert self.coefficients is not None
@@ -109,25 +123,30 @@ class StepCostModel:
         peaks = self.peaks
         return max(work.flops / peaks.flops_per_second, work.bytes / peaks.bytes_per_second)
 
-    def observe(self, sums: BatchSums, seconds: float, work: StepWork | None = None) -> float:
-        """Learn from a step of these sums that took `seconds`; `work`: their sums_work, where
-        the caller has it. Returns what `predict` said of it before (the step loop's one call
-        for both)."""
+    def observe(
+        self, sums: BatchSums, seconds: float, work: StepWork | None = None, num_steps: int = 1
+    ) -> float:
+        """Learn from a step of these sums (a burst of `num_steps` forwards of them) that took
+        `seconds`; `work`: their sums_work, where the caller has it. Returns what `predict`
+        said of it before (the step loop's one call for both). The model learns a forward's
+        time: the step's over its forwards."""
         num_new = sums.num_new_tokens
         self.max_observed_tokens = max(self.max_observed_tokens, num_new)
         row = features(sums, self.packed_max_tokens)
+        key = residual_key(num_new, num_steps)
+        seconds /= num_steps
         roofline = self._roofline_seconds(sums_work(self.shape, sums) if work is None else work)
         missed_far = False
         if self.coefficients is None:
             predicted = roofline + (self.overhead or 0.0)
         else:
             line = self._line(row)
-            predicted = line * self.residuals.get(num_new, 1.0)
+            predicted = line * self._ratio(key)
             if num_new <= RESIDUAL_MAX_TOKENS:
                 if line > 0:
                     ratio = min(max(seconds / line, RATIO_MIN), RATIO_MAX)
-                    previous = self.residuals.get(num_new)
-                    self.residuals[num_new] = (
+                    previous = self.residuals.get(key)
+                    self.residuals[key] = (
                         ratio
                         if previous is None
                         else previous + RESIDUAL_WEIGHT * (ratio - previous)
@@ -152,7 +171,7 @@ class StepCostModel:
             every = max(self.refit_every, num_rows // 8)
         if num_rows >= self.min_steps and (self._since_fit >= max(1, every) or missed_far):
             self._fit()
-        return predicted
+        return num_steps * predicted
 
     def _note_overrun(self, overrun: float) -> None:
         self._overruns.append(overrun)

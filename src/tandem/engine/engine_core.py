@@ -1111,8 +1111,8 @@ class EngineCore:
             roofline = place_step(total, stats.step_time, peaks)
             stats.flops, stats.bytes = roofline.flops, roofline.bytes
             stats.mfu, stats.mbu, stats.bound = roofline.mfu, roofline.mbu, roofline.bound
-            stats.predicted_step_time = num_steps * cost_model.observe(
-                sums, (stats.step_time - propose_time) / num_steps, work
+            stats.predicted_step_time = cost_model.observe(
+                sums, stats.step_time - propose_time, work, num_steps
             )
             stats.num_attended = sums.num_attended
             stats.num_context = sums.num_context
