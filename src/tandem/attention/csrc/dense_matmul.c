@@ -12,9 +12,8 @@
    memory streams them throughout the block rather than in its first pass alone (over the
    embedded model's layers on the Zen 5 EPYC, benchmarks/matmul_ab.py: 1.1-1.2x less time
    at 8-16 token rows, 1.0-1.04x at 24-32; its AVX2 build 1.1-1.2x at 4, 1.3-1.4x at 8-32).
-   Each (row, token) dot sums its k
-   terms in the same order whatever the step holds, so a row's output does not depend on the
-   batch around it. */
+   Each (row, token) dot sums its k terms in the same order whatever the step holds, so a
+   row's output does not depend on the batch around it. */
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
