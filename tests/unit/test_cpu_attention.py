@@ -226,9 +226,9 @@ def test_prefill_kernel_refuses_what_it_cannot_take_and_skips_empty_chunks():
     cpu_kernel.prefill_attention(query[:0], keys[:0], keys[:0], 0.25, out[:0])  # nothing to do
 
 
-def test_prefill_chunks_take_the_kernel_in_fp32_only(monkeypatch):
-    """fp32 queries go through the kernel (here counted), bf16 ones and heads of 12 through the
-    torch backend's SDPA; all equal the oracle."""
+def test_prefill_chunks_take_the_kernel_in_fp32_and_bf16(monkeypatch):
+    """fp32 and bf16 queries go through the kernel (here counted; bf16 widened to fp32 for it),
+    heads of 12 through the torch backend's SDPA; all equal the oracle."""
     calls = []
     kernel = cpu_kernel.prefill_attention
     monkeypatch.setattr(
@@ -236,8 +236,8 @@ def test_prefill_chunks_take_the_kernel_in_fp32_only(monkeypatch):
     )
     for dtype, head_dim, expected_calls in (
         (torch.float32, 64, 2),
-        (torch.bfloat16, 64, 0),
-        (torch.float32, 12, 0),  # not a multiple of the kernel's 8 lanes
+        (torch.bfloat16, 64, 2),
+        (torch.float32, 12, 0),  # not a multiple of 8
     ):
         calls.clear()
         shapes = [(0, 40), (25, 30), (60, 1)]

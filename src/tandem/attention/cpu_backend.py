@@ -1,7 +1,7 @@
 """Paged attention on the CPU: decode tokens through the in-place C kernel (cpu_kernel.py),
-fp32 prefill chunks through the C causal-attention kernel (other dtypes, and head sizes that
-are not a multiple of 8, through the torch backend's SDPA), the cache store as in the torch
-backend.
+fp32 and bf16 prefill chunks through the C causal-attention kernel (other dtypes, and head
+sizes that are not a multiple of 8, through the torch backend's SDPA), the cache store as in
+the torch backend.
 
 The torch backend copies every decode token's context out of the cache (a gather per layer)
 and runs SDPA on the copy; at batch 32 that costs more than the attention itself. The kernel
