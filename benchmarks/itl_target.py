@@ -8,10 +8,9 @@
    target, long-prompt TTFT within 1.5x of prefill-first's. The streams are long enough to
    decode, at their own pace alone, until 3 s after the last prompt arrives (their length
    from a run of 160-token streams alone), so that every prompt arrives while they decode:
-   with a fixed length
-   the streams of a faster engine ended before the later prompts came, and those prompts'
-   TTFT measured a prefill alone. The table says how many prompts got their first token
-   while all 8 streams still decoded.
+   with a fixed length the streams of a faster engine ended before the later prompts came,
+   and those prompts' TTFT measured a prefill alone. The table says how many prompts got
+   their first token while all 8 streams still decoded.
 3. The telemetry's own cost per step (roofline count, forecast, model update) against the
    median step time. Goal: under 1%.
 
