@@ -36,7 +36,6 @@
 #define BLOCK 32
 #define LANES 16
 
-
 /* The lanes of one vector. AVX-512 holds a row group's 16 rows in one register; elsewhere a
    group is taken in two halves of 8 rows, so that AVX2's sixteen 256-bit registers hold four
    token rows' sums (16-lane sums there are register pairs, and past one token row GCC spilled
