@@ -214,6 +214,69 @@ def test_draft_model_greedy_equals_plain_decoding(tiny_folder, engine_args):
     assert_all_blocks_free(llm)
 
 
+def test_a_draft_catches_up_a_backlog_once_and_learns_what_it_costs(tiny_folder):
+    """A new request's prompt is the draft's backlog: caught up in a forward of its own,
+    timed apart (paid once, not by every step that drafts). After it, each step's first draft
+    forward covers only the tokens the target accepted, so there is no backlog; and the
+    draft's cost model, fed by every forward, forecasts what guessing costs."""
+    llm = LLM(tiny_folder, dtype="float32", skip_tokenizer_init=True,
+              speculative_config=draft_config(tiny_folder, draft_dtype="bfloat16"))  # fmt: skip
+    proposer = llm.llm_engine.core.proposer
+    propose, seen = proposer.propose, []
+
+    def recording(requests, limits):
+        forecast = proposer.forecast_seconds(requests, limits)
+        drafts = propose(requests, limits)
+        if any(limits):
+            seen.append((forecast, proposer.catch_up_seconds))
+        return drafts
+
+    proposer.propose = recording
+    prompt = {"prompt_token_ids": list(range(5, 125))}
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                 use_tqdm=False)  # fmt: skip
+    assert seen[0][0] is None  # nothing learned before the first forward
+    assert seen[0][1] > 0
+    assert all(catch_up == 0 for _, catch_up in seen[1:])
+    forecasts = [forecast for forecast, _ in seen if forecast is not None]
+    assert forecasts, "the draft's cost model never fitted a line"
+    assert all(steady > 0 and once == 0 for steady, once in forecasts)
+    # A request the draft has not seen: its prompt is forecast as a backlog.
+    seen.clear()
+    prompt = {"prompt_token_ids": list(range(200, 320))}
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)  # fmt: skip
+    (_, once), catch_up = seen[0]
+    assert once > 0 and catch_up > 0
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("guessing_seconds", [0.0, 10.0])
+def test_a_draft_guesses_only_where_its_forecast_cost_leaves_a_gain(tiny_folder, guessing_seconds):
+    """Adaptive: once the target's step-cost model has a line, the engine asks the draft's
+    forecast before each guess. A draft forecast to cost nothing goes on guessing; one
+    forecast at 10 s a step stops as soon as the forecast counts."""
+    config = {**draft_config(tiny_folder, draft_dtype="bfloat16"), "adaptive": True}
+    llm = LLM(tiny_folder, dtype="float32", skip_tokenizer_init=True,
+              speculative_config=config)  # fmt: skip
+    core = llm.llm_engine.core
+    proposer = core.proposer
+    propose, fitted_when_guessing = proposer.propose, []
+
+    def recording(requests, limits):
+        fitted_when_guessing.append(core.cost_model.coefficients is not None)
+        return propose(requests, limits)
+
+    proposer.propose = recording
+    proposer.forecast_seconds = lambda requests, limits: (guessing_seconds, 0.0)
+    prompts = [{"prompt_token_ids": p} for p in loop_prone_prompts(4, seed=3)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                 use_tqdm=False)  # fmt: skip
+    assert core.cost_model.coefficients is not None
+    assert any(fitted_when_guessing) == (guessing_seconds == 0.0)
+    assert_all_blocks_free(llm)
+
+
 def test_embedded_model_drafts_for_its_float32_self(smollm_reference):
     """The draft that works here without a download: the embedded model with dtype "auto"
     (packed 4-bit weights on CPU) drafting for the same model in float32."""

@@ -737,7 +737,7 @@ class Scheduler:
         if not candidates:
             return
         if adaptive:
-            counts = self._choose_drafts(plan, candidates)
+            counts = self._choose_drafts(plan, candidates, self.proposal_seconds, sunk=True)
         else:
             counts = [limit for _, limit in candidates]
         for (request, _), num_drafts in zip(candidates, counts, strict=True):
@@ -807,16 +807,28 @@ class Scheduler:
             num_drafts = min(num_drafts, max_tokens - request.num_output_tokens - 1)
         return max(num_drafts, 0)
 
-    def _choose_drafts(self, plan: _StepPlan, candidates: list[tuple[Request, int]]) -> list[int]:
+    def drafts_may_pay(self, requests: list[Request], limits: list[int], seconds: float) -> bool:
+        """Whether the requests' next decode step would verify any drafts (_choose_drafts) if
+        each had `limit` of them and guessing them had cost `seconds`: a costly proposer (a
+        draft model) asks before it guesses, by its forecast cost."""
+        plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
+        plan.add_decodes(requests, sum(request.num_tokens for request in requests))
+        candidates = [(r, limit) for r, limit in zip(requests, limits, strict=True) if limit > 0]
+        return any(self._choose_drafts(plan, candidates, seconds, sunk=False))
+
+    def _choose_drafts(
+        self, plan: _StepPlan, candidates: list[tuple[Request, int]], spent: float, sunk: bool
+    ) -> list[int]:
         """Drafts per candidate that maximize the expected value of the step's tokens over its
-        predicted time. The i-th draft of a request is emitted with chance acceptance^i, and a
-        token is worth its request's weight (`_token_weights`); drafts are added in order of
-        their value, and the best of those prefixes wins if it beats verifying none by
-        MIN_SPECULATION_GAIN (the step-cost model may jump, e.g. at a CUDA graph size, so a
-        longer prefix can win again). Drafts never push a step past the packed weights' size,
-        though: there a CPU step leaves the fused decode path for the layer-by-layer one on
-        dense weights, a cost the model learns only from such steps, each worth many plain
-        ones (BENCHMARKS.md, issue 12)."""
+        predicted time plus `spent`, the seconds guessing them costs (`sunk`: already paid, so
+        verifying none costs it too). The i-th draft of a request is emitted with chance
+        acceptance^i, and a token is worth its request's weight (`_token_weights`); drafts
+        are added in order of their value, and the best of those prefixes wins if it beats
+        verifying none by MIN_SPECULATION_GAIN (the step-cost model may jump, e.g. at a CUDA
+        graph size, so a longer prefix can win again). Drafts never push a step past the
+        packed weights' size, though: there a CPU step leaves the fused decode path for the
+        layer-by-layer one on dense weights, a cost the model learns only from such steps,
+        each worth many plain ones (BENCHMARKS.md, issue 12)."""
         assert self.cost_model is not None
         weights = self._token_weights([request for request, _ in plan.entries.values()])
         increments = []
@@ -833,8 +845,7 @@ class Scheduler:
             for request, num_new_tokens in plan.entries.values()
             if request.num_computed_tokens + num_new_tokens == request.num_tokens
         )
-        spent = self.proposal_seconds
-        base_rate = expected / max(self.cost_model.predict(sums) + spent, 1e-9)
+        base_rate = expected / max(self.cost_model.predict(sums) + sunk * spent, 1e-9)
         target = self._planning_target()
         best_rate = base_rate * (1 + MIN_SPECULATION_GAIN)
         best_length = 0

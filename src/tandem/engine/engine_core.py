@@ -130,6 +130,16 @@ def restore_generator(generator: torch.Generator, state: str) -> None:
     generator.set_state(torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8))
 
 
+def runner_shape(runner: ModelRunner) -> ModelShape:
+    """The runner's model as its step's roofline counts it: weights, KV and activations in
+    the runner's dtypes, and what it keeps packed."""
+    element_bytes = torch.empty((), dtype=runner.dtype).element_size()
+    kv_bytes = torch.empty((), dtype=runner.kv_cache_dtype).element_size()
+    return ModelShape.of(
+        runner.model_config, element_bytes, kv_bytes, element_bytes, runner.packed_weights()
+    )
+
+
 def set_random_seed(seed: int) -> None:
     """vLLM's global seed: random, numpy and torch (every device) in this process. Requests
     without a seed of their own draw from torch's default generator, so a run repeats."""
@@ -257,17 +267,19 @@ class EngineCore:
         draft_config = dataclasses.replace(
             config.draft_runner, num_kv_blocks=self.runner.num_kv_blocks
         )
-        return DraftModelProposer(ModelRunner(draft_config), self.kv_cache_manager)
+        draft = ModelRunner(draft_config)
+        peaks = machine_peaks(
+            draft.device, draft.dtype, config.peak_tflops, config.peak_bandwidth_gbps
+        )
+        cost_model = StepCostModel(runner_shape(draft), peaks)
+        return DraftModelProposer(
+            draft, self.kv_cache_manager, cost_model, speculative.num_speculative_tokens
+        )
 
     def _init_telemetry(self, config: EngineConfig) -> None:
         """The model's shape and the machine's peaks for each step's roofline, and the step
         log."""
-        element_bytes = torch.empty((), dtype=self.runner.dtype).element_size()
-        kv_bytes = torch.empty((), dtype=self.runner.kv_cache_dtype).element_size()
-        self.model_shape = ModelShape.of(
-            self.runner.model_config, element_bytes, kv_bytes, element_bytes,
-            self.runner.packed_weights(),
-        )  # fmt: skip
+        self.model_shape = runner_shape(self.runner)
         self.peaks = machine_peaks(
             self.runner.device, self.runner.dtype, config.peak_tflops, config.peak_bandwidth_gbps
         )
@@ -629,15 +641,16 @@ class EngineCore:
             for request_id in scheduled.preempted_request_ids:
                 self.proposer.forget(request_id)  # its KV is gone, the draft's too
             propose_start = time.perf_counter()
-            self._propose(updated, scheduled.num_draft_tokens)
+            catch_up_time = self._propose(updated, scheduled.num_draft_tokens)
             propose_time = time.perf_counter() - propose_start
         else:
-            propose_time = 0.0
+            propose_time = catch_up_time = 0.0
         if prompt_logprobs_by_id:
             outputs = self._with_prompt_logprobs(outputs, prompt_logprobs_by_id)
         self._record_stats(
-            scheduled, time.perf_counter() - start, num_accepted, propose_time, num_steps
-        )
+            scheduled, time.perf_counter() - start, num_accepted, propose_time, num_steps,
+            catch_up_time,
+        )  # fmt: skip
         return outputs
 
     def _decode_steps(
@@ -708,13 +721,15 @@ class EngineCore:
                     logprobs_by_id[ids[i]] = rows
         return sampled, logprobs_by_id
 
-    def _propose(self, requests: list[Request], num_verified: int) -> None:
+    def _propose(self, requests: list[Request], num_verified: int) -> float:
         """Guess the next tokens of the requests that got tokens and go on decoding, where
         speculation adapts only if the scheduler's measured check would let the next step
         verify drafts, at the batch size it will have (n-gram lookup's numpy calls took ~0.35 ms
-        for 8 requests, ~5% of a batch-8 step on a 2-core CPU, for guesses then dropped);
-        a costly proposer (a draft model), once the scheduler has declined its guesses, only
-        every RETRY_DECLINED_EVERY steps until it takes some."""
+        for 8 requests, ~5% of a batch-8 step on a 2-core CPU, for guesses then dropped).
+        A costly proposer (a draft model) guesses only where its forecast cost leaves the
+        drafts a gain (`_guesses_may_pay`), and once the scheduler has declined its guesses,
+        only every RETRY_DECLINED_EVERY steps until it takes some. Returns the seconds the
+        proposer spent on backlogs (paid once)."""
         assert self.proposer is not None
         live = []
         for request in requests:
@@ -722,15 +737,38 @@ class EngineCore:
                 self.proposer.forget(request.request_id)
             else:
                 live.append(request)
+        limits = [self.scheduler.max_drafts(r) for r in live]
         if self.config.scheduler.adaptive_speculation:
-            declined = self.proposer.costly and self._proposals_declined(num_verified)
-            if declined or not self.scheduler.speculation_guard.peek(self.scheduler.num_running):
+            costly = self.proposer.costly
+            if (
+                (costly and self._proposals_declined(num_verified))
+                or not self.scheduler.speculation_guard.peek(self.scheduler.num_running)
+                or (costly and not self._guesses_may_pay(live, limits))
+            ):
                 for request in live:
                     request.spec_token_ids = []
-                return
-        limits = [self.scheduler.max_drafts(r) for r in live]
+                return 0.0
         for request, drafts in zip(live, self.proposer.propose(live, limits), strict=True):
             request.spec_token_ids = drafts
+        return self.proposer.catch_up_seconds
+
+    def _guesses_may_pay(self, requests: list[Request], limits: list[int]) -> bool:
+        """Whether a costly proposer's guesses could pay, by its own cost forecast: each step's
+        part, and its backlogs (a new request's prompt, the tokens of steps that verified no
+        drafts) spread over the steps the requests have left at the most tokens a step can
+        emit. Without this, a draft model exploring at a batch size where it cannot pay (on a
+        2-core CPU its batch-32 step costs about the fp32 target's) caught up every request's
+        whole context each time: 2.9 s against 48 ms steps. Until both cost models have
+        learned a line, it may: the roofline that predicts before then is no forecast."""
+        assert self.proposer is not None
+        forecast = self.proposer.forecast_seconds(requests, limits)
+        if forecast is None or self.cost_model.coefficients is None:
+            return True
+        steady, once = forecast
+        if once > 0:
+            remaining = sum(r.length_limit - r.num_tokens for r in requests) / len(requests)
+            steady += once / max(1.0, remaining / (1 + max(limits)))
+        return self.scheduler.drafts_may_pay(requests, limits, steady)
 
     def _proposals_declined(self, num_verified: int) -> bool:
         """Whether a costly proposer skips this step: the scheduler declined its guesses two
@@ -1008,9 +1046,12 @@ class EngineCore:
         num_accepted_tokens: int,
         propose_time: float,
         num_steps: int = 1,
+        catch_up_time: float = 0.0,
     ) -> None:
         """`propose_time`: of the step, the proposer's guessing for the next step (a draft
-        model's forwards). The step-cost model learns the rest: the scheduled batch's cost
+        model's forwards), of which `catch_up_time` went on backlogs, paid once (a new
+        request's prompt): the next step's choice of drafts and the measured check weigh the
+        rest. The step-cost model learns the step without any of it: the scheduled batch's cost
         (per forward, for the `num_steps` forwards of multi-step scheduling).
         Each step's roofline and the cost model's learning are worked out TELEMETRY_BATCH
         steps at a time, when the engine goes idle, or when step_stats is read: right after a
@@ -1039,7 +1080,7 @@ class EngineCore:
                 len(scheduled.scheduled), scheduled.num_draft_tokens > 0,
                 num_sampled * num_steps + num_accepted_tokens, seconds,
             )  # fmt: skip
-        self.scheduler.proposal_seconds = propose_time
+        self.scheduler.proposal_seconds = propose_time - catch_up_time
         scheduler = self.scheduler
         stats = StepStats(
             num_prefill_tokens=scheduled.num_prefill_tokens,

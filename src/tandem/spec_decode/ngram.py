@@ -20,8 +20,11 @@ if TYPE_CHECKING:
 class Proposer(Protocol):
     """Guesses the next tokens of requests; trained heads or draft models plug in here."""
 
-    # Proposing costs real compute (a draft model): skip it while the scheduler verifies none.
+    # Proposing costs real compute (a draft model): skip it while the scheduler verifies none,
+    # and where forecast_seconds says its guesses cannot pay.
     costly: bool
+    # Of the last propose: the seconds spent on backlogs, paid once (a new request's prompt).
+    catch_up_seconds: float
 
     def propose(self, requests: Sequence[Request], max_tokens: Sequence[int]) -> list[list[int]]:
         """For each request, at most that many guesses of the tokens after its last one."""
@@ -29,6 +32,13 @@ class Proposer(Protocol):
 
     def forget(self, request_id: str) -> None:
         """The request has finished, or lost its KV (preempted): drop what is kept for it."""
+        ...
+
+    def forecast_seconds(
+        self, requests: Sequence[Request], max_tokens: Sequence[int]
+    ) -> tuple[float, float] | None:
+        """What proposing for these requests would cost: (each step's part, the once-only
+        part of their backlogs), or None while the proposer cannot tell."""
         ...
 
 
@@ -42,6 +52,12 @@ class NgramProposer:
         self._lengths: dict[str, int] = {}
 
     costly = False
+    catch_up_seconds = 0.0
+
+    def forecast_seconds(
+        self, requests: Sequence[Request], max_tokens: Sequence[int]
+    ) -> tuple[float, float] | None:
+        return 0.0, 0.0
 
     def propose(self, requests: Sequence[Request], max_tokens: Sequence[int]) -> list[list[int]]:
         return [
