@@ -251,6 +251,48 @@ def test_a_draft_catches_up_a_backlog_once_and_learns_what_it_costs(tiny_folder)
     assert_all_blocks_free(llm)
 
 
+def test_a_draft_reuses_its_kv_of_a_cached_prefix_and_never_of_evicted_content(tiny_folder):
+    """A prompt run again finds its blocks by prefix, and the draft finds its own KV in them:
+    it catches up less than a block instead of the whole prompt. Once other prompts have
+    evicted those blocks and written other content into them, nothing is taken from them:
+    the outputs stay exact and the draft's guesses right."""
+    engine_args = {"num_kv_blocks": 40, "block_size": 8, "skip_tokenizer_init": True}
+    llm = LLM(tiny_folder, dtype="float32",
+              speculative_config=draft_config(tiny_folder, draft_dtype="bfloat16"),
+              **engine_args)  # fmt: skip
+    plain = LLM(tiny_folder, dtype="float32", **engine_args)
+    proposer = llm.llm_engine.core.proposer
+    catch_up, caught_up = proposer._catch_up, []
+
+    def recording(slices):
+        caught_up.append(sum(s.num_new_tokens for s in slices))
+        catch_up(slices)
+
+    proposer._catch_up = recording
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    prompt = {"prompt_token_ids": loop_prone_prompts(1, seed=5)[0] * 4}
+    num_prompt = len(prompt["prompt_token_ids"])
+    assert num_prompt > 3 * 8
+    expected = plain.generate([prompt], params, use_tqdm=False)
+    assert_same_outputs(llm.generate([prompt], params, use_tqdm=False), expected)
+    assert caught_up[0] >= num_prompt - 4  # all but the step's own last tokens
+    caught_up.clear()
+    assert_same_outputs(llm.generate([prompt], params, use_tqdm=False), expected)
+    assert not caught_up or caught_up[0] < 8  # less than a block
+    # Other prompts take more than the 40 blocks from the free queue's head, so every block
+    # is handed out again and the first prompt's content is gone from all of them.
+    others = [{"prompt_token_ids": p * 3} for p in loop_prone_prompts(8, seed=11)]
+    assert sum(-(-(len(p["prompt_token_ids"]) + 16) // 8) for p in others) > 40
+    llm.generate(others, params, use_tqdm=False)
+    caught_up.clear()
+    before = llm.llm_engine.core.spec_decode_stats.num_accepted_tokens
+    assert_same_outputs(llm.generate([prompt], params, use_tqdm=False), expected)
+    assert caught_up[0] >= num_prompt - 4
+    stats = llm.llm_engine.core.spec_decode_stats
+    assert stats.num_accepted_tokens - before > 8
+    assert_all_blocks_free(llm)
+
+
 @pytest.mark.parametrize("guessing_seconds", [0.0, 10.0])
 def test_a_draft_guesses_only_where_its_forecast_cost_leaves_a_gain(tiny_folder, guessing_seconds):
     """Adaptive: once the target's step-cost model has a line, the engine asks the draft's

@@ -320,19 +320,18 @@ def test_time_already_spent_guessing_counts_in_every_choice():
 
 
 def test_a_costly_proposer_guesses_only_where_its_cost_leaves_a_gain():
-    """Before a draft model guesses, the engine asks whether drafts at its forecast cost would
-    be verified. One request, a step of 10 + 1 per token, drafts always right: 4 drafts emit 5
-    tokens in 15 against 1 in 11, so guessing may cost up to ~37 (5 / (15 + s) must beat
-    1.05 / 11). Guessing is not spent yet, so verifying none does not pay it."""
+    """Before a draft model guesses, the engine asks whether drafts at its forecast cost could
+    pay were all accepted. One request, a step of 10 + 1 per token: 4 drafts emit 5 tokens in
+    15 against 1 in 11, so guessing may cost up to ~37 (5 / (15 + s) must beat 1.05 / 11).
+    Guessing is not spent yet, so verifying none does not pay it. A low acceptance estimate
+    does not stop the guesses (only verified drafts would ever raise it again)."""
     scheduler, requests = adaptive_scheduler(LinearCost(10.0, 1.0), 1)
-    requests[0].recent_accepted = 100.0
+    requests[0].recent_rejections = 100.0
     assert scheduler.drafts_may_pay(requests, [4], 30.0)
     assert not scheduler.drafts_may_pay(requests, [4], 40.0)
     assert not scheduler.drafts_may_pay(requests, [0], 0.0)  # nothing to verify
     # 32 requests share the step's constant: 160 tokens in 170 against 32 in 42 pays for
     # guessing only up to ~30.
     scheduler, requests = adaptive_scheduler(LinearCost(10.0, 1.0), 32)
-    for request in requests:
-        request.recent_accepted = 100.0
     assert scheduler.drafts_may_pay(requests, [4] * 32, 25.0)
     assert not scheduler.drafts_may_pay(requests, [4] * 32, 35.0)

@@ -808,35 +808,45 @@ class Scheduler:
         return max(num_drafts, 0)
 
     def drafts_may_pay(self, requests: list[Request], limits: list[int], seconds: float) -> bool:
-        """Whether the requests' next decode step would verify any drafts (_choose_drafts) if
-        each had `limit` of them and guessing them had cost `seconds`: a costly proposer (a
-        draft model) asks before it guesses, by its forecast cost."""
+        """Whether drafts could pay in the requests' next decode step if each had `limit` of
+        them and guessing them cost `seconds`: whether the step would verify any
+        (_choose_drafts) were every draft accepted. A costly proposer (a draft model) asks
+        before it guesses, by its forecast cost. (Not by the acceptance estimates: a request's
+        moves only with drafts verified, so an estimate low from the start, e.g. one made
+        from sampled requests' drafts for greedy ones, would never be tested again; which
+        drafts are worth verifying is the step's own choice, the measured guard's check.)"""
         plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
         plan.add_decodes(requests, sum(request.num_tokens for request in requests))
         candidates = [(r, limit) for r, limit in zip(requests, limits, strict=True) if limit > 0]
-        return any(self._choose_drafts(plan, candidates, seconds, sunk=False))
+        return any(self._choose_drafts(plan, candidates, seconds, sunk=False, acceptance=1.0))
 
     def _choose_drafts(
-        self, plan: _StepPlan, candidates: list[tuple[Request, int]], spent: float, sunk: bool
+        self,
+        plan: _StepPlan,
+        candidates: list[tuple[Request, int]],
+        spent: float,
+        sunk: bool,
+        acceptance: float | None = None,
     ) -> list[int]:
         """Drafts per candidate that maximize the expected value of the step's tokens over its
         predicted time plus `spent`, the seconds guessing them costs (`sunk`: already paid, so
         verifying none costs it too). The i-th draft of a request is emitted with chance
-        acceptance^i, and a token is worth its request's weight (`_token_weights`); drafts
-        are added in order of their value, and the best of those prefixes wins if it beats
-        verifying none by MIN_SPECULATION_GAIN (the step-cost model may jump, e.g. at a CUDA
-        graph size, so a longer prefix can win again). Drafts never push a step past the
-        packed weights' size, though: there a CPU step leaves the fused decode path for the
-        layer-by-layer one on dense weights, a cost the model learns only from such steps,
-        each worth many plain ones (BENCHMARKS.md, issue 12)."""
+        acceptance^i (`acceptance`, or the request's estimate), and a token is worth its
+        request's weight (`_token_weights`); drafts are added in order of their value, and
+        the best of those prefixes wins if it beats verifying none by MIN_SPECULATION_GAIN
+        (the step-cost model may jump, e.g. at a CUDA graph size, so a longer prefix can win
+        again). Drafts never push a step past the packed weights' size, though: there a CPU
+        step leaves the fused decode path for the layer-by-layer one on dense weights, a cost
+        the model learns only from such steps, each worth many plain ones (BENCHMARKS.md,
+        issue 12)."""
         assert self.cost_model is not None
         weights = self._token_weights([request for request, _ in plan.entries.values()])
         increments = []
         for index, (request, limit) in enumerate(candidates):
-            acceptance = self._acceptance(request)
+            chance = self._acceptance(request) if acceptance is None else acceptance
             value = weights.get(request.request_id, 1.0)
             for position in range(1, limit + 1):
-                value *= acceptance
+                value *= chance
                 increments.append((-value, index, position))
         increments.sort()
         sums = plan.sums

@@ -1,6 +1,8 @@
 """Draft-model proposer: a smaller or cheaper model that shares the target's tokenizer guesses
-the next tokens greedily, one batched forward per guess. The embedded model with its packed
-4-bit weights drafting for its own float32 self needs no download.
+the next tokens greedily: a batched forward for the first guess, then the rest in one fused
+call of multi-step forwards where the CPU's decode step runs them (else a forward per guess).
+The embedded model with its packed 4-bit weights drafting for its own float32 self needs no
+download.
 
 The draft keeps its own paged KV cache with as many blocks as the target's and reads it through
 the target's block tables, so a request's blocks (allocated, shared by prefix, freed, preempted)
@@ -8,8 +10,9 @@ follow the block manager's one set of rules. A draft guess at position p is writ
 slot the target will verify it at; the proposer grows the request's table for its guesses
 before it writes them. Only tokens the target has accepted count as computed by the draft:
 rejected guesses' slots are simply written again. A request the draft has not seen (new,
-preempted, resumed) is caught up over its whole context in the first draft step, batched with
-the others.
+preempted, resumed) is caught up over its context in the first draft step, batched with the
+others, from the end of the blocks it shares by prefix whose content the draft has computed
+(kept per block with the block's generation, so content evicted since is never taken).
 
 What the draft costs is learned as the target's steps are (a StepCostModel of its own, fed by
 each of its forwards), so the engine can ask before guessing whether guesses would pay: a
@@ -55,6 +58,10 @@ class DraftModelProposer:
         self.max_steady_tokens = 1 + num_speculative_tokens
         # Request id -> tokens whose draft KV is in the cache (all accepted by the target).
         self._num_computed: dict[str, int] = {}
+        # Block id -> its generation (core/block_pool.py) when the draft's KV covered the
+        # block's whole cached content: a request that finds the block by prefix finds the
+        # draft's KV too. Dropping the block's content bumps its generation.
+        self._cached_blocks: dict[int, int] = {}
         # Of the last propose: the seconds its backlogs took (see the module's docstring).
         self.catch_up_seconds = 0.0
 
@@ -79,12 +86,16 @@ class DraftModelProposer:
                 if computed < steady_start:
                     backlog += request_sums(computed, steady_start - computed, False)
         seconds = self.cost_model.predict(first)
-        for position in range(1, max(max_tokens, default=0)):
+        position, guessing = 1, [(r, limit) for r, limit in pairs if limit > 1]
+        while guessing:  # the forwards propose runs after the first
+            min_limit = min(limit for _, limit in guessing)
+            num_steps = self._num_steps(len(guessing), min_limit, position)
             guesses = BatchSums()
-            for request, limit in pairs:
-                if limit > position:
-                    guesses += request_sums(request.num_tokens - 1 + position, 1, True)
-            seconds += self.cost_model.predict(guesses)
+            for request, _ in guessing:
+                guesses += request_sums(request.num_tokens - 1 + position, 1, True)
+            seconds += self.cost_model.predict(guesses, num_steps)
+            position += num_steps
+            guessing = [(r, limit) for r, limit in guessing if limit > position]
         once = self.cost_model.predict(backlog) if backlog.num_new_tokens else 0.0
         return seconds, once
 
@@ -106,15 +117,19 @@ class DraftModelProposer:
                 token_ids = request.all_token_ids[:steady_start]
                 backlogs.append(self._slice(request, token_ids, computed, sample=False))
             slices.append(self._slice(request, request.all_token_ids, steady_start))
-            self._num_computed[request.request_id] = request.num_tokens
         if backlogs:
             start = time.perf_counter()
             self._catch_up(backlogs)
             self.catch_up_seconds = time.perf_counter() - start
-        guesses = self._greedy(slices)
-        for position in range(1, max(limit for _, _, limit in active) + 1):
-            for (index, _, _), guess in zip(active, guesses, strict=True):
-                drafts[index].append(guess)
+        guessed = [[guess] for guess in self._greedy(slices)]
+        for _, request, _ in active:
+            self._note_cached_blocks(request)
+            self._num_computed[request.request_id] = request.num_tokens
+        position = 0  # guesses every active request has
+        while active:
+            for (index, _, _), guesses in zip(active, guessed, strict=True):
+                drafts[index] += guesses
+            position += len(guessed[0])
             active = [entry for entry in active if entry[2] > position]
             if not active:
                 break
@@ -122,12 +137,49 @@ class DraftModelProposer:
             for index, request, _ in active:
                 token_ids = [*request.all_token_ids, *drafts[index]]
                 slices.append(self._slice(request, token_ids, len(token_ids) - 1))
-            guesses = self._greedy(slices)
+            num_steps = self._num_steps(len(slices), min(e[2] for e in active), position)
+            if num_steps > 1:
+                guessed = self._greedy_steps(slices, num_steps)
+            else:
+                guessed = [[guess] for guess in self._greedy(slices)]
         return drafts
+
+    def _num_steps(self, num_requests: int, min_limit: int, position: int) -> int:
+        """How many guesses each of these requests, `position` guessed each, gets from the
+        next call: as many as all still want in one fused burst where the runner has one for
+        this many rows, else one."""
+        if num_requests <= self.runner.max_burst_rows:
+            return max(min_limit - position, 1)
+        return 1
 
     def _computed(self, request: Request) -> int:
         """The request's tokens whose draft KV is in the cache (at most all but its last)."""
-        return min(self._num_computed.get(request.request_id, 0), request.num_tokens - 1)
+        computed = self._num_computed.get(request.request_id)
+        if computed is None:
+            computed = self._cached_prefix(request)
+        return min(computed, request.num_tokens - 1)
+
+    def _cached_prefix(self, request: Request) -> int:
+        """Of a request the draft has not seen, the tokens at its start whose draft KV is in
+        the cache: the blocks it shares by prefix whose content the draft has computed."""
+        num_blocks = 0
+        for block in self.kv_cache_manager.held_blocks.get(request.request_id, ()):
+            if block.block_hash is None or (
+                self._cached_blocks.get(block.block_id) != block.generation
+            ):
+                break
+            num_blocks += 1
+        return num_blocks * self.kv_cache_manager.block_size
+
+    def _note_cached_blocks(self, request: Request) -> None:
+        """Note the request's cached blocks the draft's KV now covers whole: those its forwards
+        just reached (and the one before, which the target may have cached only since)."""
+        size = self.kv_cache_manager.block_size
+        blocks = self.kv_cache_manager.held_blocks.get(request.request_id, [])
+        first = max(self._computed(request) // size - 1, 0)
+        for block in blocks[first : request.num_tokens // size]:
+            if block.block_hash is not None:
+                self._cached_blocks[block.block_id] = block.generation
 
     def _steady_start(self, request: Request, computed: int) -> int:
         """Where the step's own part of the request's first draft forward starts: the tokens
@@ -157,6 +209,17 @@ class DraftModelProposer:
 
     def _greedy(self, slices: list[ScheduledRequest]) -> list[int]:
         start = time.perf_counter()
-        guesses = self.runner.execute(slices).argmax(dim=-1).tolist()
+        run = self.runner.run(slices, argmax=True)
+        argmax = run.logits.argmax(dim=-1) if run.argmax is None else run.argmax
         self.cost_model.observe(batch_sums(slices), time.perf_counter() - start)
+        return argmax.tolist()
+
+    def _greedy_steps(self, slices: list[ScheduledRequest], num_steps: int) -> list[list[int]]:
+        """`num_steps` guesses of each request (one token each) in one call: the CPU's fused
+        decode steps, each fed the argmax of the one before (multi-step scheduling's
+        forwards), with no Python between them."""
+        start = time.perf_counter()
+        guesses = self.runner.decode_steps(slices, num_steps, [frozenset()] * len(slices))
+        seconds = time.perf_counter() - start
+        self.cost_model.observe(batch_sums(slices), seconds, num_steps=num_steps)
         return guesses
