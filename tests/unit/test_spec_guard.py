@@ -80,6 +80,21 @@ def test_batch_sizes_have_their_own_verdicts():
     assert batch_bucket(1) != batch_bucket(2) == batch_bucket(3) != batch_bucket(4)
 
 
+def test_greedy_batches_have_their_own_verdicts():
+    """Sampled requests accept fewer drafts: a verdict against drafts made on them (say, a
+    warm-up) leaves a batch of greedy requests unmeasured, so the step-cost model decides
+    there until the greedy batches' own rates say otherwise."""
+    guard = SpeculationGuard()
+    run(guard, 8, 100, rate_with=220, rate_without=410)
+    assert not guard.allows(8) and not guard.peek(8)
+    assert guard.peek(8, greedy=True) and guard.allows(8, greedy=True)
+    for _ in range(50):
+        speculate = guard.allows(8, greedy=True)
+        guard.observe(8, speculate, 470 if speculate else 410, 1.0, greedy=True)
+    assert guard.verdicts()[batch_bucket(8, greedy=True)] == (470, 410)
+    assert guard.verdicts()[batch_bucket(8)][0] < 410
+
+
 def test_prefers_the_cost_model_until_both_kinds_are_measured():
     guard = SpeculationGuard()
     allowed = run(guard, 8, EXPLORE_EVERY * 3, rate_with=100, rate_without=100)

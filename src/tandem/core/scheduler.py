@@ -190,6 +190,12 @@ class _StepPlan:
             self._count(request, entry[1], self.drafts.pop(request.request_id, 0), -1)
 
 
+def all_greedy(requests: Iterable[Request]) -> bool:
+    """Whether every one of these requests decodes greedily (the speculation guard keeps
+    their batches' verdicts apart)."""
+    return all(request.sampling_params.is_greedy for request in requests)
+
+
 def _num_decodes(plan: _StepPlan) -> int:
     return sum(1 for request, _ in plan.entries.values() if request.is_prefill_done)
 
@@ -723,7 +729,9 @@ class Scheduler:
             return
         adaptive = config.adaptive_speculation and self.cost_model is not None
         # Asked every decode step, drafts or not, so its exploring steps come round.
-        if adaptive and not self.speculation_guard.allows(num_decodes):
+        if adaptive and not self.speculation_guard.allows(
+            num_decodes, all_greedy(request for request, _ in plan.entries.values())
+        ):
             return
         limit = config.speculation_max_running
         if plan.token_budget == 0 or (limit is not None and len(self.running) >= limit):

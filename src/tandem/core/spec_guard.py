@@ -62,19 +62,24 @@ def _average(previous: float, value: float, count: int) -> float:
     return value if count == 0 else previous + RATE_WEIGHT * (value - previous)
 
 
-def batch_bucket(num_decodes: int) -> int:
-    """Batch sizes 1, 2-3, 4-7, 8-15, ... share a verdict."""
-    return num_decodes.bit_length()
+def batch_bucket(num_decodes: int, greedy: bool = False) -> tuple[int, bool]:
+    """Batch sizes 1, 2-3, 4-7, 8-15, ... share a verdict, apart for batches of greedy
+    requests only: a greedy request accepts a draft that is its argmax, a sampled one with
+    the target's probability of it, so their rates with drafts differ (a draft model's 0.98
+    against ~0.5 here), and a verdict made on one kind held the other off (a sampled warm-up
+    kept greedy batches of 8 from drafting where forcing drafts gave 1.16x)."""
+    return num_decodes.bit_length(), greedy
 
 
 class SpeculationGuard:
     def __init__(self, min_gain: float = 0.0) -> None:
         self.min_gain = min_gain
-        self._rates: dict[int, _Rates] = {}
+        self._rates: dict[tuple[int, bool], _Rates] = {}
 
-    def allows(self, num_decodes: int) -> bool:
-        """Whether a step of this many decodes may verify drafts (ask once per such step)."""
-        rates = self._rates.setdefault(batch_bucket(num_decodes), _Rates())
+    def allows(self, num_decodes: int, greedy: bool = False) -> bool:
+        """Whether a step of this many decodes (`greedy`: all of greedy requests) may verify
+        drafts (ask once per such step)."""
+        rates = self._rates.setdefault(batch_bucket(num_decodes, greedy), _Rates())
         step = rates.steps_seen = rates.steps_seen + 1
         verdict = self._verdict(rates, step)
         explore = step >= rates.next_explore
@@ -83,10 +88,10 @@ class SpeculationGuard:
         rates.exploring = explore and rates.measured
         return verdict
 
-    def peek(self, num_decodes: int) -> bool:
+    def peek(self, num_decodes: int, greedy: bool = False) -> bool:
         """What `allows` will say at the next step of this many decodes (whether a costly
         proposer should guess for it)."""
-        rates = self._rates.get(batch_bucket(num_decodes))
+        rates = self._rates.get(batch_bucket(num_decodes, greedy))
         return rates is None or self._verdict(rates, rates.steps_seen + 1)
 
     def _verdict(self, rates: _Rates, step: int) -> bool:
@@ -98,10 +103,12 @@ class SpeculationGuard:
             return not (explore and rates.steps_without < MIN_STEPS)
         return rates.pays(self.min_gain) != explore
 
-    def observe(self, num_decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
+    def observe(
+        self, num_decodes: int, speculated: bool, tokens: int, seconds: float, greedy: bool = False
+    ) -> None:
         """A decode-only step's outcome: did it verify drafts, how many tokens it emitted."""
         if num_decodes and seconds > 0:
-            rates = self._rates.setdefault(batch_bucket(num_decodes), _Rates())
+            rates = self._rates.setdefault(batch_bucket(num_decodes, greedy), _Rates())
             # The step `allows` last answered is this one (a step observed without asking
             # first, one whose planning preempted, explores nothing).
             exploring, rates.exploring = rates.exploring, False
@@ -117,6 +124,6 @@ class SpeculationGuard:
                 rates.explore_every = min(2 * rates.explore_every, MAX_EXPLORE_EVERY)
                 rates.next_explore = rates.steps_seen + rates.explore_every
 
-    def verdicts(self) -> dict[int, tuple[float, float]]:
+    def verdicts(self) -> dict[tuple[int, bool], tuple[float, float]]:
         """Per bucket: measured tokens/s with and without drafts (for logs and benchmarks)."""
         return {b: (r.with_drafts, r.without_drafts) for b, r in sorted(self._rates.items())}

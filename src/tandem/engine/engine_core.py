@@ -24,7 +24,7 @@ import torch
 
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.roofline import BatchSums, ModelShape, StepWork, place_step, sums_work
-from tandem.core.scheduler import Scheduler, SchedulerOutput
+from tandem.core.scheduler import Scheduler, SchedulerOutput, all_greedy
 from tandem.core.spec_stats import SpecDecodeStats
 from tandem.core.step_cost import StepCostModel
 from tandem.engine.machine_peaks import machine_peaks
@@ -742,7 +742,9 @@ class EngineCore:
             costly = self.proposer.costly
             if (
                 (costly and self._proposals_declined(num_verified))
-                or not self.scheduler.speculation_guard.peek(self.scheduler.num_running)
+                or not self.scheduler.speculation_guard.peek(
+                    self.scheduler.num_running, all_greedy(self.scheduler.running)
+                )
                 or (costly and not self._guesses_may_pay(live, limits))
             ):
                 for request in live:
@@ -1079,6 +1081,7 @@ class EngineCore:
             self.scheduler.speculation_guard.observe(
                 len(scheduled.scheduled), scheduled.num_draft_tokens > 0,
                 num_sampled * num_steps + num_accepted_tokens, seconds,
+                all_greedy(scheduled.requests),
             )  # fmt: skip
         self.scheduler.proposal_seconds = propose_time - catch_up_time
         scheduler = self.scheduler
@@ -1104,7 +1107,9 @@ class EngineCore:
             or not scheduler.has_schedulable_requests()
             or (
                 self._telemetry_before_drafts
-                and scheduler.speculation_guard.peek(scheduler.num_running)
+                and scheduler.speculation_guard.peek(
+                    scheduler.num_running, all_greedy(scheduler.running)
+                )
             )
         ):
             self.finish_stats()
