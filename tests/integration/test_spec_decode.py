@@ -293,6 +293,20 @@ def test_a_draft_reuses_its_kv_of_a_cached_prefix_and_never_of_evicted_content(t
     assert_all_blocks_free(llm)
 
 
+class AllowingGuard:
+    """Lets every step verify drafts: the measured check's verdicts stay out of a test of the
+    cost forecast."""
+
+    def allows(self, num_decodes, greedy=False):
+        return True
+
+    def peek(self, num_decodes, greedy=False):
+        return True
+
+    def observe(self, *args):
+        pass
+
+
 @pytest.mark.parametrize("guessing_seconds", [0.0, 10.0])
 def test_a_draft_guesses_only_where_its_forecast_cost_leaves_a_gain(tiny_folder, guessing_seconds):
     """Adaptive: once the target's step-cost model has a line, the engine asks the draft's
@@ -302,6 +316,7 @@ def test_a_draft_guesses_only_where_its_forecast_cost_leaves_a_gain(tiny_folder,
     llm = LLM(tiny_folder, dtype="float32", skip_tokenizer_init=True,
               speculative_config=config)  # fmt: skip
     core = llm.llm_engine.core
+    core.scheduler.speculation_guard = AllowingGuard()
     proposer = core.proposer
     propose, fitted_when_guessing = proposer.propose, []
 

@@ -240,8 +240,17 @@ def test_adaptive_turns_speculation_off_under_load():
     assert scheduler.schedule().num_draft_tokens == 64 * 4
 
 
+class AllowingGuard:
+    """A speculation guard that lets every step verify drafts (for tests of the step-cost
+    model's choice alone: the engine reports no step times here)."""
+
+    def allows(self, num_decodes: int, greedy: bool = False) -> bool:
+        return True
+
+
 def test_a_request_that_stopped_drafting_tries_again_later():
     scheduler, (request,) = adaptive_scheduler(LinearCost(1.0, 1.0), 1)
+    scheduler.speculation_guard = AllowingGuard()
     request.recent_accepted, request.recent_rejections = 0.0, 40.0
     scheduler.spec_decode_stats.num_accepted_tokens = 90  # the engine's drafts are mostly right
     scheduler.spec_decode_stats.num_rejections = 10

@@ -22,6 +22,11 @@ MAX_EXPLORE_EVERY = 64
 DECISIVE_GAP = 0.15  # of the plain rate: a verdict this clear backs its exploring off
 RATE_WEIGHT = 0.2  # of the newest step in a moving average of tokens per second
 MIN_STEPS = 3  # of each kind before a batch size's verdict counts
+# Until then, every LEARN_EVERY-th step goes without drafts, so the plain rate is measured
+# within a few steps (at EXPLORE_EVERY it took 24, and the step-cost model, weighing drafts
+# against one plain forward where multi-step bursts were the real alternative, verified
+# drafts in most of them: ~5% of a batch-8 run's first 128 tokens).
+LEARN_EVERY = 2
 
 
 @dataclass
@@ -34,7 +39,7 @@ class _Rates:
     steps_without: int = 0
     steps_seen: int = 0
     explore_every: int = EXPLORE_EVERY
-    next_explore: int = EXPLORE_EVERY  # the step (steps_seen) that goes the other way next
+    next_explore: int = LEARN_EVERY  # the step (steps_seen) that goes the other way next
     exploring: bool = False  # the step `allows` last answered goes against the verdict
 
     @property
@@ -84,7 +89,7 @@ class SpeculationGuard:
         verdict = self._verdict(rates, step)
         explore = step >= rates.next_explore
         if explore:
-            rates.next_explore = step + rates.explore_every
+            rates.next_explore = step + (rates.explore_every if rates.measured else LEARN_EVERY)
         rates.exploring = explore and rates.measured
         return verdict
 
@@ -114,6 +119,8 @@ class SpeculationGuard:
             exploring, rates.exploring = rates.exploring, False
             measured, paid = rates.measured, rates.pays(self.min_gain)
             rates.observe(speculated, tokens / seconds)
+            if rates.measured and not measured:  # learnt: exploring starts EXPLORE_EVERY on
+                rates.next_explore = rates.steps_seen + rates.explore_every
             flipped = measured and rates.pays(self.min_gain) != paid
             if flipped or (measured and not rates.decisive):
                 if rates.explore_every > EXPLORE_EVERY:  # look again soon (not later than due)
