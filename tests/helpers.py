@@ -236,3 +236,18 @@ def compare_attention_backends(
 
 def attention_tolerance(dtype: torch.dtype) -> dict[str, float]:
     return {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+
+
+class AllowingGuard:
+    """A speculation guard that lets every step verify drafts: for tests of the step-cost
+    model's draft choice or a proposer's cost forecast alone, out of the measured check's
+    reach."""
+
+    def allows(self, num_decodes: int, greedy: bool = False) -> bool:
+        return True
+
+    def peek(self, num_decodes: int, greedy: bool = False) -> bool:
+        return True
+
+    def observe(self, *args: object) -> None:
+        pass

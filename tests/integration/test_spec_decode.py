@@ -12,7 +12,7 @@ import pytest
 
 from tandem import LLM, SamplingParams
 
-from helpers import assert_same_until_tie
+from helpers import AllowingGuard, assert_same_until_tie
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4}  # fmt: skip
@@ -291,20 +291,6 @@ def test_a_draft_reuses_its_kv_of_a_cached_prefix_and_never_of_evicted_content(t
     stats = llm.llm_engine.core.spec_decode_stats
     assert stats.num_accepted_tokens - before > 8
     assert_all_blocks_free(llm)
-
-
-class AllowingGuard:
-    """Lets every step verify drafts: the measured check's verdicts stay out of a test of the
-    cost forecast."""
-
-    def allows(self, num_decodes, greedy=False):
-        return True
-
-    def peek(self, num_decodes, greedy=False):
-        return True
-
-    def observe(self, *args):
-        pass
 
 
 @pytest.mark.parametrize("guessing_seconds", [0.0, 10.0])

@@ -9,6 +9,8 @@ from tandem.core.roofline import BatchSums
 from tandem.core.scheduler import _StepPlan
 from tandem.request import RequestStatus
 
+from helpers import AllowingGuard
+
 
 class LinearCost:
     """A step costs `constant` plus `per_token` for each new token; steps of at most
@@ -238,14 +240,6 @@ def test_adaptive_turns_speculation_off_under_load():
     for request in requests:
         request.recent_accepted, request.recent_rejections = 100.0, 0.0
     assert scheduler.schedule().num_draft_tokens == 64 * 4
-
-
-class AllowingGuard:
-    """A speculation guard that lets every step verify drafts (for tests of the step-cost
-    model's choice alone: the engine reports no step times here)."""
-
-    def allows(self, num_decodes: int, greedy: bool = False) -> bool:
-        return True
 
 
 def test_a_request_that_stopped_drafting_tries_again_later():
