@@ -19,7 +19,10 @@ from dataclasses import dataclass
 
 EXPLORE_EVERY = 8
 MAX_EXPLORE_EVERY = 64
-DECISIVE_GAP = 0.15  # of the plain rate: a verdict this clear backs its exploring off
+# Of the plain rate: a verdict this clear backs its exploring off. Exploring every
+# EXPLORE_EVERY steps costs about gap / EXPLORE_EVERY: at 0.15, n-gram drafts ~13% slower
+# than batch-8 bursts were explored every 8th step, a steady 2-3% (BENCHMARKS.md).
+DECISIVE_GAP = 0.08
 RATE_WEIGHT = 0.2  # of the newest step in a moving average of tokens per second
 MIN_STEPS = 3  # of each kind before a batch size's verdict counts
 # Until then, every LEARN_EVERY-th step goes without drafts, so the plain rate is measured
