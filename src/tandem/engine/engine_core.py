@@ -140,6 +140,13 @@ def runner_shape(runner: ModelRunner) -> ModelShape:
     )
 
 
+def _no_guesses(requests: list[Request]) -> float:
+    """A step that guesses nothing: the requests' old guesses go (no backlog paid: 0 s)."""
+    for request in requests:
+        request.spec_token_ids = []
+    return 0.0
+
+
 def set_random_seed(seed: int) -> None:
     """vLLM's global seed: random, numpy and torch (every device) in this process. Requests
     without a seed of their own draw from torch's default generator, so a run repeats."""
@@ -737,19 +744,17 @@ class EngineCore:
                 self.proposer.forget(request.request_id)
             else:
                 live.append(request)
+        adaptive, costly = self.config.scheduler.adaptive_speculation, self.proposer.costly
+        if adaptive and (
+            (costly and self._proposals_declined(num_verified))
+            or not self.scheduler.speculation_guard.peek(
+                self.scheduler.num_running, all_greedy(self.scheduler.running)
+            )
+        ):
+            return _no_guesses(live)
         limits = [self.scheduler.max_drafts(r) for r in live]
-        if self.config.scheduler.adaptive_speculation:
-            costly = self.proposer.costly
-            if (
-                (costly and self._proposals_declined(num_verified))
-                or not self.scheduler.speculation_guard.peek(
-                    self.scheduler.num_running, all_greedy(self.scheduler.running)
-                )
-                or (costly and not self._guesses_may_pay(live, limits))
-            ):
-                for request in live:
-                    request.spec_token_ids = []
-                return 0.0
+        if adaptive and costly and not self._guesses_may_pay(live, limits):
+            return _no_guesses(live)
         for request, drafts in zip(live, self.proposer.propose(live, limits), strict=True):
             request.spec_token_ids = drafts
         return self.proposer.catch_up_seconds

@@ -109,9 +109,10 @@ class DraftModelProposer:
                 active.append((index, request, limit))
         if not active:
             return drafts
-        backlogs, slices = [], []
+        backlogs, slices, computed_before = [], [], []
         for _, request, _ in active:
             computed = self._computed(request)
+            computed_before.append(computed)
             steady_start = self._steady_start(request, computed)
             if computed < steady_start:
                 token_ids = request.all_token_ids[:steady_start]
@@ -122,17 +123,17 @@ class DraftModelProposer:
             self._catch_up(backlogs)
             self.catch_up_seconds = time.perf_counter() - start
         guessed = [[guess] for guess in self._greedy(slices)]
-        for _, request, _ in active:
-            self._note_cached_blocks(request)
+        for (_, request, _), computed in zip(active, computed_before, strict=True):
+            self._note_cached_blocks(request, computed)
             self._num_computed[request.request_id] = request.num_tokens
         position = 0  # guesses every active request has
-        while active:
+        while True:
             for (index, _, _), guesses in zip(active, guessed, strict=True):
                 drafts[index] += guesses
             position += len(guessed[0])
             active = [entry for entry in active if entry[2] > position]
             if not active:
-                break
+                return drafts
             slices = []
             for index, request, _ in active:
                 token_ids = [*request.all_token_ids, *drafts[index]]
@@ -142,7 +143,6 @@ class DraftModelProposer:
                 guessed = self._greedy_steps(slices, num_steps)
             else:
                 guessed = [[guess] for guess in self._greedy(slices)]
-        return drafts
 
     def _num_steps(self, num_requests: int, min_limit: int, position: int) -> int:
         """How many guesses each of these requests, `position` guessed each, gets from the
@@ -171,12 +171,13 @@ class DraftModelProposer:
             num_blocks += 1
         return num_blocks * self.kv_cache_manager.block_size
 
-    def _note_cached_blocks(self, request: Request) -> None:
+    def _note_cached_blocks(self, request: Request, computed_before: int) -> None:
         """Note the request's cached blocks the draft's KV now covers whole: those its forwards
-        just reached (and the one before, which the target may have cached only since)."""
+        just reached from `computed_before` (and the one before, which the target may have
+        cached only since)."""
         size = self.kv_cache_manager.block_size
         blocks = self.kv_cache_manager.held_blocks.get(request.request_id, [])
-        first = max(self._computed(request) // size - 1, 0)
+        first = max(computed_before // size - 1, 0)
         for block in blocks[first : request.num_tokens // size]:
             if block.block_hash is not None:
                 self._cached_blocks[block.block_id] = block.generation
