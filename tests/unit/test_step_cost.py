@@ -373,3 +373,36 @@ def test_prompts_take_whole_chunks_while_the_step_samples_nothing():
     assert beside.num_decode_tokens == 1
     assert FakeCost().predict(batch_sums(beside.scheduled)) <= 0.050 + 1e-12
     assert 0 < beside.num_prefill_tokens < 128
+
+
+def test_learns_packed_rows_cheaper_than_dense_ones():
+    """A draft model's regimes: its packed steps' rows cost less than its dense steps' (bf16
+    prefill), which a packed surcharge on one per-token cost cannot say. A few dense catch-ups
+    among many packed steps must not price the packed rows at the dense rate."""
+    shape = ModelShape(30, 576, 1536, 9, 3, 64, 49152, 2, 2, 2, packed_weights=10**8,
+                       packed_bytes=6 * 10**7, packed_max_tokens=256)  # fmt: skip
+    model = StepCostModel(shape, PEAKS, min_steps=8, refit_every=8)
+
+    def seconds(sums: BatchSums) -> float:
+        tokens = sums.num_new_tokens
+        return 0.002 + (0.0006 if tokens <= 256 else 0.00105) * tokens
+
+    rng = random.Random(3)
+    for index in range(120):
+        tokens = 1568 if index % 40 == 0 else rng.choice([8, 16, 24, 32, 100, 200])
+        sums = request_sums(0, tokens, True)
+        model.observe(sums, seconds(sums))
+    for tokens in (8, 32, 150, 256, 400, 1568):
+        sums = request_sums(0, tokens, True)
+        assert model.predict(sums) == pytest.approx(seconds(sums), rel=0.05), tokens
+
+
+def test_a_regime_not_seen_is_priced_as_the_other():
+    """Only packed steps seen: a dense step's rows cost what packed rows do, not nothing."""
+    shape = ModelShape(30, 576, 1536, 9, 3, 64, 49152, 2, 2, 2, packed_weights=10**8,
+                       packed_bytes=6 * 10**7, packed_max_tokens=64)  # fmt: skip
+    model = StepCostModel(shape, PEAKS, min_steps=8, refit_every=8)
+    for tokens in [2, 40, 9, 33, 17, 64, 5, 50] * 4:
+        sums = request_sums(0, tokens, True)
+        model.observe(sums, 0.003 + 0.0005 * tokens)
+    assert model.predict(request_sums(0, 400, True)) == pytest.approx(0.203, rel=0.05)

@@ -1,30 +1,32 @@
-"""What a step will cost, learned on the machine it runs on: step time as a linear function of
-the batch's sums (core/roofline.py), time = c + a * new tokens + b * attended positions
-+ d * KV positions read + e * sampled rows, fitted by least squares over a window of recent
-steps and refitted as steps come in (every 4 while the window is short, then every 16, and
-once it is long, when an eighth of it is new), so it follows the machine and the load. A model that
-keeps weights packed for small steps (models/packed.py) runs two matmul regimes whose costs
-differ in kind (packed: few bytes, but each extra row costs a dequantizing pass; dense: more
-bytes, rows nearly free), so two more terms: f for a step too big for the packed weights, and
-g per new token of a step that uses them. Kernels that work in blocks of rows (the CPU int4
-matmul takes four at a time) or CUDA graphs captured at padded batch sizes make small steps'
-time a staircase in their token count that no line follows: for steps of up to
+"""What a step will cost, learned on the machine it runs on: step time as a linear function of the
+batch's sums (core/roofline.py), time = c + a * new tokens + b * attended positions + d * KV
+positions read + e * sampled rows, fitted by least squares over a window of recent steps and
+refitted as steps come in (every 4 while the window is short, then every 16, and once it is
+long, when an eighth of it is new), so it follows the machine and the load. A model that keeps
+weights packed for small steps (models/packed.py) runs two matmul regimes whose costs differ in
+kind (packed: few bytes, but each extra row costs a dequantizing pass; dense: more bytes, rows
+nearly free), so a new token's cost is learned per regime (a: dense, g: packed) and f is a step
+too big for the packed weights; a regime not seen in the window is priced as the other. (As a
+surcharge on a shared per-token cost, g could not be negative: a draft model whose dense bf16
+rows cost 1.05 ms each against 0.6 packed had its packed steps forecast at the dense rate, 1.7x
+their time, and stopped drafting where drafts paid.) Kernels that work in blocks of rows (the
+CPU int4 matmul takes four at a time) or CUDA graphs captured at padded batch sizes make small
+steps' time a staircase in their token count that no line follows: for steps of up to
 RESIDUAL_MAX_TOKENS tokens, the ratio of the measured time to the line's is learned per token
-count (and apart for the forwards of multi-step bursts, which share their step's own work), as
-a moving average, and scales the line (a ratio, not a difference: learned at one
-context it still scales the line at another, and never drives a forecast to nothing; and it
-follows this machine's drift from minute to minute, which a window of 512 steps refitted every
-64 does not). A larger step with prompt tokens (not a large decode batch, whose jitter on a GPU
-would refit every step) whose forecast missed by more than REFIT_ERROR refits the line at
-once: such steps come in runs (a long prompt's chunks, each attending to more of its own
-prefix), and the scheduler sizes the next chunk of the run by the forecast. What is left of
-those steps' error is noise and what no line captures: their recent over-runs (how much later
-than forecast they ran) give the scheduler `headroom`, the margin an ITL target plans with.
-Until enough
-steps are seen, the roofline (the slower of compute and bandwidth at the machine's peaks)
-predicts, plus the least per-step overhead seen so far (time the roofline does not explain:
-launches, Python, sampling), so that from the first step on it is not wildly optimistic for
-a small model. No torch: the scheduler asks it how big a prefill chunk fits a time target.
+count (and apart for the forwards of multi-step bursts, which share their step's own work), as a
+moving average, and scales the line (a ratio, not a difference: learned at one context it still
+scales the line at another, and never drives a forecast to nothing; and it follows this
+machine's drift from minute to minute, which a window of 512 steps refitted every 64 does not).
+A larger step with prompt tokens (not a large decode batch, whose jitter on a GPU would refit
+every step) whose forecast missed by more than REFIT_ERROR refits the line at once: such steps
+come in runs (a long prompt's chunks, each attending to more of its own prefix), and the
+scheduler sizes the next chunk of the run by the forecast. What is left of those steps' error is
+noise and what no line captures: their recent over-runs (how much later than forecast they ran)
+give the scheduler `headroom`, the margin an ITL target plans with. Until enough steps are seen,
+the roofline (the slower of compute and bandwidth at the machine's peaks) predicts, plus the
+least per-step overhead seen so far (time the roofline does not explain: launches, Python,
+sampling), so that from the first step on it is not wildly optimistic for a small model. No
+torch: the scheduler asks it how big a prefill chunk fits a time target.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ FEATURE_NAMES = (
     "constant", "new tokens", "attended positions", "KV positions", "sampled rows",
     "dense step", "packed tokens",
 )  # fmt: skip
+NEW_TOKENS, PACKED_TOKENS = 1, 6  # the per-token features of the two regimes
 
 
 def features(sums: BatchSums, packed_max_tokens: int = 0) -> tuple[float, ...]:
@@ -56,8 +59,9 @@ def features(sums: BatchSums, packed_max_tokens: int = 0) -> tuple[float, ...]:
     num_new = sums.num_new_tokens
     packed = num_new <= packed_max_tokens
     return (
-        1.0, num_new, sums.num_attended, sums.num_context, sums.num_sampled,
-        float(packed_max_tokens > 0 and not packed), float(num_new if packed else 0),
+        1.0, float(0 if packed else num_new), sums.num_attended, sums.num_context,
+        sums.num_sampled, float(packed_max_tokens > 0 and not packed),
+        float(num_new if packed else 0),
     )  # fmt: skip
 
 
@@ -187,12 +191,16 @@ class StepCostModel:
         self._since_fit = 0
         num_rows = min(self._num_observed, len(self._times))
         rows, times = self._rows[:num_rows], self._times[:num_rows]
-        active = [i for i in range(rows.shape[1]) if rows[:, i].any()]
+        seen = [bool(rows[:, i].any()) for i in range(rows.shape[1])]
+        active = [i for i in range(rows.shape[1]) if seen[i]]
         while active:
             solution, *_ = np.linalg.lstsq(rows[:, active], times, rcond=None)
             if (solution >= 0).all():
                 coefficients = np.zeros(rows.shape[1])
                 coefficients[active] = solution
+                for regime, other in ((NEW_TOKENS, PACKED_TOKENS), (PACKED_TOKENS, NEW_TOKENS)):
+                    if not seen[regime]:
+                        coefficients[regime] = coefficients[other]
                 self.coefficients = tuple(coefficients.tolist())
                 return
             active = [i for i, value in zip(active, solution, strict=True) if value >= 0]
