@@ -186,6 +186,30 @@ def test_adaptive_drafts_while_they_pay_for_their_time():
     assert len(scheduled.draft_token_ids) == 4
 
 
+def test_greedy_and_sampled_requests_have_their_own_acceptance_prior():
+    # Sampled requests' drafts were all rejected. A new greedy request starts from its own
+    # kind's record (none yet: even odds), so it drafts two, as in a fresh engine; from the
+    # sampled record (~0.1) it would draft none.
+    scheduler = make_scheduler(
+        num_speculative_tokens=4, max_num_batched_tokens=512, max_num_seqs=128,
+        num_blocks=1024,
+    )  # fmt: skip
+    scheduler.cost_model = LinearCost(10.0, 1.0)
+    scheduler.speculation_guard = AllowingGuard()
+    sampled = add(scheduler, "s", 3, max_tokens=60)
+    prefill(scheduler, ["s"])
+    while not sampled.is_finished:
+        sampled.spec_token_ids = [1, 2, 3, 4]
+        scheduler.update_from_output(scheduler.schedule(), {"s": [9]})
+    stats = scheduler.spec_decode_stats
+    assert stats.num_accepted_tokens == 0 and stats.num_rejections >= 5
+    greedy = add(scheduler, "g", 3, first_token=50, max_tokens=50, temperature=0.0)
+    prefill(scheduler, ["g"])
+    greedy.spec_token_ids = [1, 2, 3, 4]
+    (scheduled,) = scheduler.schedule().scheduled
+    assert len(scheduled.draft_token_ids) == 2
+
+
 class SteppedCost(LinearCost):
     """Steps above `small` tokens cost `jump` more (e.g. past a CUDA graph size)."""
 
@@ -246,8 +270,8 @@ def test_a_request_that_stopped_drafting_tries_again_later():
     scheduler, (request,) = adaptive_scheduler(LinearCost(1.0, 1.0), 1)
     scheduler.speculation_guard = AllowingGuard()
     request.recent_accepted, request.recent_rejections = 0.0, 40.0
-    scheduler.spec_decode_stats.num_accepted_tokens = 90  # the engine's drafts are mostly right
-    scheduler.spec_decode_stats.num_rejections = 10
+    # The engine's drafts for requests of its kind are mostly right.
+    scheduler.verified_by_kind[request.sampling_params.is_greedy] = (90, 10)
     drafted = []
     while not request.is_finished and not any(drafted):
         output = scheduler.schedule()
