@@ -5,12 +5,14 @@ sampling repeats, every block is returned, and the counters add up."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 
 import pytest
 
 from tandem import LLM, SamplingParams
+from tandem.engine.engine_core import RETRY_DECLINED_EVERY
 
 from helpers import AllowingGuard, assert_same_until_tie
 
@@ -297,7 +299,8 @@ def test_a_draft_reuses_its_kv_of_a_cached_prefix_and_never_of_evicted_content(t
 def test_a_draft_guesses_only_where_its_forecast_cost_leaves_a_gain(tiny_folder, guessing_seconds):
     """Adaptive: once the target's step-cost model has a line, the engine asks the draft's
     forecast before each guess. A draft forecast to cost nothing goes on guessing; one
-    forecast at 10 s a step stops as soon as the forecast counts."""
+    forecast at 10 s a step stops as soon as the forecast counts, and once refused twice in a
+    row, the forecast is asked only every RETRY_DECLINED_EVERY steps."""
     config = {**draft_config(tiny_folder, draft_dtype="bfloat16"), "adaptive": True}
     llm = LLM(tiny_folder, dtype="float32", skip_tokenizer_init=True,
               speculative_config=config)  # fmt: skip
@@ -311,12 +314,24 @@ def test_a_draft_guesses_only_where_its_forecast_cost_leaves_a_gain(tiny_folder,
         return propose(requests, limits)
 
     proposer.propose = recording
-    proposer.forecast_seconds = lambda requests, limits: (guessing_seconds, 0.0)
+    asked = []  # the steps done when the forecast counted
+
+    def forecast(requests, limits):
+        if core.cost_model.coefficients is not None:
+            asked.append(core.num_steps)
+        return guessing_seconds, 0.0
+
+    proposer.forecast_seconds = forecast
     prompts = [{"prompt_token_ids": p} for p in loop_prone_prompts(4, seed=3)]
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
                  use_tqdm=False)  # fmt: skip
     assert core.cost_model.coefficients is not None
     assert any(fitted_when_guessing) == (guessing_seconds == 0.0)
+    if guessing_seconds:  # refused at every ask
+        assert asked[1] == asked[0] + 1 and len(asked) >= 4
+        assert all(step % RETRY_DECLINED_EVERY == 0 for step in asked[2:])
+    else:  # asked before every guess (the scheduler declining them is another matter)
+        assert any(after == before + 1 for before, after in itertools.pairwise(asked[2:]))
     assert_all_blocks_free(llm)
 
 

@@ -137,3 +137,17 @@ def test_a_step_observed_without_asking_explores_nothing():
     before = steps_to_next_plain()
     guard.observe(8, False, 500, 1.0)  # observed, never asked
     assert steps_to_next_plain() + 1 == min(2 * (before + 1), MAX_EXPLORE_EVERY)
+
+
+def test_a_guard_that_explores_no_refusals_still_explores_where_drafts_pay():
+    """For a draft model (an exploring guess first catches up on every token since its last),
+    a batch size where drafts lost is not explored again; one where they pay still gets its
+    plain steps, which cost little."""
+    guard = SpeculationGuard(explores_refusals=False)
+    losing = run(guard, 8, 300, rate_with=350, rate_without=500)
+    learned = MIN_STEPS * LEARN_EVERY
+    assert any(losing[:learned]) and not any(losing[learned:])
+    assert guard.verdicts()[batch_bucket(8)] == (350, 500)
+    paying = run(guard, 1, 300, rate_with=60, rate_without=40)
+    plain = [step for step, allow in enumerate(paying) if not allow]
+    assert len(plain) > MIN_STEPS and plain[-1] > 150  # still measured now and then

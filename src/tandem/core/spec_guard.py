@@ -10,7 +10,13 @@ to MAX_EXPLORE_EVERY), and a verdict that flips or comes close brings it back to
 EXPLORE_EVERY. An exploring step costs what the verdict saves (at batch 8 on a 2-core CPU a
 step verifying drafts gave ~0.7x the tokens/s of a plain one): one in 8 was ~4% of the
 plain rate, one in 64 is ~0.5%; where the rates are close, exploring costs little and a
-noisy verdict needs it.
+noisy verdict needs it. Except for a proposer that must catch up on every token since it last
+guessed (a draft model): an exploring guess there first computes the draft's KV of all the
+tokens since, so exploring a batch size where drafts lost costs the same share of the time at
+any interval (the catch-up grows with it): ~10-30% of the plain rate on a 2-core CPU, where a
+batch of 8 drafting at break-even explored every 8th step ran at 0.92x. Its guard
+(`explores_refusals=False`) explores only batch sizes where drafts pay: plain steps there are
+cheap.
 """
 
 from __future__ import annotations
@@ -80,8 +86,9 @@ def batch_bucket(num_decodes: int, greedy: bool = False) -> tuple[int, bool]:
 
 
 class SpeculationGuard:
-    def __init__(self, min_gain: float = 0.0) -> None:
+    def __init__(self, min_gain: float = 0.0, explores_refusals: bool = True) -> None:
         self.min_gain = min_gain
+        self.explores_refusals = explores_refusals
         self._rates: dict[tuple[int, bool], _Rates] = {}
 
     def allows(self, num_decodes: int, greedy: bool = False) -> bool:
@@ -93,7 +100,7 @@ class SpeculationGuard:
         explore = step >= rates.next_explore
         if explore:
             rates.next_explore = step + (rates.explore_every if rates.measured else LEARN_EVERY)
-        rates.exploring = explore and rates.measured
+        rates.exploring = explore and rates.measured and self._explores(rates)
         return verdict
 
     def peek(self, num_decodes: int, greedy: bool = False) -> bool:
@@ -109,7 +116,11 @@ class SpeculationGuard:
             # Too few of one kind: let the step-cost model decide, but make sure plain steps
             # get measured too.
             return not (explore and rates.steps_without < MIN_STEPS)
-        return rates.pays(self.min_gain) != explore
+        return rates.pays(self.min_gain) != (explore and self._explores(rates))
+
+    def _explores(self, rates: _Rates) -> bool:
+        """Whether the bucket's exploring steps go against its verdict."""
+        return self.explores_refusals or rates.pays(self.min_gain)
 
     def observe(
         self, num_decodes: int, speculated: bool, tokens: int, seconds: float, greedy: bool = False

@@ -188,8 +188,12 @@ class EngineCore:
         )
         self.generators: dict[str, torch.Generator] = {}
         self.proposer = self._make_proposer(config)
-        # Steps in a row whose guesses the scheduler verified none of (a costly proposer then
-        # guesses only every RETRY_DECLINED_EVERY steps).
+        if self.proposer is not None and self.proposer.costly:
+            # A draft model's exploring guess would first catch up on every token since its
+            # last one (core/spec_guard.py).
+            self.scheduler.speculation_guard.explores_refusals = False
+        # Steps in a row whose guesses the scheduler verified none of, or that the proposer's
+        # forecast refused (a costly proposer then asks only every RETRY_DECLINED_EVERY steps).
         self.num_declined_proposals = 0
         # Requests still owed prompt logprobs -> prompt positions whose logits have been scored
         # and sent (the logits at position p give the logprob of prompt token p + 1). A request
@@ -734,9 +738,11 @@ class EngineCore:
         verify drafts, at the batch size it will have (n-gram lookup's numpy calls took ~0.35 ms
         for 8 requests, ~5% of a batch-8 step on a 2-core CPU, for guesses then dropped).
         A costly proposer (a draft model) guesses only where its forecast cost leaves the
-        drafts a gain (`_guesses_may_pay`), and once the scheduler has declined its guesses,
-        only every RETRY_DECLINED_EVERY steps until it takes some. Returns the seconds the
-        proposer spent on backlogs (paid once)."""
+        drafts a gain (`_guesses_may_pay`), and once the scheduler has declined its guesses or
+        the forecast refused them, two steps in a row, it asks only every RETRY_DECLINED_EVERY
+        steps until the scheduler takes some (asked each step, the forecast cost ~1% of a
+        batch-32 step where it kept refusing). Returns the seconds the proposer spent on
+        backlogs (paid once)."""
         assert self.proposer is not None
         live = []
         for request in requests:
@@ -754,6 +760,7 @@ class EngineCore:
             return _no_guesses(live)
         limits = [self.scheduler.max_drafts(r) for r in live]
         if adaptive and costly and not self._guesses_may_pay(live, limits):
+            self.num_declined_proposals += 1
             return _no_guesses(live)
         for request, drafts in zip(live, self.proposer.propose(live, limits), strict=True):
             request.spec_token_ids = drafts
@@ -778,8 +785,9 @@ class EngineCore:
         return self.scheduler.drafts_may_pay(requests, limits, steady)
 
     def _proposals_declined(self, num_verified: int) -> bool:
-        """Whether a costly proposer skips this step: the scheduler declined its guesses two
-        steps in a row, and this is not one of the RETRY_DECLINED_EVERY steps that try again."""
+        """Whether a costly proposer skips this step: the scheduler declined its guesses, or
+        its forecast refused them, two steps in a row, and this is not one of the
+        RETRY_DECLINED_EVERY steps that try again."""
         if num_verified:
             self.num_declined_proposals = 0
         elif any(r.spec_token_ids for r in self.scheduler.running):
@@ -1112,9 +1120,7 @@ class EngineCore:
             or not scheduler.has_schedulable_requests()
             or (
                 self._telemetry_before_drafts
-                and scheduler.speculation_guard.peek(
-                    scheduler.num_running, all_greedy(scheduler.running)
-                )
+                and any(request.spec_token_ids for request in scheduler.running)
             )
         ):
             self.finish_stats()
