@@ -7,12 +7,13 @@ proposer, adaptive and forced to verify everything it finds; `float32` with the 
 that needs no download, the embedded model in dtype "auto" drafting for its fp32 self.
 
 Greedy decoding of NEW_TOKENS tokens each (ignore_eos), so every engine emits as many tokens,
-the same ones up to near-ties (bf16 has many): the comparison is time. The batch 1 row runs its
-prompts one at a time. The texts are the docstrings of Python standard-library modules: local,
-and different from each other. tok/s is each engine's best round; "x" (speedup) is the median
-over rounds of its tok/s over the plain engine's in the same round, the engines' order
-reversed every other round (a ratio of best rounds was as noisy as this machine: adaptive
-engines that verified no drafts read 0.94-1.13x their plain twins).
+the same ones up to near-ties (bf16 has many): the comparison is time. A run takes its prompts
+`batch` at a time: 4 at batch 1, 32 at batch 8 (MIN_RUN_PROMPTS), one group above. The texts are
+the docstrings of Python standard-library modules: local, and different from each other. tok/s
+is each engine's best round; "x" (speedup) is the median over rounds of its tok/s over the plain
+engine's in the same round, the engines' order reversed every other round (a ratio of best
+rounds was as noisy as this machine: adaptive engines that verified no drafts read 0.94-1.13x
+their plain twins).
 Nothing else may compute meanwhile (two OpenMP processes on 2 cores slow each other 10-30x).
 
     .venv/bin/python benchmarks/spec_decode.py [--rounds 2] [--batches 1 8 32 64]
@@ -44,6 +45,10 @@ from tandem.core.spec_stats import SpecDecodeStats
 
 NEW_TOKENS = 128
 BATCH_1_PROMPTS = 4  # batch 1 runs this many prompts one after another
+# Smaller batches run groups of `batch` prompts one after another, as many as make this many
+# prompts: a batch of 8 ran in 0.5-0.7 s (the default dtype), too short for this machine,
+# whose rate moves by +-5% from one such run to the next.
+MIN_RUN_PROMPTS = 32
 RESULTS = Path("benchmarks/results/spec_decode.json")
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4}  # fmt: skip
@@ -130,12 +135,12 @@ def workloads(llm: LLM, count: int) -> dict[str, list[str]]:
 
 
 def run(llm: LLM, prompts: list[str], batch: int) -> tuple[float, int, SpecDecodeStats]:
-    """Seconds and output tokens for `prompts` (batch 1: one at a time), and the speculation
+    """Seconds and output tokens for `prompts`, `batch` at a time, and the speculation
     counters it added."""
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     stats = llm.llm_engine.core.spec_decode_stats  # updated in place
     before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
-    groups = [[p] for p in prompts] if batch == 1 else [prompts]
+    groups = [prompts[start : start + batch] for start in range(0, len(prompts), batch)]
     start = time.perf_counter()
     tokens = 0
     for group in groups:
@@ -206,13 +211,13 @@ def run_group(group: str, batches: list[int], rounds: int) -> list[dict]:
         name: LLM("default", dtype=dtype, speculative_config=config)
         for name, (dtype, config) in GROUPS[group].items()
     }
-    prompts = workloads(next(iter(engines.values())), max(max(batches), BATCH_1_PROMPTS))
+    prompts = workloads(next(iter(engines.values())), max(*batches, MIN_RUN_PROMPTS))
     for llm in engines.values():  # warm up: kernels, allocator, the step-cost model's fit
         llm.generate(prompts["input-grounded"][:8], SamplingParams(max_tokens=32), use_tqdm=False)
     rows = []
     for workload, texts in prompts.items():
         for batch in batches:
-            chosen = texts[: BATCH_1_PROMPTS if batch == 1 else batch]
+            chosen = texts[: BATCH_1_PROMPTS if batch == 1 else max(batch, MIN_RUN_PROMPTS)]
             best: dict[str, tuple[float, int, SpecDecodeStats]] = {}
             rates: dict[str, list[float]] = {name: [] for name in engines}
             for round_index in range(rounds):
