@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import pytest
@@ -38,26 +39,40 @@ def random_step(rng: random.Random) -> BatchSums:
     return sums if sums.num_new_tokens else request_sums(0, 32, True)
 
 
+def packed_model(packed_max_tokens: int) -> StepCostModel:
+    """A model whose steps of up to `packed_max_tokens` tokens multiply packed weights."""
+    shape = ModelShape(30, 576, 1536, 9, 3, 64, 49152, 2, 2, 2, packed_weights=10**8,
+                       packed_bytes=6 * 10**7, packed_max_tokens=packed_max_tokens)  # fmt: skip
+    return StepCostModel(shape, PEAKS, min_steps=8, refit_every=8)
+
+
+def assert_learns(
+    model: StepCostModel,
+    seconds: Callable[[int], float],
+    observed: Iterable[int],
+    checked: Iterable[int],
+    rel: float,
+) -> None:
+    """Steps of one request with the `observed` token counts, timed by `seconds`, teach the
+    model; then its forecasts of the `checked` counts must be within `rel`."""
+    for tokens in observed:
+        model.observe(request_sums(0, tokens, True), seconds(tokens))
+    for tokens in checked:
+        predicted = model.predict(request_sums(0, tokens, True))
+        assert predicted == pytest.approx(seconds(tokens), rel=rel), tokens
+
+
 def test_learns_the_two_regimes_of_packed_weights():
     """Steps of up to 8 tokens multiply packed weights (cheap to read, each row costly), larger
     ones dense weights (more bytes, rows nearly free): the model predicts both, and the jump
     between them, once it has seen steps of each kind."""
-    shape = ModelShape(30, 576, 1536, 9, 3, 64, 49152, 2, 2, 2, packed_weights=10**8,
-                       packed_bytes=6 * 10**7, packed_max_tokens=8)  # fmt: skip
-    model = StepCostModel(shape, PEAKS, min_steps=8, refit_every=8)
 
-    def seconds(sums: BatchSums) -> float:
-        tokens = sums.num_new_tokens
+    def seconds(tokens: int) -> float:
         return 0.015 + 0.004 * tokens if tokens <= 8 else 0.040 + 0.0003 * tokens
 
     rng = random.Random(1)
-    for _ in range(200):
-        tokens = rng.choice([1, 2, 3, 5, 8, 9, 16, 64, 256])
-        sums = request_sums(0, tokens, True)
-        model.observe(sums, seconds(sums))
-    for tokens in (1, 6, 8, 9, 12, 200):
-        sums = request_sums(0, tokens, True)
-        assert model.predict(sums) == pytest.approx(seconds(sums), rel=0.02), tokens
+    observed = [rng.choice([1, 2, 3, 5, 8, 9, 16, 64, 256]) for _ in range(200)]
+    assert_learns(packed_model(8), seconds, observed, (1, 6, 8, 9, 12, 200), rel=0.02)
 
 
 def test_learns_a_staircase_in_small_steps():
@@ -379,30 +394,21 @@ def test_learns_packed_rows_cheaper_than_dense_ones():
     """A draft model's regimes: its packed steps' rows cost less than its dense steps' (bf16
     prefill), which a packed surcharge on one per-token cost cannot say. A few dense catch-ups
     among many packed steps must not price the packed rows at the dense rate."""
-    shape = ModelShape(30, 576, 1536, 9, 3, 64, 49152, 2, 2, 2, packed_weights=10**8,
-                       packed_bytes=6 * 10**7, packed_max_tokens=256)  # fmt: skip
-    model = StepCostModel(shape, PEAKS, min_steps=8, refit_every=8)
 
-    def seconds(sums: BatchSums) -> float:
-        tokens = sums.num_new_tokens
+    def seconds(tokens: int) -> float:
         return 0.002 + (0.0006 if tokens <= 256 else 0.00105) * tokens
 
     rng = random.Random(3)
-    for index in range(120):
-        tokens = 1568 if index % 40 == 0 else rng.choice([8, 16, 24, 32, 100, 200])
-        sums = request_sums(0, tokens, True)
-        model.observe(sums, seconds(sums))
-    for tokens in (8, 32, 150, 256, 400, 1568):
-        sums = request_sums(0, tokens, True)
-        assert model.predict(sums) == pytest.approx(seconds(sums), rel=0.05), tokens
+    observed = [1568 if index % 40 == 0 else rng.choice([8, 16, 24, 32, 100, 200])
+                for index in range(120)]  # fmt: skip
+    assert_learns(packed_model(256), seconds, observed, (8, 32, 150, 256, 400, 1568), rel=0.05)
 
 
 def test_a_regime_not_seen_is_priced_as_the_other():
     """Only packed steps seen: a dense step's rows cost what packed rows do, not nothing."""
-    shape = ModelShape(30, 576, 1536, 9, 3, 64, 49152, 2, 2, 2, packed_weights=10**8,
-                       packed_bytes=6 * 10**7, packed_max_tokens=64)  # fmt: skip
-    model = StepCostModel(shape, PEAKS, min_steps=8, refit_every=8)
-    for tokens in [2, 40, 9, 33, 17, 64, 5, 50] * 4:
-        sums = request_sums(0, tokens, True)
-        model.observe(sums, 0.003 + 0.0005 * tokens)
-    assert model.predict(request_sums(0, 400, True)) == pytest.approx(0.203, rel=0.05)
+
+    def seconds(tokens: int) -> float:
+        return 0.003 + 0.0005 * tokens
+
+    observed = [2, 40, 9, 33, 17, 64, 5, 50] * 4
+    assert_learns(packed_model(64), seconds, observed, (10, 64, 400), rel=0.05)

@@ -48,10 +48,10 @@ HEADROOM_STEPS = 32
 HEADROOM_MIN_STEPS = 4
 HEADROOM_MAX = 0.5  # one wild step must not shrink every chunk to nothing
 FEATURE_NAMES = (
-    "constant", "new tokens", "attended positions", "KV positions", "sampled rows",
+    "constant", "dense tokens", "attended positions", "KV positions", "sampled rows",
     "dense step", "packed tokens",
 )  # fmt: skip
-NEW_TOKENS, PACKED_TOKENS = 1, 6  # the per-token features of the two regimes
+DENSE_TOKENS, PACKED_TOKENS = 1, 6  # the per-token features of the two regimes
 
 
 def features(sums: BatchSums, packed_max_tokens: int = 0) -> tuple[float, ...]:
@@ -198,7 +198,7 @@ class StepCostModel:
             if (solution >= 0).all():
                 coefficients = np.zeros(rows.shape[1])
                 coefficients[active] = solution
-                for regime, other in ((NEW_TOKENS, PACKED_TOKENS), (PACKED_TOKENS, NEW_TOKENS)):
+                for regime, other in ((DENSE_TOKENS, PACKED_TOKENS), (PACKED_TOKENS, DENSE_TOKENS)):
                     if not seen[regime]:
                         coefficients[regime] = coefficients[other]
                 self.coefficients = tuple(coefficients.tolist())
