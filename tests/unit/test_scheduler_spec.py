@@ -157,12 +157,17 @@ def test_speculation_is_off_with_many_running_requests():
     assert scheduler.schedule().num_draft_tokens == 0
 
 
-def adaptive_scheduler(cost: LinearCost, num_requests: int):
+def empty_adaptive_scheduler(cost: LinearCost):
     scheduler = make_scheduler(
         num_speculative_tokens=4, max_num_batched_tokens=512, max_num_seqs=128,
         num_blocks=1024,
     )  # fmt: skip
     scheduler.cost_model = cost
+    return scheduler
+
+
+def adaptive_scheduler(cost: LinearCost, num_requests: int):
+    scheduler = empty_adaptive_scheduler(cost)
     names = [f"r{i}" for i in range(num_requests)]
     requests = [add(scheduler, name, 3, first_token=10 + i, max_tokens=50)
                 for i, name in enumerate(names)]  # fmt: skip
@@ -190,11 +195,7 @@ def test_greedy_and_sampled_requests_have_their_own_acceptance_prior():
     # Sampled requests' drafts were all rejected. A new greedy request starts from its own
     # kind's record (none yet: even odds), so it drafts two, as in a fresh engine; from the
     # sampled record (~0.1) it would draft none.
-    scheduler = make_scheduler(
-        num_speculative_tokens=4, max_num_batched_tokens=512, max_num_seqs=128,
-        num_blocks=1024,
-    )  # fmt: skip
-    scheduler.cost_model = LinearCost(10.0, 1.0)
+    scheduler = empty_adaptive_scheduler(LinearCost(10.0, 1.0))
     scheduler.speculation_guard = AllowingGuard()
     sampled = add(scheduler, "s", 3, max_tokens=60)
     prefill(scheduler, ["s"])
