@@ -243,6 +243,8 @@ class AllowingGuard:
     model's draft choice or a proposer's cost forecast alone, out of the measured check's
     reach."""
 
+    probing = False
+
     def allows(self, num_decodes: int, greedy: bool = False) -> bool:
         return True
 

@@ -6,7 +6,8 @@ import pytest
 from test_scheduler import add, make_scheduler
 
 from tandem.core.roofline import BatchSums
-from tandem.core.scheduler import _StepPlan
+from tandem.core.scheduler import MIN_SPECULATION_GAIN, _StepPlan
+from tandem.core.spec_guard import MIN_STEPS, SpeculationGuard
 from tandem.request import RequestStatus
 
 from helpers import AllowingGuard
@@ -158,11 +159,14 @@ def test_speculation_is_off_with_many_running_requests():
 
 
 def empty_adaptive_scheduler(cost: LinearCost):
+    """The step-cost model's choice of drafts, with every step let through by the measured
+    check (its own tests: test_spec_guard, and the probing test below)."""
     scheduler = make_scheduler(
         num_speculative_tokens=4, max_num_batched_tokens=512, max_num_seqs=128,
         num_blocks=1024,
     )  # fmt: skip
     scheduler.cost_model = cost
+    scheduler.speculation_guard = AllowingGuard()
     return scheduler
 
 
@@ -196,7 +200,6 @@ def test_greedy_and_sampled_requests_have_their_own_acceptance_prior():
     # kind's record (none yet: even odds), so it drafts two, as in a fresh engine; from the
     # sampled record (~0.1) it would draft none.
     scheduler = empty_adaptive_scheduler(LinearCost(10.0, 1.0))
-    scheduler.speculation_guard = AllowingGuard()
     sampled = add(scheduler, "s", 3, max_tokens=60)
     prefill(scheduler, ["s"])
     while not sampled.is_finished:
@@ -269,7 +272,6 @@ def test_adaptive_turns_speculation_off_under_load():
 
 def test_a_request_that_stopped_drafting_tries_again_later():
     scheduler, (request,) = adaptive_scheduler(LinearCost(1.0, 1.0), 1)
-    scheduler.speculation_guard = AllowingGuard()
     request.recent_accepted, request.recent_rejections = 0.0, 40.0
     # The engine's drafts for requests of its kind are mostly right.
     scheduler.verified_by_kind[request.sampling_params.is_greedy] = (90, 10)
@@ -284,6 +286,38 @@ def test_a_request_that_stopped_drafting_tries_again_later():
     assert drafted[0] == 0  # its own record says no
     assert drafted[-1] > 0  # as it decays, the engine-wide rate brings it back
     assert len(drafted) > 10
+
+
+def drafts_under(guard: SpeculationGuard) -> list[tuple[int, bool]]:
+    """Drafts verified per step, and whether the step probed, for a fresh request of a kind
+    with no record yet (even odds) under `guard`, where every draft is right, until it
+    finishes. A step costs 1 plus 1 per token: at even odds no number of drafts pays (1/2
+    tokens a second with none, 1.5/3 with one, ...); were all accepted, 4 would (5/6)."""
+    scheduler, (request,) = adaptive_scheduler(LinearCost(1.0, 1.0), 1)
+    scheduler.speculation_guard = guard
+    steps = []
+    while not request.is_finished:
+        request.spec_token_ids = [21, 22, 23, 24]
+        output = scheduler.schedule()
+        (scheduled,) = output.scheduled
+        drafts = scheduled.draft_token_ids
+        steps.append((len(drafts), guard.probing))
+        scheduler.update_from_output(output, {scheduled.request_id: [*drafts, 9]})
+        guard.observe(1, bool(drafts), 1 + len(drafts), 2.0 + len(drafts))
+    return steps
+
+
+def test_drafts_the_estimates_refuse_are_probed_until_measured():
+    """The estimates alone never verify a draft here, so they never learn that every one is
+    right (greedy n-gram requests at batch 1 verified none in a whole run). The measured
+    check's first steps probe: they verify every draft, as if all would be accepted; the
+    estimates learn from them, and the step-cost model's own choice takes drafts on."""
+    steps = drafts_under(SpeculationGuard(min_gain=MIN_SPECULATION_GAIN))
+    assert steps[0] == (4, True)
+    assert sum(probing for _, probing in steps) == MIN_STEPS
+    assert (4, False) in steps
+    # Without probing (a costly proposer's guard), nothing is ever verified.
+    assert not any(drafts for drafts, _ in drafts_under(SpeculationGuard(explores_refusals=False)))
 
 
 def test_a_request_with_more_than_its_last_token_to_compute_verifies_no_drafts():

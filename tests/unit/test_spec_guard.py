@@ -2,6 +2,7 @@
 deliver fewer tokens per second than steps without, keeps exploring both, and lets them be
 where they pay."""
 
+import random
 from itertools import pairwise
 
 from tandem.core.spec_guard import (
@@ -151,3 +152,58 @@ def test_a_guard_that_explores_no_refusals_still_explores_where_drafts_pay():
     paying = run(guard, 1, 300, rate_with=60, rate_without=40)
     plain = [step for step, allow in enumerate(paying) if not allow]
     assert len(plain) > MIN_STEPS and plain[-1] > 150  # still measured now and then
+
+
+def test_a_batch_sizes_first_steps_with_drafts_probe():
+    """Until MIN_STEPS of its steps verified drafts, a batch size's steps that may verify
+    them probe (verify them as if all would be accepted): the acceptance estimates learn only
+    from drafts verified. A costly proposer's guard never probes."""
+    guard = SpeculationGuard()
+    probed = []
+    for _ in range(4 * MIN_STEPS):
+        speculate = guard.allows(1)
+        probed.append(guard.probing)
+        assert not guard.probing or speculate
+        guard.observe(1, speculate, 600 if speculate else 500, 1.0)
+    assert sum(probed) == MIN_STEPS and probed[0]
+    costly = SpeculationGuard(explores_refusals=False)
+    assert costly.allows(1) and not costly.probing
+
+
+def test_an_exploring_step_probes_where_the_steps_went_plain():
+    """Drafts pay here, but from some step on the acceptance estimates keep every step plain:
+    once an exploring step's interval has passed without drafts, exploring steps verify
+    drafts (probes), not one more plain step each."""
+    guard = SpeculationGuard()
+    run(guard, 8, 40, rate_with=700, rate_without=500)
+    explored = []
+    for _ in range(4 * MAX_EXPLORE_EVERY):
+        allowed = guard.allows(8)
+        if not allowed or guard.probing:
+            explored.append("probe" if guard.probing else "plain")
+        guard.observe(8, False, 500, 1.0)  # the estimates verified none
+    assert explored[0] == "plain" and set(explored[1:]) == {"probe"}
+    # Where the steps verify drafts, an exploring step is a plain one, as before.
+    allowed = run(guard, 8, 2 * MAX_EXPLORE_EVERY, rate_with=700, rate_without=500)
+    assert not all(allowed)
+
+
+def test_noisy_drafts_keep_the_benefit_of_the_doubt():
+    """At batch 1 a step verifying n-gram drafts emits 1 token or 6 (rates of 200 or 1,200
+    against 480 for plain steps, 700 on average): a few rejections in a row must not keep
+    drafts off. Steady drafts that lose by as much are still refused."""
+
+    def share_allowed(rates_with: list[float]) -> float:
+        guard = SpeculationGuard(min_gain=0.05)
+        draws = random.Random(0)
+        allowed = 0
+        for _ in range(600):
+            speculate = guard.allows(1)
+            allowed += speculate
+            rate = draws.choice(rates_with) if speculate else 480
+            guard.observe(1, speculate, rate, 1.0)
+        return allowed / 600
+
+    assert share_allowed([200, 1200]) > 0.8
+    assert share_allowed([360]) < 0.1
+    assert share_allowed([100, 400]) < 0.2

@@ -751,7 +751,10 @@ class Scheduler:
         if not candidates:
             return
         if adaptive:
-            counts = self._choose_drafts(plan, candidates, self.proposal_seconds, sunk=True)
+            acceptance = 1.0 if self.speculation_guard.probing else None
+            counts = self._choose_drafts(
+                plan, candidates, self.proposal_seconds, sunk=True, acceptance=acceptance
+            )
         else:
             counts = [limit for _, limit in candidates]
         for (request, _), num_drafts in zip(candidates, counts, strict=True):

@@ -17,6 +17,15 @@ any interval (the catch-up grows with it): ~10-30% of the plain rate on a 2-core
 batch of 8 drafting at break-even explored every 8th step ran at 0.92x. Its guard
 (`explores_refusals=False`) explores only batch sizes where drafts pay: plain steps there are
 cheap.
+
+An exploring step goes the other way from what the batch size's steps have been doing, and
+one that goes to drafts probes: it verifies them as if all would be accepted (the scheduler
+chooses with acceptance 1), and so do a batch size's first steps until MIN_STEPS of them
+verified drafts. Drafts refused by the acceptance estimates rather than by the verdict leave
+no trace otherwise: an estimate moves only with drafts verified, so one that starts low
+never rises (greedy n-gram requests at batch 1 began at the even odds of no data, were
+never worth their drafts at those odds, and verified none in a whole run, where forcing them
+gave 1.16-1.31x).
 """
 
 from __future__ import annotations
@@ -30,6 +39,22 @@ MAX_EXPLORE_EVERY = 64
 # than batch-8 bursts were explored every 8th step, a steady 2-3% (BENCHMARKS.md).
 DECISIVE_GAP = 0.08
 RATE_WEIGHT = 0.2  # of the newest step in a moving average of tokens per second
+# The moving average's variance, as a share of its samples' (weights w: w / (2 - w)).
+AVERAGE_VARIANCE_SHARE = RATE_WEIGHT / (2 - RATE_WEIGHT)
+# Of the newest step in the moving variance of the rates with drafts: a longer memory than
+# the average's, so that a run of rejections (the same low rate a few times) does not make a
+# noisy rate look certain.
+VARIANCE_WEIGHT = 0.05
+# Drafts keep the benefit of the doubt: their rate counts this many standard errors (of the
+# moving average) higher. A step's rate with drafts is noisy where few requests share it: at
+# batch 1, a step verifying n-gram drafts gave 1 token or 6 in ~5 ms (200 or 1,200 tokens/s
+# against ~480 for plain bursts), so a few rejections in a row held its average below the
+# plain rate, and then only the rare exploring steps could bring it back. In a simulation of
+# the guard on such steps (drafts 1.5x as fast as bursts on average), drafts were verified in
+# ~45% of the steps, for 539 tokens/s against 725 verifying always; with the doubt, ~93%, for
+# 687. Drafts that lose by ~20% or more are refused as before, and steps of many requests
+# average their luck out: there a verdict stands as measured.
+DOUBT = 2.0
 MIN_STEPS = 3  # of each kind before a batch size's verdict counts
 # Until then, every LEARN_EVERY-th step goes without drafts, so the plain rate is measured
 # within a few steps (at EXPLORE_EVERY it took 24, and the step-cost model, weighing drafts
@@ -44,12 +69,15 @@ class _Rates:
 
     with_drafts: float = 0.0
     without_drafts: float = 0.0
+    with_variance: float = 0.0  # of the steps' rates with drafts, moving as their average
     steps_with: int = 0
     steps_without: int = 0
     steps_seen: int = 0
     explore_every: int = EXPLORE_EVERY
     next_explore: int = LEARN_EVERY  # the step (steps_seen) that goes the other way next
     exploring: bool = False  # the step `allows` last answered goes against the verdict
+    # A step since the last exploring one, not itself exploring, verified drafts.
+    verified_since_explore: bool = False
 
     @property
     def measured(self) -> bool:
@@ -57,7 +85,8 @@ class _Rates:
         return self.steps_with >= MIN_STEPS and self.steps_without >= MIN_STEPS
 
     def pays(self, min_gain: float) -> bool:
-        return self.with_drafts > self.without_drafts * (1 + min_gain)
+        doubt = DOUBT * (AVERAGE_VARIANCE_SHARE * self.with_variance) ** 0.5
+        return self.with_drafts + doubt > self.without_drafts * (1 + min_gain)
 
     @property
     def decisive(self) -> bool:
@@ -65,6 +94,11 @@ class _Rates:
 
     def observe(self, speculated: bool, rate: float) -> None:
         if speculated:
+            if self.steps_with:
+                deviation = rate - self.with_drafts
+                self.with_variance = (1 - VARIANCE_WEIGHT) * (
+                    self.with_variance + VARIANCE_WEIGHT * deviation**2
+                )
             self.with_drafts = _average(self.with_drafts, rate, self.steps_with)
             self.steps_with += 1
         else:
@@ -88,8 +122,12 @@ def batch_bucket(num_decodes: int, greedy: bool = False) -> tuple[int, bool]:
 class SpeculationGuard:
     def __init__(self, min_gain: float = 0.0, explores_refusals: bool = True) -> None:
         self.min_gain = min_gain
+        # False for a costly proposer: no exploring step verifies drafts, none probes.
         self.explores_refusals = explores_refusals
         self._rates: dict[tuple[int, bool], _Rates] = {}
+        # The step `allows` last let verify drafts probes: it verifies them as if all would
+        # be accepted, whatever the acceptance estimates say.
+        self.probing = False
 
     def allows(self, num_decodes: int, greedy: bool = False) -> bool:
         """Whether a step of this many decodes (`greedy`: all of greedy requests) may verify
@@ -100,7 +138,11 @@ class SpeculationGuard:
         explore = step >= rates.next_explore
         if explore:
             rates.next_explore = step + (rates.explore_every if rates.measured else LEARN_EVERY)
+            rates.verified_since_explore = False
         rates.exploring = explore and rates.measured and self._explores(rates)
+        self.probing = (
+            verdict and self.explores_refusals and (rates.steps_with < MIN_STEPS or rates.exploring)
+        )
         return verdict
 
     def peek(self, num_decodes: int, greedy: bool = False) -> bool:
@@ -116,10 +158,18 @@ class SpeculationGuard:
             # Too few of one kind: let the step-cost model decide, but make sure plain steps
             # get measured too.
             return not (explore and rates.steps_without < MIN_STEPS)
-        return rates.pays(self.min_gain) != (explore and self._explores(rates))
+        if explore and self._explores(rates):
+            # The other way from what its steps have been doing since the last exploring
+            # one: plain where some verified drafts, drafts where none did (refused by the
+            # verdict or by the acceptance estimates), for a proposer whose exploring may
+            # verify drafts. (The engine peeks before it observes the step it peeks after:
+            # that step can only make the answer plain, so a peek never says plain where the
+            # step will probe.)
+            return self.explores_refusals and not rates.verified_since_explore
+        return rates.pays(self.min_gain)
 
     def _explores(self, rates: _Rates) -> bool:
-        """Whether the bucket's exploring steps go against its verdict."""
+        """Whether the bucket's steps explore (a costly proposer's only where drafts pay)."""
         return self.explores_refusals or rates.pays(self.min_gain)
 
     def observe(
@@ -133,6 +183,8 @@ class SpeculationGuard:
             exploring, rates.exploring = rates.exploring, False
             measured, paid = rates.measured, rates.pays(self.min_gain)
             rates.observe(speculated, tokens / seconds)
+            if speculated and not exploring:
+                rates.verified_since_explore = True
             if rates.measured and not measured:  # learnt: exploring starts EXPLORE_EVERY on
                 rates.next_explore = rates.steps_seen + rates.explore_every
             flipped = measured and rates.pays(self.min_gain) != paid
