@@ -207,3 +207,16 @@ def test_noisy_drafts_keep_the_benefit_of_the_doubt():
     assert share_allowed([200, 1200]) > 0.8
     assert share_allowed([360]) < 0.1
     assert share_allowed([100, 400]) < 0.2
+
+
+def test_a_costly_proposers_verdict_stands_as_measured():
+    """Noisy drafts averaging 463 tokens/s against 480 plain: the doubt lets a cheap
+    proposer's drafts on; a costly proposer's verdict takes the average as it is."""
+    for explores_refusals in (True, False):
+        guard = SpeculationGuard(min_gain=0.05, explores_refusals=explores_refusals)
+        for _ in range(MIN_STEPS):
+            guard.observe(1, False, 480, 1.0)
+        for rate in [900, 100] * 5 + [300]:
+            guard.observe(1, True, rate, 1.0)
+        assert round(guard.verdicts()[batch_bucket(1)][0]) == 463
+        assert guard.peek(1) is explores_refusals
