@@ -309,9 +309,10 @@ def drafts_under(guard: SpeculationGuard) -> list[tuple[int, bool]]:
 
 def test_drafts_the_estimates_refuse_are_probed_until_measured():
     """The estimates alone never verify a draft here, so they never learn that every one is
-    right (greedy n-gram requests at batch 1 verified none in a whole run). The measured
-    check's first steps probe: they verify every draft, as if all would be accepted; the
-    estimates learn from them, and the step-cost model's own choice takes drafts on."""
+    right (greedy n-gram requests at batch 1 verified none in 2.5 rounds of the benchmark).
+    The measured check's first steps probe: they verify every draft, as if all would be
+    accepted; the estimates learn from them, and the step-cost model's own choice takes
+    drafts on."""
     steps = drafts_under(SpeculationGuard(min_gain=MIN_SPECULATION_GAIN))
     assert steps[0] == (4, True)
     assert sum(probing for _, probing in steps) == MIN_STEPS

@@ -24,8 +24,8 @@ chooses with acceptance 1), and so do a batch size's first steps until MIN_STEPS
 verified drafts. Drafts refused by the acceptance estimates rather than by the verdict leave
 no trace otherwise: an estimate moves only with drafts verified, so one that starts low
 never rises (greedy n-gram requests at batch 1 began at the even odds of no data, were
-never worth their drafts at those odds, and verified none in a whole run, where forcing them
-gave 1.16-1.31x).
+never worth their drafts at those odds, and verified none in 2.5 rounds of the benchmark,
+where forcing them gave 1.16-1.31x).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ VARIANCE_WEIGHT = 0.05
 # against ~480 for plain bursts), so a few rejections in a row held its average below the
 # plain rate, and then only the rare exploring steps could bring it back. In a simulation of
 # the guard on such steps (drafts 1.5x as fast as bursts on average), drafts were verified in
-# ~45% of the steps, for 539 tokens/s against 725 verifying always; with the doubt, ~93%, for
-# 687. Drafts that lose by ~20% or more are refused as before, and steps of many requests
+# ~44% of the steps, for 530 tokens/s against 725 verifying always; with the doubt, ~94%, for
+# 684. Drafts that lose by ~20% or more are refused as before, and steps of many requests
 # average their luck out: there a verdict stands as measured. Not for a costly proposer
 # (SpeculationGuard._pays).
 DOUBT = 2.0
