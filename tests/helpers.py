@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +15,16 @@ import torch
 from tandem.attention import cpu_kernel
 from tandem.attention.metadata import build_batch, forward_context
 from tandem.worker.model_runner import ModelRunner
+
+
+@contextlib.contextmanager
+def torch_threads(num_threads: int) -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 # Tests of the C kernels (attention/csrc/): skipped where no C compiler builds them.

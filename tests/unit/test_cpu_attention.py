@@ -6,11 +6,9 @@ and built."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import platform
 import random
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,7 +16,7 @@ import torch
 from tandem.attention import backends, cpu_backend, cpu_kernel, torch_backend
 from tandem.attention.metadata import build_batch
 
-from helpers import Slice, compare_attention_backends, needs_cpu_kernels
+from helpers import Slice, compare_attention_backends, needs_cpu_kernels, torch_threads
 from helpers import attention_tolerance as tolerance
 
 pytestmark = needs_cpu_kernels
@@ -101,16 +99,6 @@ SPLIT_LAYOUTS = [
     ([(900, 16)], 9, 3, 64, 16),  # runs of 10 and 6 tokens (30 and 18 query heads an item)
     ([(600, 4), (2000, 1)], 8, 1, 128, 16),
 ]
-
-
-@contextlib.contextmanager
-def torch_threads(num_threads: int) -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 @needs_cpu_kernels

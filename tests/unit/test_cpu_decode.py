@@ -17,7 +17,7 @@ from tandem.sampling_params import SamplingParams
 from tandem.worker.model_runner import ModelRunner, RunnerConfig
 from tandem.worker.sampler import SamplingInputs, burst_draws, sample
 
-from helpers import Slice, needs_cpu_kernels, relative_error, write_gguf
+from helpers import Slice, needs_cpu_kernels, relative_error, torch_threads, write_gguf
 from hf_models import make_hf_model
 
 pytestmark = needs_cpu_kernels
@@ -110,6 +110,46 @@ def test_fused_step_equals_the_layer_by_layer_forward(
     for got, saved in zip(fused_caches, before, strict=True):
         changed = (got != saved).flatten(3).any(-1)  # [keys | values, blocks, positions]
         assert set(torch.nonzero(changed.any(0).flatten()).flatten().tolist()) == slots
+
+
+@pytest.mark.parametrize("int8_min_tokens", [0, 1], ids=["fp32-activations", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_step_split_over_the_threads_by_request_equals_it_on_one(
+    tmp_path, dtype, int8_min_tokens
+):
+    """From 8 tokens a thread, the layers run as one part of the requests per thread
+    (csrc/decode_forward.c's split_step), a request verifying drafts within one part: every
+    hidden row and cache entry as the step on one thread writes it, bit for bit with int8
+    activations (a row's products do not depend on the rows beside it). The fp32-activation
+    kernel takes rows in passes of 4 or 8 whose sums differ in rounding from a part's last,
+    shorter pass, as they do wherever a request sits in a batch."""
+    runner = packed_runner(tmp_path, dtype, packed_max_tokens=32,
+                           packed_int8_min_tokens=int8_min_tokens)  # fmt: skip
+    contexts = [5, 9, 16, 20, 33, 3, 12, 7, 40, 2, 11, 6, 25, 4, 8, 14, 10, 1]
+    requests = prefilled(runner, contexts, seed=3)
+    step = [Slice(r.token_ids, r.num_new_tokens, 1, r.block_ids) for r in requests]
+    # Tokens 8-10 verify drafts: an even split (at 10) falls within them; the parts are
+    # tokens 0-10 and 11-19.
+    verifying = requests[8]
+    step[8] = Slice(verifying.token_ids, verifying.num_new_tokens, 3, verifying.block_ids)
+    batch = build_batch(step, BLOCK_SIZE, runner.device)
+    assert runner.cpu_decode.fits(batch) and batch.input_ids.shape[0] == 20
+    before = [cache.clone() for cache in runner.kv_caches]
+    results = []
+    for num_threads in (1, 2):
+        restored(runner, before)
+        with torch_threads(num_threads), torch.inference_mode():
+            hidden = runner.hidden_states(batch)
+        results.append((hidden, [cache.clone() for cache in runner.kv_caches]))
+    (one, one_caches), (split, split_caches) = results
+    if int8_min_tokens:
+        assert torch.equal(split, one)
+        assert all(torch.equal(s, o) for s, o in zip(split_caches, one_caches, strict=True))
+    else:
+        tolerance = 1e-6 if dtype == "float32" else 8e-3  # bf16: an entry's last bit or two
+        assert relative_error(split, one) <= tolerance
+        for got, want in zip(split_caches, one_caches, strict=True):
+            assert relative_error(got, want) <= tolerance
 
 
 @pytest.mark.parametrize("int8_min_tokens", [0, 1], ids=["fp32-activations", "int8"])
