@@ -118,7 +118,8 @@ def test_a_step_split_over_the_threads_by_request_equals_it_on_one(
     tmp_path, dtype, int8_min_tokens
 ):
     """From 8 tokens a thread, the layers run as one part of the requests per thread
-    (csrc/decode_forward.c's split_step), a request verifying drafts within one part: every
+    (csrc/decode_forward.c's split_step; with int8 activations not where they take AVX2's
+    wide kernel, as from 16 rows), a request verifying drafts within one part: every
     hidden row and cache entry as the step on one thread writes it, bit for bit with int8
     activations (a row's products do not depend on the rows beside it). The fp32-activation
     kernel takes rows in passes of 4 or 8 whose sums differ in rounding from a part's last,

@@ -157,7 +157,7 @@ typedef int DecodeStepFunction(const DecodeModel *, const DecodeStep *, float *,
                                int64_t *, int);
 
 /* Steps of at least this many tokens a thread run their layers as one part per thread
-   (split_step): a full pass of the int8 kernel's rows each. */
+   (split_step): a full pass of the packed kernels' rows each. */
 #define PART_MIN_TOKENS 8
 /* ... unless request boundaries leave a part this much more work than an even share. */
 #define PART_MAX_SHARE 1.2
@@ -172,8 +172,11 @@ typedef int DecodeStepFunction(const DecodeModel *, const DecodeStep *, float *,
    thread the step is bound by arithmetic, not by those bytes. Parts end at the request
    boundaries nearest an even split of the tokens' matmul and attention work (a request's
    tokens read the keys its earlier tokens store in the same layer); where that leaves one
-   part too much, the step runs whole, its matrices' columns over the threads. Returns
-   `whole`'s status: 0, or the first failing part's. */
+   part too much, the step runs whole, its matrices' columns over the threads. So does a
+   step whose int8 products take the wide kernel (AVX2): its unpacked weights serve all the
+   step's rows, and halving them per call cost more than the split saved (7% slower at 32
+   requests, the AVX2 build on the Zen 4 EPYC). Returns `whole`'s status: 0, or the first
+   failing part's. */
 static int split_step(DecodeStepFunction *whole, const DecodeModel *model,
                       const DecodeStep *step, float *final, int num_threads) {
     const int64_t tokens = step->num_tokens;
@@ -308,7 +311,10 @@ done:                                                                           
                                                                                                    \
 int NAME(const DecodeModel *model, const DecodeStep *step, float *final, float *logits,           \
          int64_t *token, int num_threads) {                                                        \
-    if (num_threads > 1 && step->num_tokens >= PART_MIN_TOKENS * num_threads && token == NULL)    \
+    const int64_t tokens = step->num_tokens;                                                       \
+    const int wide = model->int8_min_tokens > 0 && tokens >= model->int8_min_tokens &&             \
+                     packed_matmul_int8_wide(tokens);                                              \
+    if (num_threads > 1 && tokens >= PART_MIN_TOKENS * num_threads && token == NULL && !wide)      \
         return split_step(NAME##_layers, model, step, final, num_threads);                         \
     return NAME##_layers(model, step, final, logits, token, num_threads);                          \
 }

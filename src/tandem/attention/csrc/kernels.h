@@ -94,6 +94,9 @@ void argmax_rows(const float *logits, int64_t rows, int64_t vocab, int64_t *toke
                  int num_threads);
 
 int64_t packed_matmul_int8_scratch(int64_t num_tokens, int64_t k);
+/* Whether a product of this many token rows takes the wide kernel (AVX2 builds), whose
+   unpacked weights serve all the rows of the call. */
+int packed_matmul_int8_wide(int64_t num_tokens);
 void packed_matmul_int8_into(const uint8_t *codes, const uint16_t *scales, int64_t quant_type,
                              int64_t n_out, int64_t k, const float *x, int64_t num_tokens,
                              float *out, void *scratch, int num_threads);

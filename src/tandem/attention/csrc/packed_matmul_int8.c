@@ -708,6 +708,8 @@ DEFINE_1_TO_8(DEFINE_GROUP, group_q8_0, Q8_0)
 static const group_fn GROUP_BY_TYPE[2][MAX_ROWS] = {TABLE_1_TO_8(group_q4),
                                                     TABLE_1_TO_8(group_q8_0)};
 
+int packed_matmul_int8_wide(int64_t num_tokens) { return WIDE && num_tokens >= WIDE_MIN_TOKENS; }
+
 /* Bytes of scratch packed_matmul_int8_into needs: the activations' codes and block terms
    (with VNNI their per-8 scales too), then (for wide_row_group) the same interleaved per 8
    tokens. */
