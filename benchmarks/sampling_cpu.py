@@ -70,7 +70,8 @@ def model_logits(llm: LLM) -> torch.Tensor:
 
 
 def decode_step_ms(llm: LLM, batch: int) -> float:
-    """The median decode step of `batch` greedy requests over a 64-token context."""
+    """The median decode forward of `batch` greedy requests over a 64-token context (a
+    multi-step burst's step time over its forwards: each forward samples once)."""
     prompts = [{"prompt_token_ids": [1000 + (i * 7 + j) % 20000 for j in range(64)]}
                for i in range(batch)]  # fmt: skip
     core = llm.llm_engine.core
@@ -79,7 +80,9 @@ def decode_step_ms(llm: LLM, batch: int) -> float:
                  use_tqdm=False)  # fmt: skip
     return (
         statistics.median(
-            s.step_time for s in core.step_stats if s.num_decode_tokens and not s.num_prefill_tokens
+            s.step_time / s.num_steps
+            for s in core.step_stats
+            if s.num_decode_tokens and not s.num_prefill_tokens
         )
         * 1e3
     )
