@@ -192,21 +192,28 @@ def test_outside_inference_mode(tmp_path):
     assert torch.equal(runner.hidden_states(batch), expected)  # the same slots rewritten
 
 
-def test_a_token_outside_the_vocabulary_is_refused_before_any_layer_runs(tmp_path):
+@pytest.mark.parametrize("contexts", [[9, 25], [5, 9, 16, 20, 33, 3, 12, 7, 40, 2, 11, 6, 25, 4,
+                                               8, 14, 10, 1]], ids=["two", "split"])  # fmt: skip
+def test_a_token_outside_the_vocabulary_is_refused_before_any_layer_runs(tmp_path, contexts):
     """The C step reads the embedding row itself: an id past the table is an error that says
-    so, not a read out of bounds, and no cache slot is written."""
-    runner = packed_runner(tmp_path, "float32")
-    requests = prefilled(runner, [9, 25], seed=5)
+    so, not a read out of bounds, and no cache slot is written (also where the step's layers
+    run as one part per thread, the bad id in the last part)."""
+    runner = packed_runner(tmp_path, "float32", packed_max_tokens=32)
+    requests = prefilled(runner, contexts, seed=5)
     vocab_size = runner.model.config.vocab_size
-    bad = requests[1]
+    bad = requests[-1]
     tokens = list(bad.token_ids)
     tokens[bad.num_new_tokens] = vocab_size
-    step = [Slice(requests[0].token_ids, requests[0].num_new_tokens, 1, requests[0].block_ids),
-            Slice(tokens, bad.num_new_tokens, 1, bad.block_ids)]  # fmt: skip
+    step = [Slice(r.token_ids, r.num_new_tokens, 1, r.block_ids) for r in requests[:-1]]
+    step.append(Slice(tokens, bad.num_new_tokens, 1, bad.block_ids))
     batch = build_batch(step, BLOCK_SIZE, runner.device)
     assert runner.cpu_decode.fits(batch)
     before = [cache.clone() for cache in runner.kv_caches]
-    with torch.inference_mode(), pytest.raises(ValueError, match="outside the model's tables"):
+    with (
+        torch_threads(2),
+        torch.inference_mode(),
+        pytest.raises(ValueError, match="outside the model's tables"),
+    ):
         runner.hidden_states(batch)
     assert all(torch.equal(c, b) for c, b in zip(runner.kv_caches, before, strict=True))
 

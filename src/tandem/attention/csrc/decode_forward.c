@@ -91,15 +91,24 @@ static void silu_and_mul(const float *gate_up, int64_t num_tokens, int64_t size,
     }
 }
 
+/* -2 where a token id or a position of the step is outside its table, else 0. */
+static int check_inputs(const DecodeModel *model, const DecodeStep *step) {
+    for (int64_t t = 0; t < step->num_tokens; t++) {
+        const int64_t id = step->input_ids[t], position = step->positions[t];
+        if (id < 0 || id >= model->vocab_size || position < 0 || position >= model->max_positions)
+            return -2;
+    }
+    return 0;
+}
+
 /* The step's embedding rows (fp32) into hidden and its positions' rotary rows into cos_sin;
    -2 where an id or a position is outside its table. */
 static int gather_inputs(const DecodeModel *model, const DecodeStep *step, float *hidden,
                          float *cos_sin) {
     const int64_t width = model->hidden, head_dim = model->head_dim;
+    if (check_inputs(model, step) != 0) return -2;
     for (int64_t t = 0; t < step->num_tokens; t++) {
         const int64_t id = step->input_ids[t], position = step->positions[t];
-        if (id < 0 || id >= model->vocab_size || position < 0 || position >= model->max_positions)
-            return -2;
         if (model->embedding_bf16) {
             const uint16_t *row = (const uint16_t *)model->embedding + id * width;
             for (int64_t i = 0; i < width; i++) hidden[t * width + i] = bf16_load(row[i]);
@@ -176,9 +185,10 @@ typedef int DecodeStepFunction(const DecodeModel *, const DecodeStep *, float *,
    step whose int8 products take the wide kernel (AVX2): its unpacked weights serve all the
    step's rows, and halving them per call cost more than the split saved (7% slower at 32
    requests, the AVX2 build on the Zen 4 EPYC). Returns `whole`'s status: 0, or the first
-   failing part's. */
+   failing part's; -2 before any part runs where a token id or position is out of range. */
 static int split_step(DecodeStepFunction *whole, const DecodeModel *model,
                       const DecodeStep *step, float *final, int num_threads) {
+    if (check_inputs(model, step) != 0) return -2;
     const int64_t tokens = step->num_tokens;
     const double per_position = 2.0 * model->num_heads * model->head_dim;
     const double per_token = (double)model->hidden *
