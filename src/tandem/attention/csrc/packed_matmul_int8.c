@@ -72,9 +72,9 @@ int packed_matmul_int8_vectorized(void) { return VNNI || AVX2_PATH; }
 #define QUANTIZE_VECTOR 1
 #define QUANTIZE_BLOCKS 16
 
-/* scale[i] = d of 8 i, inverse[i] = 1 / d (0 where d is 0), multiples[i] = its k and, for each
-   block, units[block] = u (in lane 0 of its 4), from the 8s' largest magnitudes `top`: 2 blocks
-   a vector, `count` 8s (a multiple of 8, the arrays that long). */
+/* For 8-column group i: scale[i] = its d, inverse[i] = 1 / d (0 where d is 0), multiples[i] =
+   its k, and units[i] = its block's u (see the top), from the groups' largest magnitudes
+   `top`: 2 blocks a vector, `count` groups (a multiple of 8, the arrays that long). */
 static void block_scales(const float *top, int64_t count, float *scale, float *inverse,
                          int32_t *multiples, float *units) {
     for (int64_t i = 0; i < count; i += 8) {
@@ -120,12 +120,12 @@ static inline float block_unit(const float top[SUBS], int16_t multiples[SUBS]) {
    ([k / 8]) and, where `scales` is not NULL, d_x = u·k ([k / 8]: what the VNNI path multiplies
    each 8's sum by, read in place of working it out per row group). Rounds to nearest even
    either way (the vector conversion under the default rounding mode, nearbyintf). With AVX2
-   one 8-column group is one vector, and the scales of QUANTIZE_BLOCKS blocks are worked out
-   together between a pass that finds each 8's largest magnitude and one that rounds (the
-   plain loop sums its terms one by one and did not vectorize: ~3% of a 32-request decode step
-   on the AVX2 EPYC; each block's unit, multiples and reciprocals worked out in scalar code
-   were a chain of dependent divisions per block: together, 1-2% faster at 32-64 rows on a
-   Zen 4 EPYC, benchmarks/matmul_ab.py). */
+   one 8-column group is one vector (the plain loop summed its terms one by one and did not
+   vectorize: ~3% of a 32-request decode step on the AVX2 EPYC), and the units, multiples and
+   reciprocals of QUANTIZE_BLOCKS blocks are worked out together in vectors, between a pass
+   that finds each 8's largest magnitude and one that rounds (a block at a time they were a
+   chain of scalar divisions: 1-2% of the int8 matmul at 32-64 rows on a Zen 4 EPYC,
+   benchmarks/matmul_ab.py). */
 static void quantize_row(const float *x, int64_t k, int8_t *codes, float *units,
                          int16_t *multiples, float *sums, float *scales) {
 #if QUANTIZE_VECTOR
