@@ -28,6 +28,8 @@ QTYPES = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "
           "output.": "Q8_0"}  # fmt: skip
 BLOCK_SIZE = 16
 MAX_TOKENS = 8
+# 18 requests' contexts: a decode step of theirs is split over 2 threads (csrc split_step).
+MANY_CONTEXTS = [5, 9, 16, 20, 33, 3, 12, 7, 40, 2, 11, 6, 25, 4, 8, 14, 10, 1]
 
 
 def packed_runner(
@@ -126,8 +128,7 @@ def test_a_step_split_over_the_threads_by_request_equals_it_on_one(
     shorter pass, as they do wherever a request sits in a batch."""
     runner = packed_runner(tmp_path, dtype, packed_max_tokens=32,
                            packed_int8_min_tokens=int8_min_tokens)  # fmt: skip
-    contexts = [5, 9, 16, 20, 33, 3, 12, 7, 40, 2, 11, 6, 25, 4, 8, 14, 10, 1]
-    requests = prefilled(runner, contexts, seed=3)
+    requests = prefilled(runner, MANY_CONTEXTS, seed=3)
     step = [Slice(r.token_ids, r.num_new_tokens, 1, r.block_ids) for r in requests]
     # Tokens 8-10 verify drafts: an even split (at 10) falls within them; the parts are
     # tokens 0-10 and 11-19.
@@ -192,8 +193,7 @@ def test_outside_inference_mode(tmp_path):
     assert torch.equal(runner.hidden_states(batch), expected)  # the same slots rewritten
 
 
-@pytest.mark.parametrize("contexts", [[9, 25], [5, 9, 16, 20, 33, 3, 12, 7, 40, 2, 11, 6, 25, 4,
-                                               8, 14, 10, 1]], ids=["two", "split"])  # fmt: skip
+@pytest.mark.parametrize("contexts", [[9, 25], MANY_CONTEXTS], ids=["two", "split"])
 def test_a_token_outside_the_vocabulary_is_refused_before_any_layer_runs(tmp_path, contexts):
     """The C step reads the embedding row itself: an id past the table is an error that says
     so, not a read out of bounds, and no cache slot is written (also where the step's layers
