@@ -165,6 +165,11 @@ static int head_tokens(const DecodeModel *model, float *final, int64_t rows, flo
 typedef int DecodeStepFunction(const DecodeModel *, const DecodeStep *, float *, float *,
                                int64_t *, int);
 
+/* Whether a step of this many tokens multiplies int8 activations. */
+static int int8_activations(const DecodeModel *model, int64_t tokens) {
+    return model->int8_min_tokens > 0 && tokens >= model->int8_min_tokens;
+}
+
 /* Steps of at least this many tokens a thread run their layers as one part per thread
    (split_step): a full pass of the packed kernels' rows each. */
 #define PART_MIN_TOKENS 8
@@ -267,7 +272,7 @@ static int NAME##_layers(const DecodeModel *model, const DecodeStep *step, float
     float *gate_up = attended + tokens * q_size, *act = gate_up + tokens * 2 * inter;              \
     float *hidden = act + tokens * inter, *cos_sin = hidden + tokens * width;                      \
     T *query = malloc(sizeof(T) * tokens * 2 * q_size);                                            \
-    const int int8 = model->int8_min_tokens > 0 && tokens >= model->int8_min_tokens;               \
+    const int int8 = int8_activations(model, tokens);                                              \
     const int64_t widest = width > q_size ? (width > inter ? width : inter)                        \
                                           : (q_size > inter ? q_size : inter);                     \
     void *scratch = int8 ? malloc(packed_matmul_int8_scratch(tokens, widest)) : NULL;              \
@@ -322,8 +327,7 @@ done:                                                                           
 int NAME(const DecodeModel *model, const DecodeStep *step, float *final, float *logits,           \
          int64_t *token, int num_threads) {                                                        \
     const int64_t tokens = step->num_tokens;                                                       \
-    const int wide = model->int8_min_tokens > 0 && tokens >= model->int8_min_tokens &&             \
-                     packed_matmul_int8_wide(tokens);                                              \
+    const int wide = int8_activations(model, tokens) && packed_matmul_int8_wide(tokens);           \
     if (num_threads > 1 && tokens >= PART_MIN_TOKENS * num_threads && token == NULL && !wide)      \
         return split_step(NAME##_layers, model, step, final, num_threads);                         \
     return NAME##_layers(model, step, final, logits, token, num_threads);                          \

@@ -738,7 +738,7 @@ void packed_matmul_int8_into(const uint8_t *codes, const uint16_t *scales, int64
     int8_t *xq = (int8_t *)(xk + num_tokens * groups * SUBS);
     const group_fn *by_tokens = GROUP_BY_TYPE[quant_type];
 #if WIDE
-    const int wide = num_tokens >= WIDE_MIN_TOKENS;
+    const int wide = packed_matmul_int8_wide(num_tokens);
     const int64_t vectors = (num_tokens + 7) / 8;
     int8_t *interleaved_codes = xq + num_tokens * k;
     int32_t *interleaved_multiples = (int32_t *)(interleaved_codes + vectors * 8 * k);
