@@ -412,3 +412,58 @@ def test_a_regime_not_seen_is_priced_as_the_other():
 
     observed = [2, 40, 9, 33, 17, 64, 5, 50] * 4
     assert_learns(packed_model(64), seconds, observed, (10, 64, 400), rel=0.05)
+
+
+def test_small_steps_are_forecast_from_the_small_steps_in_the_window():
+    """A window of batch 8-64 decodes and long prompt chunks, whose rows cost another
+    kernel's rate (1.6 ms a token from a lower base, against a decode row's 0.6 ms on top of
+    3.7 ms), then batch-1 steps: the 1-token steps and a verification of 6 tokens are forecast
+    within 10% from the window's small steps. One line over the whole window priced a row at
+    1.5 ms and forecast the verification 45% long (the 1-token steps, whose ratio to the line
+    it had learned, within 2%): drafts looked dearer than they are, as on the Zen 4 EPYC after
+    spec_decode.py's larger batches (BENCHMARKS.md)."""
+    model = StepCostModel(SHAPE, PEAKS, window=512, min_steps=8, refit_every=16)
+    rng = random.Random(5)
+
+    def seconds(sums: BatchSums) -> float:
+        beyond = sums.num_attended - sums.num_context  # the pairs past one read of the KV
+        kv = 2e-6 * sums.num_context + 3e-7 * beyond
+        if sums.num_new_tokens > 64:
+            return -0.030 + 1.6e-3 * sums.num_new_tokens + kv
+        return 3.7e-3 + 0.6e-3 * sums.num_new_tokens + kv
+
+    for index in range(480):
+        if index % 12 == 0:
+            sums = request_sums(rng.randint(0, 300), rng.randint(100, 600), True)
+        else:
+            sums = BatchSums()
+            for _ in range(rng.choice([8, 32, 64])):
+                sums += request_sums(rng.randint(100, 1500), 1, True)
+        model.observe(sums, seconds(sums))
+    for context in range(200, 232):  # a batch-1 stream starts: its bursts and lone steps
+        sums = request_sums(context, 1, True)
+        model.observe(sums, seconds(sums), num_steps=1 + context % 2)
+    for sums in (request_sums(300, 1, True), request_sums(300, 6, True, 5)):
+        assert model.predict(sums) == pytest.approx(seconds(sums), rel=0.10), sums
+
+
+def test_a_verification_reads_its_kv_once_however_many_tokens_it_verifies():
+    """Decode steps of one token a request cannot tell the cost of reading a position's KV
+    from that of a query attending to it (the two counts are equal); attention reads each
+    request's KV once for all its new tokens, so the model prices the read per KV position
+    and only the pairs beyond it as attended: a 6-token verification at a context of 1,000,
+    after a window of decodes alone, is forecast within 10%, not as six reads of its KV."""
+    model = StepCostModel(SHAPE, PEAKS, window=512, min_steps=8, refit_every=16)
+    rng = random.Random(6)
+
+    def seconds(sums: BatchSums) -> float:
+        beyond = sums.num_attended - sums.num_context
+        return 2e-3 + 0.6e-3 * sums.num_new_tokens + 2e-6 * sums.num_context + 5e-8 * beyond
+
+    for _ in range(300):
+        sums = BatchSums()
+        for _ in range(rng.randint(1, 16)):
+            sums += request_sums(rng.randint(200, 2000), 1, True)
+        model.observe(sums, seconds(sums))
+    verification = request_sums(1000, 6, True, 5)
+    assert model.predict(verification) == pytest.approx(seconds(verification), rel=0.10)

@@ -1,32 +1,43 @@
 """What a step will cost, learned on the machine it runs on: step time as a linear function of the
-batch's sums (core/roofline.py), time = c + a * new tokens + b * attended positions + d * KV
-positions read + e * sampled rows, fitted by least squares over a window of recent steps and
-refitted as steps come in (every 4 while the window is short, then every 16, and once it is
-long, when an eighth of it is new), so it follows the machine and the load. A model that keeps
-weights packed for small steps (models/packed.py) runs two matmul regimes whose costs differ in
-kind (packed: few bytes, but each extra row costs a dequantizing pass; dense: more bytes, rows
-nearly free), so a new token's cost is learned per regime (a: dense, g: packed) and f is a step
-too big for the packed weights; a regime not seen in the window is priced as the other. (As a
-surcharge on a shared per-token cost, g could not be negative: a draft model whose dense bf16
-rows cost 1.05 ms each against 0.6 packed had its packed steps forecast at the dense rate, 1.7x
-their time, and stopped drafting where drafts paid.) Kernels that work in blocks of rows (the
-CPU int4 matmul takes four at a time) or CUDA graphs captured at padded batch sizes make small
-steps' time a staircase in their token count that no line follows: for steps of up to
-RESIDUAL_MAX_TOKENS tokens, the ratio of the measured time to the line's is learned per token
-count (and apart for the forwards of multi-step bursts, which share their step's own work), as a
-moving average, and scales the line (a ratio, not a difference: learned at one context it still
-scales the line at another, and never drives a forecast to nothing; and it follows this
-machine's drift from minute to minute, which a window of 512 steps refitted every 64 does not).
-A larger step with prompt tokens (not a large decode batch, whose jitter on a GPU would refit
-every step) whose forecast missed by more than REFIT_ERROR refits the line at once: such steps
-come in runs (a long prompt's chunks, each attending to more of its own prefix), and the
-scheduler sizes the next chunk of the run by the forecast. What is left of those steps' error is
-noise and what no line captures: their recent over-runs (how much later than forecast they ran)
-give the scheduler `headroom`, the margin an ITL target plans with. Until enough steps are seen,
-the roofline (the slower of compute and bandwidth at the machine's peaks) predicts, plus the
-least per-step overhead seen so far (time the roofline does not explain: launches, Python,
-sampling), so that from the first step on it is not wildly optimistic for a small model. No
-torch: the scheduler asks it how big a prefill chunk fits a time target.
+batch's sums (core/roofline.py), time = c + a * new tokens + d * KV positions read + b * the
+attended positions beyond that read + e * sampled rows, fitted by least squares over a window of
+recent steps and refitted as steps come in (every 4 while the window is short, then every 16,
+and once it is long, when an eighth of it is new), so it follows the machine and the load.
+Attention reads each request's KV once for all its new tokens, so a position's read is priced
+per KV position and only the pairs past it (a prompt chunk's, a verification's) as attended: a
+decode token attends to exactly the positions it reads, so in a window of decodes the two counts
+cannot be told apart, and a line on attended positions had priced a verification of k tokens as
+k reads of its KV. Steps of up to SMALL_MAX_TOKENS tokens are forecast by a line fitted to the
+window's steps of that size alone, once it holds enough of them of more than one token count:
+one line over a window of large decodes and long prompt chunks is shaped by those and missed the
+fixed cost and the rows of small steps (a Zen 4 EPYC's n-gram engine, replayed: after batches of
+8-64, its first 16 lone batch-1 steps of 1-8 tokens were forecast 31% off at the median, 8% with
+both changes; once a count's ratio below is learned, the two forecast alike), which decide
+whether drafts pay at small batches. A model that keeps weights packed for small steps
+(models/packed.py) runs two matmul regimes whose costs differ in kind (packed: few bytes, but
+each extra row costs a dequantizing pass; dense: more bytes, rows nearly free), so a new token's
+cost is learned per regime (a: dense, g: packed) and f is a step too big for the packed weights;
+a regime not seen in the window is priced as the other. (As a surcharge on a shared per-token
+cost, g could not be negative: a draft model whose dense bf16 rows cost 1.05 ms each against 0.6
+packed had its packed steps forecast at the dense rate, 1.7x their time, and stopped drafting
+where drafts paid.) Kernels that work in blocks of rows (the CPU int4 matmul takes four at a
+time) or CUDA graphs captured at padded batch sizes make small steps' time a staircase in their
+token count that no line follows: for steps of up to RESIDUAL_MAX_TOKENS tokens, the ratio of
+the measured time to the line's is learned per token count (and apart for the forwards of
+multi-step bursts, which share their step's own work), as a moving average, and scales the line
+(a ratio, not a difference: learned at one context it still scales the line at another, and
+never drives a forecast to nothing; and it follows this machine's drift from minute to minute,
+which a window of 512 steps refitted every 64 does not). A larger step with prompt tokens (not a
+large decode batch, whose jitter on a GPU would refit every step) whose forecast missed by more
+than REFIT_ERROR refits the line at once: such steps come in runs (a long prompt's chunks, each
+attending to more of its own prefix), and the scheduler sizes the next chunk of the run by the
+forecast. What is left of those steps' error is noise and what no line captures: their recent
+over-runs (how much later than forecast they ran) give the scheduler `headroom`, the margin an
+ITL target plans with. Until enough steps are seen, the roofline (the slower of compute and
+bandwidth at the machine's peaks) predicts, plus the least per-step overhead seen so far (time
+the roofline does not explain: launches, Python, sampling), so that from the first step on it is
+not wildly optimistic for a small model. No torch: the scheduler asks it how big a prefill chunk
+fits a time target.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ import numpy as np
 from tandem.core.roofline import BatchSums, MachinePeaks, ModelShape, StepWork, sums_work
 
 RESIDUAL_MAX_TOKENS = 64
+SMALL_MAX_TOKENS = 64  # steps of up to this many tokens get a line of their own
 RESIDUAL_WEIGHT = 0.5  # of the newest step in a token count's moving average
 RATIO_MIN, RATIO_MAX = 0.25, 4.0  # a small step's ratio to the line (a tiny line's is wild)
 REFIT_ERROR = 0.1  # relative forecast error of a larger step that refits the line at once
@@ -48,7 +60,7 @@ HEADROOM_STEPS = 32
 HEADROOM_MIN_STEPS = 4
 HEADROOM_MAX = 0.5  # one wild step must not shrink every chunk to nothing
 FEATURE_NAMES = (
-    "constant", "dense tokens", "attended positions", "KV positions", "sampled rows",
+    "constant", "dense tokens", "attended beyond the KV read", "KV positions", "sampled rows",
     "dense step", "packed tokens",
 )  # fmt: skip
 DENSE_TOKENS, PACKED_TOKENS = 1, 6  # the per-token features of the two regimes
@@ -59,8 +71,8 @@ def features(sums: BatchSums, packed_max_tokens: int = 0) -> tuple[float, ...]:
     num_new = sums.num_new_tokens
     packed = num_new <= packed_max_tokens
     return (
-        1.0, float(0 if packed else num_new), sums.num_attended, sums.num_context,
-        sums.num_sampled, float(packed_max_tokens > 0 and not packed),
+        1.0, float(0 if packed else num_new), sums.num_attended - sums.num_context,
+        sums.num_context, sums.num_sampled, float(packed_max_tokens > 0 and not packed),
         float(num_new if packed else 0),
     )  # fmt: skip
 
@@ -97,6 +109,9 @@ class StepCostModel:
         self._since_fit = 0
         # One per feature (a tuple: the step loop's dot product in Python beats numpy's call).
         self.coefficients: tuple[float, ...] | None = None  # None: the roofline predicts
+        # The same over the window's steps of up to SMALL_MAX_TOKENS tokens, which it
+        # predicts (None: too few such steps, or of one token count only: the line serves).
+        self.small_coefficients: tuple[float, ...] | None = None
         self.overhead: float | None = None  # least (measured - roofline) seen, >= 0
         # Small steps by residual_key: measured time / the fitted line's (moving average).
         self.residuals: dict[tuple[int, bool], float] = {}
@@ -109,16 +124,19 @@ class StepCostModel:
         """Seconds for a step of these sums, or for a burst of `num_steps` forwards of them."""
         if self.coefficients is None:
             return num_steps * (self.roofline_seconds(sums) + (self.overhead or 0.0))
-        line = self._line(features(sums, self.packed_max_tokens))
+        line = self._line(features(sums, self.packed_max_tokens), sums.num_new_tokens)
         return num_steps * line * self._ratio(residual_key(sums.num_new_tokens, num_steps))
 
     def _ratio(self, key: tuple[int, bool]) -> float:
         ratio = self.residuals.get(key)
         return ratio if ratio is not None else self.residuals.get((key[0], not key[1]), 1.0)
 
-    def _line(self, row: tuple[float, ...]) -> float:
-        assert self.coefficients is not None
-        return sum(c * f for c, f in zip(self.coefficients, row, strict=True))
+    def _line(self, row: tuple[float, ...], num_new_tokens: int) -> float:
+        coefficients = self.coefficients
+        if num_new_tokens <= SMALL_MAX_TOKENS and self.small_coefficients is not None:
+            coefficients = self.small_coefficients
+        assert coefficients is not None
+        return sum(c * f for c, f in zip(coefficients, row, strict=True))
 
     def roofline_seconds(self, sums: BatchSums) -> float:
         return self._roofline_seconds(sums_work(self.shape, sums))
@@ -144,7 +162,7 @@ class StepCostModel:
         if self.coefficients is None:
             predicted = roofline + (self.overhead or 0.0)
         else:
-            line = self._line(row)
+            line = self._line(row, num_new)
             predicted = line * self._ratio(key)
             if num_new <= RESIDUAL_MAX_TOKENS:
                 if line > 0:
@@ -185,22 +203,38 @@ class StepCostModel:
             self.headroom = min(max(0.0, upper), HEADROOM_MAX)
 
     def _fit(self) -> None:
-        """Least squares; a feature whose coefficient comes out negative (collinear, or not
-        varied in the window) is dropped and the rest refitted, so every prediction grows with
-        the work. A window that cannot be fitted keeps the previous coefficients."""
+        """Refit the line over the window, and the small steps' line over its small steps
+        where it holds enough of them, of more than one token count."""
         self._since_fit = 0
         num_rows = min(self._num_observed, len(self._times))
         rows, times = self._rows[:num_rows], self._times[:num_rows]
-        seen = [bool(rows[:, i].any()) for i in range(rows.shape[1])]
-        active = [i for i in range(rows.shape[1]) if seen[i]]
-        while active:
-            solution, *_ = np.linalg.lstsq(rows[:, active], times, rcond=None)
-            if (solution >= 0).all():
-                coefficients = np.zeros(rows.shape[1])
-                coefficients[active] = solution
-                for regime, other in ((DENSE_TOKENS, PACKED_TOKENS), (PACKED_TOKENS, DENSE_TOKENS)):
-                    if not seen[regime]:
-                        coefficients[regime] = coefficients[other]
-                self.coefficients = tuple(coefficients.tolist())
-                return
-            active = [i for i, value in zip(active, solution, strict=True) if value >= 0]
+        coefficients = least_squares(rows, times)
+        if coefficients is not None:
+            self.coefficients = coefficients
+        tokens = rows[:, DENSE_TOKENS] + rows[:, PACKED_TOKENS]
+        small = tokens <= SMALL_MAX_TOKENS
+        if small.sum() >= self.min_steps and len(np.unique(tokens[small])) > 1:
+            small_coefficients = least_squares(rows[small], times[small])
+            if small_coefficients is not None:
+                self.small_coefficients = small_coefficients
+        else:
+            self.small_coefficients = None
+
+
+def least_squares(rows: np.ndarray, times: np.ndarray) -> tuple[float, ...] | None:
+    """Least squares; a feature whose coefficient comes out negative (collinear, or not
+    varied in the rows) is dropped and the rest refitted, so every prediction grows with the
+    work; a regime not seen is priced as the other. None: the rows cannot be fitted."""
+    seen = [bool(rows[:, i].any()) for i in range(rows.shape[1])]
+    active = [i for i in range(rows.shape[1]) if seen[i]]
+    while active:
+        solution, *_ = np.linalg.lstsq(rows[:, active], times, rcond=None)
+        if (solution >= 0).all():
+            coefficients = np.zeros(rows.shape[1])
+            coefficients[active] = solution
+            for regime, other in ((DENSE_TOKENS, PACKED_TOKENS), (PACKED_TOKENS, DENSE_TOKENS)):
+                if not seen[regime]:
+                    coefficients[regime] = coefficients[other]
+            return tuple(coefficients.tolist())
+        active = [i for i, value in zip(active, solution, strict=True) if value >= 0]
+    return None
