@@ -17,27 +17,31 @@ whether drafts pay at small batches. A model that keeps weights packed for small
 (models/packed.py) runs two matmul regimes whose costs differ in kind (packed: few bytes, but
 each extra row costs a dequantizing pass; dense: more bytes, rows nearly free), so a new token's
 cost is learned per regime (a: dense, g: packed) and f is a step too big for the packed weights;
-a regime not seen in the window is priced as the other. (As a surcharge on a shared per-token
-cost, g could not be negative: a draft model whose dense bf16 rows cost 1.05 ms each against 0.6
-packed had its packed steps forecast at the dense rate, 1.7x their time, and stopped drafting
-where drafts paid.) Kernels that work in blocks of rows (the CPU int4 matmul takes four at a
-time) or CUDA graphs captured at padded batch sizes make small steps' time a staircase in their
-token count that no line follows: for steps of up to RESIDUAL_MAX_TOKENS tokens, the ratio of
-the measured time to the line's is learned per token count (and apart for the forwards of
-multi-step bursts, which share their step's own work), as a moving average, and scales the line
-(a ratio, not a difference: learned at one context it still scales the line at another, and
-never drives a forecast to nothing; and it follows this machine's drift from minute to minute,
-which a window of 512 steps refitted every 64 does not). A larger step with prompt tokens (not a
-large decode batch, whose jitter on a GPU would refit every step) whose forecast missed by more
-than REFIT_ERROR refits the line at once: such steps come in runs (a long prompt's chunks, each
-attending to more of its own prefix), and the scheduler sizes the next chunk of the run by the
-forecast. What is left of those steps' error is noise and what no line captures: their recent
-over-runs (how much later than forecast they ran) give the scheduler `headroom`, the margin an
-ITL target plans with. Until enough steps are seen, the roofline (the slower of compute and
-bandwidth at the machine's peaks) predicts, plus the least per-step overhead seen so far (time
-the roofline does not explain: launches, Python, sampling), so that from the first step on it is
-not wildly optimistic for a small model. No torch: the scheduler asks it how big a prefill chunk
-fits a time target.
+a regime not seen in the window is priced as the other. The jump f is fitted only once the
+window's dense steps are MIN_JUMP_ROWS of sizes spanning MIN_JUMP_SPREAD: through fewer, or
+through a narrow range of sizes, a line's intercept is noise (a draft model's one prefill of
+1,568 tokens set it at 0.73 s, so every catch-up of its backlogs on the dense weights was
+forecast at that or more); until then the dense rows' own cost carries it. (As a surcharge on a
+shared per-token cost, g could not be negative: a draft model whose dense bf16 rows cost 1.05 ms
+each against 0.6 packed had its packed steps forecast at the dense rate, 1.7x their time, and
+stopped drafting where drafts paid.) Kernels that work in blocks of rows (the CPU int4 matmul
+takes four at a time) or CUDA graphs captured at padded batch sizes make small steps' time a
+staircase in their token count that no line follows: for steps of up to RESIDUAL_MAX_TOKENS
+tokens, the ratio of the measured time to the line's is learned per token count (and apart for
+the forwards of multi-step bursts, which share their step's own work), as a moving average, and
+scales the line (a ratio, not a difference: learned at one context it still scales the line at
+another, and never drives a forecast to nothing; and it follows this machine's drift from minute
+to minute, which a window of 512 steps refitted every 64 does not). A larger step with prompt
+tokens (not a large decode batch, whose jitter on a GPU would refit every step) whose forecast
+missed by more than REFIT_ERROR refits the line at once: such steps come in runs (a long
+prompt's chunks, each attending to more of its own prefix), and the scheduler sizes the next
+chunk of the run by the forecast. What is left of those steps' error is noise and what no line
+captures: their recent over-runs (how much later than forecast they ran) give the scheduler
+`headroom`, the margin an ITL target plans with. Until enough steps are seen, the roofline (the
+slower of compute and bandwidth at the machine's peaks) predicts, plus the least per-step
+overhead seen so far (time the roofline does not explain: launches, Python, sampling), so that
+from the first step on it is not wildly optimistic for a small model. No torch: the scheduler
+asks it how big a prefill chunk fits a time target.
 """
 
 from __future__ import annotations
@@ -64,6 +68,11 @@ FEATURE_NAMES = (
     "dense step", "packed tokens",
 )  # fmt: skip
 DENSE_TOKENS, PACKED_TOKENS = 1, 6  # the per-token features of the two regimes
+DENSE_STEP = 5  # the feature of a step too big for the packed weights
+# Dense steps before the jump to them (DENSE_STEP) is fitted: as many, their token counts
+# spanning this factor (until then their rows' own cost carries it).
+MIN_JUMP_ROWS = 3
+MIN_JUMP_SPREAD = 2.0
 
 
 def features(sums: BatchSums, packed_max_tokens: int = 0) -> tuple[float, ...]:
@@ -221,10 +230,20 @@ class StepCostModel:
             self.small_coefficients = None
 
 
+def spans_a_line(tokens: np.ndarray) -> bool:
+    """Whether steps of these token counts (0: not such a step) can place a line's intercept:
+    MIN_JUMP_ROWS of them, their counts spanning MIN_JUMP_SPREAD."""
+    counts = tokens[tokens > 0]
+    return len(counts) >= MIN_JUMP_ROWS and counts.max() >= MIN_JUMP_SPREAD * counts.min()
+
+
 def least_squares(rows: np.ndarray, times: np.ndarray) -> tuple[float, ...] | None:
     """Least squares; a feature whose coefficient comes out negative (collinear, or not
     varied in the rows) is dropped and the rest refitted, so every prediction grows with the
     work; a regime not seen is priced as the other. None: the rows cannot be fitted."""
+    if rows[:, DENSE_STEP].any() and not spans_a_line(rows[:, DENSE_TOKENS]):
+        rows = rows.copy()
+        rows[:, DENSE_STEP] = 0.0
     seen = [bool(rows[:, i].any()) for i in range(rows.shape[1])]
     active = [i for i in range(rows.shape[1]) if seen[i]]
     while active:
