@@ -473,9 +473,10 @@ def test_a_jump_to_dense_steps_waits_for_dense_steps_of_spread_sizes():
     """A draft model's window: packed steps of 1-64 tokens and three prefills of 1,152-1,568
     tokens on the dense weights, a few percent noisy (0.8 ms a token, no jump between the
     regimes). A line's intercept through so narrow a range is noise: fitted as the jump to
-    dense steps, it had forecast a 600-token catch-up at 1.5x its time (the draft model's
-    backlogs then looked too dear to guess for). The jump waits for dense steps whose sizes
-    span 2x; until then their rows carry it, and the catch-up is forecast within 10%."""
+    dense steps, it had forecast a 600-token catch-up at 1.5x its time (a draft model's
+    backlogs so looked too dear to guess for: BENCHMARKS.md). The jump waits for dense steps
+    whose sizes span 2x; until then their rows carry it, and the catch-up is forecast within
+    10%."""
 
     def seconds(tokens: int) -> float:
         return 0.0035 + (0.0006 if tokens <= 512 else 0.0008) * tokens

@@ -213,7 +213,8 @@ class StepCostModel:
 
     def _fit(self) -> None:
         """Refit the line over the window, and the small steps' line over its small steps
-        where it holds enough of them, of more than one token count."""
+        where it holds enough of them, of more than one token count. Rows that cannot be
+        fitted keep a line's previous coefficients."""
         self._since_fit = 0
         num_rows = min(self._num_observed, len(self._times))
         rows, times = self._rows[:num_rows], self._times[:num_rows]
