@@ -54,6 +54,7 @@ from tandem.core.roofline import BatchSums, MachinePeaks, ModelShape, StepWork, 
 
 RESIDUAL_MAX_TOKENS = 64
 SMALL_MAX_TOKENS = 64  # steps of up to this many tokens get a line of their own
+SMALL_MIN_STEPS = 32  # of them in the window before it is fitted (its 7 features want more than 8)
 RESIDUAL_WEIGHT = 0.5  # of the newest step in a token count's moving average
 RATIO_MIN, RATIO_MAX = 0.25, 4.0  # a small step's ratio to the line (a tiny line's is wild)
 REFIT_ERROR = 0.1  # relative forecast error of a larger step that refits the line at once
@@ -119,7 +120,8 @@ class StepCostModel:
         # One per feature (a tuple: the step loop's dot product in Python beats numpy's call).
         self.coefficients: tuple[float, ...] | None = None  # None: the roofline predicts
         # The same over the window's steps of up to SMALL_MAX_TOKENS tokens, which it
-        # predicts (None: too few such steps, or of one token count only: the line serves).
+        # predicts (None: fewer than SMALL_MIN_STEPS such steps, or of one token count only:
+        # the line serves).
         self.small_coefficients: tuple[float, ...] | None = None
         self.overhead: float | None = None  # least (measured - roofline) seen, >= 0
         # Small steps by residual_key: measured time / the fitted line's (moving average).
@@ -224,7 +226,7 @@ class StepCostModel:
             self.coefficients = coefficients
         tokens = rows[:, DENSE_TOKENS] + rows[:, PACKED_TOKENS]
         small = tokens <= SMALL_MAX_TOKENS
-        if small.sum() >= self.min_steps and len(np.unique(tokens[small])) > 1:
+        if small.sum() >= SMALL_MIN_STEPS and len(np.unique(tokens[small])) > 1:
             small_coefficients = least_squares(rows[small], times[small])
             if small_coefficients is not None:
                 self.small_coefficients = small_coefficients
