@@ -26,7 +26,7 @@ shared per-token cost, g could not be negative: a draft model whose dense bf16 r
 each against 0.6 packed had its packed steps forecast at the dense rate, 1.7x their time, and
 stopped drafting where drafts paid.) Kernels that work in blocks of rows (the CPU int4 matmul
 takes four at a time) or CUDA graphs captured at padded batch sizes make small steps' time a
-staircase in their token count that no line follows: for steps of up to RESIDUAL_MAX_TOKENS
+staircase in their token count that no line follows: for steps of up to SMALL_MAX_TOKENS
 tokens, the ratio of the measured time to the line's is learned per token count (and apart for
 the forwards of multi-step bursts, which share their step's own work), as a moving average, and
 scales the line (a ratio, not a difference: learned at one context it still scales the line at
@@ -52,8 +52,8 @@ import numpy as np
 
 from tandem.core.roofline import BatchSums, MachinePeaks, ModelShape, StepWork, sums_work
 
-RESIDUAL_MAX_TOKENS = 64
-SMALL_MAX_TOKENS = 64  # steps of up to this many tokens get a line of their own
+# Steps of up to this many tokens get a line of their own, and a ratio to it per token count.
+SMALL_MAX_TOKENS = 64
 SMALL_MIN_STEPS = 32  # of them in the window before it is fitted (its 7 features want more than 8)
 RESIDUAL_WEIGHT = 0.5  # of the newest step in a token count's moving average
 RATIO_MIN, RATIO_MAX = 0.25, 4.0  # a small step's ratio to the line (a tiny line's is wild)
@@ -175,7 +175,7 @@ class StepCostModel:
         else:
             line = self._line(row, num_new)
             predicted = line * self._ratio(key)
-            if num_new <= RESIDUAL_MAX_TOKENS:
+            if num_new <= SMALL_MAX_TOKENS:
                 if line > 0:
                     ratio = min(max(seconds / line, RATIO_MIN), RATIO_MAX)
                     previous = self.residuals.get(key)
