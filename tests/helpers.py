@@ -1,4 +1,5 @@
-"""Test helpers that drive the model runner without a scheduler."""
+"""Test helpers: driving the model runner without a scheduler, and the scheduler without a
+model runner."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from tandem.attention import cpu_kernel
 from tandem.attention.metadata import build_batch, forward_context
+from tandem.core.scheduler import SchedulerOutput
 from tandem.worker.model_runner import ModelRunner
 
 
@@ -265,3 +267,9 @@ class AllowingGuard:
 
     def observe(self, *args: object) -> None:
         pass
+
+
+def in_order(output: SchedulerOutput, tokens_by_id: dict[str, list[int]]) -> list[list[int]]:
+    """A step's sampled tokens, given by request id, as the model runner lists them for
+    Scheduler.update_from_output: per sampling entry, in the step's order."""
+    return [tokens_by_id[entry.request_id] for entry in output.scheduled if entry.sample]

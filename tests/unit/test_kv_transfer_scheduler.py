@@ -92,7 +92,7 @@ def add_local(
 
 def step(scheduler: Scheduler) -> SchedulerOutput:
     output = scheduler.schedule()
-    sampled = {s.request_id: [model_token(s.token_ids)] for s in output.scheduled if s.sample}
+    sampled = [model_token(s.token_ids) for s in output.scheduled if s.sample]
     scheduler.update_from_output(output, sampled)
     return output
 
@@ -389,7 +389,7 @@ def test_finished_hold_kv_request_keeps_its_blocks_until_released(policy: str) -
     request.hold_kv = True
     output = scheduler.schedule()
     table = list(output.scheduled[0].block_ids)
-    scheduler.update_from_output(output, {"p": [model_token(prompt)]})
+    scheduler.update_from_output(output, [[model_token(prompt)]])
 
     assert request.status is RequestStatus.FINISHED_LENGTH
     assert scheduler.requests == {} and scheduler.running == []
@@ -433,7 +433,7 @@ def test_hold_kv_request_stopped_by_eos_keeps_its_blocks() -> None:
     request = add_local(scheduler, "p", prompt, max_tokens=1)
     request.hold_kv = True
     output = scheduler.schedule()
-    scheduler.update_from_output(output, {"p": [EOS]})
+    scheduler.update_from_output(output, [[EOS]])
     assert request.status is RequestStatus.FINISHED_STOPPED
     assert len(scheduler.detached["p"]) == scheduler.kv_cache_manager.blocks_needed(len(prompt))
     scheduler.release_detached("p")

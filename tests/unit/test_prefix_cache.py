@@ -16,6 +16,8 @@ from tandem.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tandem.request import Request
 from tandem.sampling_params import SamplingParams
 
+from helpers import in_order
+
 HASH_ALGOS = sorted(BLOCK_HASH_FUNCTIONS)
 
 
@@ -209,7 +211,7 @@ def run_workload(kv: KVCacheManager, prompts: list[list[int]], salts=None) -> li
         if not scheduler.has_unfinished_requests():
             break
         output = scheduler.schedule()
-        scheduler.update_from_output(output, model.execute(output))
+        scheduler.update_from_output(output, in_order(output, model.execute(output)))
     assert not scheduler.has_unfinished_requests()
     assert_no_leak(kv)
     return requests
@@ -318,7 +320,7 @@ def run_steps(scheduler: Scheduler, until=None) -> None:
         if not scheduler.has_unfinished_requests() or (until is not None and until()):
             return
         output = scheduler.schedule()
-        sampled = {s.request_id: [7 + len(s.token_ids) % 5] for s in output.scheduled if s.sample}
+        sampled = [7 + len(s.token_ids) % 5 for s in output.scheduled if s.sample]
         scheduler.update_from_output(output, sampled)
     raise AssertionError("did not finish")
 

@@ -54,9 +54,7 @@ def add(
 def step(scheduler: Scheduler, next_token: NextToken = model_token) -> SchedulerOutput:
     output = scheduler.schedule()
     assert output.sums == batch_sums(output.scheduled)  # kept while planning, preemptions too
-    sampled = {
-        s.request_id: [next_token(s.request_id, s.token_ids)] for s in output.scheduled if s.sample
-    }
+    sampled = [next_token(s.request_id, s.token_ids) for s in output.scheduled if s.sample]
     scheduler.update_from_output(output, sampled)
     return output
 
@@ -436,7 +434,9 @@ def test_missing_sampled_token_is_an_error() -> None:
     add(scheduler, "a", 4)
     output = scheduler.schedule()
     with pytest.raises(ValueError, match="no sampled token for request 'a'"):
-        scheduler.update_from_output(output, {})
+        scheduler.update_from_output(output, [])
+    with pytest.raises(ValueError, match="more sampled tokens than the step has sampling"):
+        scheduler.update_from_output(output, [5, 6])
 
 
 def test_finished_request_frees_blocks_and_is_reported_once() -> None:
@@ -477,7 +477,7 @@ def test_abort_between_schedule_and_update_is_ignored() -> None:
     request = add(scheduler, "a", 4)
     output = scheduler.schedule()
     scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
-    assert scheduler.update_from_output(output, {"a": [1000]}) == []
+    assert scheduler.update_from_output(output, [[1000]]) == []
     assert request.num_output_tokens == 0
 
 
@@ -535,6 +535,6 @@ def test_a_token_landing_after_its_request_was_aborted_goes_nowhere() -> None:
     scheduler.mark_in_flight(in_flight)
     scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
     reused = add(scheduler, "a", 6, first_token=50, max_tokens=8)
-    assert scheduler.settle_in_flight(in_flight, {"a": 999}) == []
+    assert scheduler.settle_in_flight(in_flight, [999]) == []
     assert reused.all_token_ids == list(range(50, 56)) and reused.output_token_ids == []
     assert reused.token_times == [] and reused.status is RequestStatus.WAITING

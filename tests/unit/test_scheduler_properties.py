@@ -17,6 +17,8 @@ from tandem.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tandem.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus
 from tandem.sampling_params import SamplingParams
 
+from helpers import in_order
+
 EOS = 2
 SHARED_PREFIXES = ([7] * 24, list(range(3, 27)))  # so prefix caching gets hits
 
@@ -317,7 +319,7 @@ def run(workload: Workload) -> tuple[Scheduler, list[Request], int]:
             if s.abort_step == step and s.abort_after_schedule
         ]
         scheduler.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)
-        scheduler.update_from_output(output, sampled)
+        scheduler.update_from_output(output, in_order(output, sampled))
         check_blocks(scheduler, requests)
         step += 1
         assert step <= max_steps, "no end in sight: preempt/resume loop?"
@@ -368,7 +370,7 @@ def run_alone(request: Request, max_model_len: int) -> Request:
     runner = FakeModelRunner(scheduler.kv_cache_manager)
     while scheduler.has_unfinished_requests():
         output = scheduler.schedule()
-        scheduler.update_from_output(output, runner.execute(output))
+        scheduler.update_from_output(output, in_order(output, runner.execute(output)))
     return request
 
 
@@ -424,7 +426,7 @@ def run_async(workload: Workload) -> tuple[Scheduler, list[Request]]:
         scheduler.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)
         if in_flight is not None:
             landed, tokens = in_flight
-            scheduler.settle_in_flight(landed, {i: t[0] for i, t in tokens.items()})
+            scheduler.settle_in_flight(landed, [t[0] for t in in_order(landed, tokens)])
         in_flight = launched
         check_blocks(scheduler, requests)
         step += 1

@@ -10,7 +10,7 @@ from tandem.core.scheduler import MIN_SPECULATION_GAIN, _StepPlan
 from tandem.core.spec_guard import MIN_STEPS, SpeculationGuard
 from tandem.request import RequestStatus
 
-from helpers import AllowingGuard
+from helpers import AllowingGuard, in_order
 
 
 class LinearCost:
@@ -32,7 +32,7 @@ def prefill(scheduler, request_ids, first_token=500):
     """Run the prompts through, sampling one token each."""
     output = scheduler.schedule()
     assert {s.request_id for s in output.scheduled if s.sample} == set(request_ids)
-    scheduler.update_from_output(output, {i: [first_token] for i in request_ids})
+    scheduler.update_from_output(output, in_order(output, {i: [first_token] for i in request_ids}))
 
 
 def test_drafts_are_scheduled_with_their_slots_and_counted_in_the_budget():
@@ -62,7 +62,7 @@ def test_rejected_drafts_roll_back_progress_and_free_their_blocks():
     assert len(kv.get_block_ids("a")) == 3  # positions 7..11
     free_before = kv.num_free_blocks
     # The first draft is accepted, the second rejected: the target's own token follows.
-    scheduler.update_from_output(output, {"a": [7, 42]})
+    scheduler.update_from_output(output, [[7, 42]])
     assert request.output_token_ids == [500, 7, 42]
     assert request.num_computed_tokens == request.num_tokens - 1 == 9
     assert len(kv.get_block_ids("a")) == 3  # position 9 still needs the third block
@@ -72,7 +72,7 @@ def test_rejected_drafts_roll_back_progress_and_free_their_blocks():
     output = scheduler.schedule()  # positions 9..13: four blocks
     table = kv.get_block_ids("a")
     assert len(table) == 4
-    scheduler.update_from_output(output, {"a": [5]})  # all rejected
+    scheduler.update_from_output(output, [[5]])  # all rejected
     assert request.num_computed_tokens == 10
     assert len(kv.get_block_ids("a")) == 3  # the fourth held only rejected drafts
     assert kv.num_free_blocks == free_before
@@ -85,7 +85,7 @@ def test_all_drafts_accepted_and_the_bonus_token():
     request = add(scheduler, "a", 4, max_tokens=20)
     prefill(scheduler, ["a"])
     request.spec_token_ids = [7, 8]
-    scheduler.update_from_output(scheduler.schedule(), {"a": [7, 8, 9]})
+    scheduler.update_from_output(scheduler.schedule(), [[7, 8, 9]])
     assert request.output_token_ids == [500, 7, 8, 9]
     assert request.num_computed_tokens == 7
     assert len(request.token_times) == 4
@@ -97,7 +97,7 @@ def test_a_stop_inside_an_accepted_run_ends_the_request_at_that_token():
     request = add(scheduler, "a", 4, max_tokens=10, stop_token_ids=[77])
     prefill(scheduler, ["a"])
     request.spec_token_ids = [77, 6, 7]
-    updated = scheduler.update_from_output(scheduler.schedule(), {"a": [77, 6, 7, 8]})
+    updated = scheduler.update_from_output(scheduler.schedule(), [[77, 6, 7, 8]])
     assert updated == [request]
     assert request.output_token_ids == [500, 77]
     assert request.status is RequestStatus.FINISHED_STOPPED
@@ -111,7 +111,7 @@ def test_more_tokens_than_drafts_plus_one_is_an_error():
     request.spec_token_ids = [1]
     output = scheduler.schedule()
     with pytest.raises(ValueError, match="verified 1 drafts"):
-        scheduler.update_from_output(output, {"a": [1, 2, 3]})
+        scheduler.update_from_output(output, [[1, 2, 3]])
 
 
 def test_drafts_stay_within_max_tokens_and_max_model_len():
@@ -204,7 +204,7 @@ def test_greedy_and_sampled_requests_have_their_own_acceptance_prior():
     prefill(scheduler, ["s"])
     while not sampled.is_finished:
         sampled.spec_token_ids = [1, 2, 3, 4]
-        scheduler.update_from_output(scheduler.schedule(), {"s": [9]})
+        scheduler.update_from_output(scheduler.schedule(), [[9]])
     stats = scheduler.spec_decode_stats
     assert stats.num_accepted_tokens == 0 and stats.num_rejections >= 5
     greedy = add(scheduler, "g", 3, first_token=50, max_tokens=50, temperature=0.0)
@@ -281,7 +281,7 @@ def test_a_request_that_stopped_drafting_tries_again_later():
         drafted.append(output.num_draft_tokens)
         (scheduled,) = output.scheduled
         accepted = scheduled.draft_token_ids  # all of them
-        scheduler.update_from_output(output, {scheduled.request_id: [*accepted, 9]})
+        scheduler.update_from_output(output, [[*accepted, 9]])
         request.spec_token_ids = [1, 2, 3, 4]
     assert drafted[0] == 0  # its own record says no
     assert drafted[-1] > 0  # as it decays, the engine-wide rate brings it back
@@ -302,7 +302,7 @@ def drafts_under(guard: SpeculationGuard) -> list[tuple[int, bool]]:
         (scheduled,) = output.scheduled
         drafts = scheduled.draft_token_ids
         steps.append((len(drafts), guard.probing))
-        scheduler.update_from_output(output, {scheduled.request_id: [*drafts, 9]})
+        scheduler.update_from_output(output, [[*drafts, 9]])
         guard.observe(1, bool(drafts), 1 + len(drafts), 2.0 + len(drafts))
     return steps
 
@@ -331,9 +331,7 @@ def test_a_request_with_more_than_its_last_token_to_compute_verifies_no_drafts()
     request = add(scheduler, "a", 6, max_tokens=20)
     while request.num_output_tokens < 5:
         output = scheduler.schedule()
-        scheduler.update_from_output(
-            output, {s.request_id: [500] for s in output.scheduled if s.sample}
-        )
+        scheduler.update_from_output(output, [500 for s in output.scheduled if s.sample])
     request.spec_token_ids = [1, 2, 3]
     scheduler._preempt(request, _StepPlan(token_budget=8))
     assert request.spec_token_ids == []
@@ -345,9 +343,7 @@ def test_a_request_with_more_than_its_last_token_to_compute_verifies_no_drafts()
         seen.append((scheduled.num_computed_tokens, scheduled.num_new_tokens))
         if scheduled.num_computed_tokens + scheduled.num_new_tokens < request.num_tokens:
             assert scheduled.draft_token_ids == [] and not scheduled.sample
-        scheduler.update_from_output(
-            output, {s.request_id: [500] for s in output.scheduled if s.sample}
-        )
+        scheduler.update_from_output(output, [500 for s in output.scheduled if s.sample])
     # 11 tokens recomputed in chunks of 4: the prompt is done after the second, the third
     # still has tokens to catch up on, and only then do guesses ride along.
     assert seen[:3] == [(0, 4), (4, 4), (8, 3)]

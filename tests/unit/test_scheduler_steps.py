@@ -13,6 +13,8 @@ from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.scheduler import MULTI_STEP_WINDOW, Scheduler, SchedulerConfig
 from tandem.request import RequestStatus
 
+from helpers import in_order
+
 
 def lone_decode(num_scheduler_steps: int = 4, max_tokens: int = 20, **params):
     """A scheduler with one plainly sampled request past its first token (blocks of 4
@@ -34,7 +36,7 @@ def test_a_lone_greedy_decode_runs_several_forwards_in_its_blocks():
     assert output.num_decode_tokens == 1 and output.sums.num_new_tokens == 1  # one forward's
     # Tokens 5..8 are fed to the four forwards: their KV needs slots up to position 8.
     assert len(kv.get_block_ids(request.request_id)) * kv.block_size >= 9
-    updated = scheduler.update_from_output(output, {"a": [11, 12, 13, 14]})
+    updated = scheduler.update_from_output(output, [[11, 12, 13, 14]])
     assert updated == [request]
     assert request.output_token_ids == [500, 11, 12, 13, 14]
     assert request.num_computed_tokens == 9 and len(request.token_times) == 5
@@ -44,7 +46,7 @@ def test_a_stop_token_within_the_burst_ends_the_request_there():
     scheduler, request = lone_decode()
     output = scheduler.schedule()
     assert output.num_steps == 4
-    scheduler.update_from_output(output, {"a": [11, EOS]})  # the runner stopped after EOS
+    scheduler.update_from_output(output, [[11, EOS]])  # the runner stopped after EOS
     assert request.status is RequestStatus.FINISHED_STOPPED
     assert request.output_token_ids == [500, 11, EOS]
     kv = scheduler.kv_cache_manager
@@ -55,14 +57,14 @@ def test_more_tokens_than_forwards_is_an_error():
     scheduler, _ = lone_decode(num_scheduler_steps=2)
     output = scheduler.schedule()
     with pytest.raises(ValueError, match="in 2 forwards"):
-        scheduler.update_from_output(output, {"a": [11, 12, 13]})
+        scheduler.update_from_output(output, [[11, 12, 13]])
 
 
 def test_the_burst_ends_at_the_requests_length_limit():
     scheduler, request = lone_decode(num_scheduler_steps=8, max_tokens=4)
     output = scheduler.schedule()
     assert output.num_steps == 3  # one output token so far, max_tokens 4
-    scheduler.update_from_output(output, {"a": [11, 12, 13]})
+    scheduler.update_from_output(output, [[11, 12, 13]])
     assert request.status is RequestStatus.FINISHED_LENGTH
     assert len(request.output_token_ids) == 4
 
@@ -107,7 +109,7 @@ def two_decoding(multi_step_max_seqs: int, **params) -> tuple:
         request.plain_sampling = True
     first = scheduler.schedule()  # the prompts, and the first tokens: one forward
     assert first.num_steps == 1
-    scheduler.update_from_output(first, {"a": [7], "b": [8]})
+    scheduler.update_from_output(first, in_order(first, {"a": [7], "b": [8]}))
     return scheduler, requests
 
 
@@ -122,7 +124,7 @@ def test_running_requests_burst_together_up_to_the_runners_rows():
     assert [len(kv.get_block_ids(r.request_id)) for r in requests] == [3, 3]
     # b's stop token after the second forward ends the burst for both: a keeps two tokens,
     # and gives back the block it held for the other six.
-    scheduler.update_from_output(output, {"a": [11, 12], "b": [13, EOS]})
+    scheduler.update_from_output(output, in_order(output, {"a": [11, 12], "b": [13, EOS]}))
     a, b = requests
     assert b.status is RequestStatus.FINISHED_STOPPED and a.output_token_ids == [7, 11, 12]
     assert a.num_computed_tokens == 5 and len(kv.get_block_ids("a")) == 2
@@ -164,7 +166,7 @@ def test_a_step_verifying_drafts_runs_one_forward_and_one_without_them_a_burst()
     request.spec_token_ids = [7, 8]
     verifying = scheduler.schedule()
     assert (verifying.num_draft_tokens, verifying.num_steps) == (2, 1)
-    scheduler.update_from_output(verifying, {"a": [7, 9]})  # one draft accepted
+    scheduler.update_from_output(verifying, [[7, 9]])  # one draft accepted
     request.spec_token_ids = []  # no n-gram found
     burst = scheduler.schedule()
     assert (burst.num_draft_tokens, burst.num_steps) == (0, 4)

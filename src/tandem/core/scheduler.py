@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -351,9 +351,12 @@ class Scheduler:
         return self._build_output(plan)
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: Sequence[int | Sequence[int]]
     ) -> list[Request]:
-        """Record a step's results: progress, sampled tokens, stops. Returns the requests that
+        """Record a step's results: progress, sampled tokens, stops. `sampled_token_ids`: for
+        each entry of the step that samples, in order, its token, or its tokens (accepted
+        drafts and one more, or a multi-step burst's), as the model runner lists them: no
+        lookup by request id, no list per token in the common case. Returns the requests that
         got tokens (those that finished have their status set and blocks freed)."""
         now = self.clock()
         updated: list[Request] = []
@@ -363,34 +366,42 @@ class Scheduler:
         running = RequestStatus.RUNNING
         stop_status = self._stop_status
         num_steps = scheduler_output.num_steps
+        sampled = iter(sampled_token_ids)
         for scheduled, request in zip(
             scheduler_output.scheduled, scheduler_output.requests, strict=True
         ):
+            if not scheduled.sample:
+                if request.status is running:
+                    request.num_computed_tokens += scheduled.num_new_tokens
+                    kv.cache_blocks(request)
+                continue
+            token_ids = next(sampled, None)
+            if token_ids is None:
+                raise ValueError(
+                    f"no sampled token for request {scheduled.request_id!r}: give one per "
+                    "sampling entry of the step, in order"
+                )
             if request.status is not running:
                 continue  # aborted after it was scheduled
-            request_id = scheduled.request_id
-            if not scheduled.sample:
-                request.num_computed_tokens += scheduled.num_new_tokens
-                kv.cache_blocks(request)
-                continue
-            token_ids = sampled_token_ids.get(request_id)
-            num_drafts = len(scheduled.draft_token_ids)
-            if not token_ids:
-                raise ValueError(f"no sampled token for request {request_id!r}")
-            num_got = len(token_ids)
-            if num_got > num_drafts + num_steps:
-                raise ValueError(
-                    f"request {request_id!r} got {num_got} tokens from a step that verified "
-                    f"{num_drafts} drafts in {num_steps} forwards"
-                )
             if request.first_token_time is None:
                 request.first_token_time = now
+            num_drafts = len(scheduled.draft_token_ids)
+            if isinstance(token_ids, int):
+                token_id, num_got = token_ids, 1
+            else:
+                num_got = len(token_ids)
+                if not 0 < num_got <= num_drafts + num_steps:
+                    raise ValueError(
+                        f"request {scheduled.request_id!r} got {num_got} tokens from a step "
+                        f"that verified {num_drafts} drafts in {num_steps} forwards"
+                    )
+                token_id = token_ids[0]
             if num_drafts:
                 self._record_verification(request, num_drafts, num_got - 1)
+            num_computed_before = request.num_computed_tokens
             if num_got > 1:  # accepted drafts, or a multi-step burst's tokens
                 finished_status = self._append_until_stop(request, token_ids, now)
             else:  # the common case, inline
-                token_id = token_ids[0]
                 outputs, all_token_ids = request.output_token_ids, request.all_token_ids
                 outputs.append(token_id)
                 all_token_ids.append(token_id)
@@ -403,7 +414,6 @@ class Scheduler:
                     finished_status = None
             # Every appended token but the last was computed this step (an accepted draft);
             # rejected drafts' KV is dropped by moving back, and blocks holding only them go.
-            num_computed_before = request.num_computed_tokens
             num_computed = request.num_computed_tokens = len(request.all_token_ids) - 1
             if caching and num_computed // block_size > num_computed_before // block_size:
                 kv.cache_blocks(request)  # a block filled up
@@ -415,6 +425,8 @@ class Scheduler:
                 # Blocks past its tokens: rejected drafts', a proposer's unverified ones, or
                 # those of a burst that another request's stop token ended early.
                 kv.free_tail(request, request.num_tokens)
+        if next(sampled, None) is not None:
+            raise ValueError("more sampled tokens than the step has sampling entries")
         if any_finished:
             self.running = [r for r in self.running if r.status is running]
         return updated
@@ -445,19 +457,22 @@ class Scheduler:
                 self._ending_in_flight.add(request.request_id)
 
     def settle_in_flight(
-        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int]
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: Sequence[int]
     ) -> list[Request]:
         """Record a step that ran in flight (mark_in_flight): its placeholders get their token
-        ids, and stops apply exactly as in update_from_output. A request that stops drops the
-        placeholder the next step gave it; one preempted meanwhile keeps its token (it
-        recomputes it). Returns the requests that got a token."""
+        ids (one per sampling entry, in order, as in update_from_output), and stops apply
+        exactly as there. A request that stops drops the placeholder the next step gave it;
+        one preempted meanwhile keeps its token (it recomputes it). Returns the requests that
+        got a token."""
         now = self.clock()
         updated: list[Request] = []
         any_finished = False
         kv = self.kv_cache_manager
+        sampled = iter(sampled_token_ids)
         for scheduled, request in zip(
             scheduler_output.scheduled, scheduler_output.requests, strict=True
         ):
+            token_id = next(sampled, None) if scheduled.sample else None
             if request.is_finished:
                 continue  # aborted after it was scheduled (its id may be a new request's now)
             running = request.status is RequestStatus.RUNNING
@@ -466,7 +481,11 @@ class Scheduler:
                 if running:
                     kv.cache_blocks(request, num_computed)
                 continue
-            token_id = sampled_token_ids[scheduled.request_id]
+            if token_id is None:
+                raise ValueError(
+                    f"no sampled token for request {scheduled.request_id!r}: give one per "
+                    "sampling entry of the step, in order"
+                )
             position = num_computed  # the placeholder's index in all_token_ids
             num_output_tokens = position - request.num_prompt_tokens + 1
             request.all_token_ids[position] = token_id
@@ -484,6 +503,8 @@ class Scheduler:
             del request.output_token_ids[num_output_tokens:]
             self._finish(request, finished_status, now)
             any_finished = True
+        if next(sampled, None) is not None:
+            raise ValueError("more sampled tokens than the step has sampling entries")
         if any_finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
             self.waiting.discard_finished()

@@ -576,8 +576,7 @@ class EngineCore:
             result.ready.synchronize()
         output = result.sampled
         requests = in_flight.requests
-        token_ids = result.host_token_ids.tolist()
-        sampled = {r.request_id: token for r, token in zip(requests, token_ids, strict=True)}
+        sampled = result.host_token_ids.tolist()  # one per sampling request, in order
         logprobs_by_id = {}
         if output.logprobs is not None:
             logprobs_by_id = {
@@ -621,16 +620,15 @@ class EngineCore:
         )
         num_steps = scheduled.num_steps
         if num_steps > 1:  # multi-step: the decodes' forwards, one after another
-            tokens = self._decode_steps(entries, sampled_requests, num_steps)
-            sampled = {r.request_id: t for r, t in zip(sampled_requests, tokens, strict=True)}
+            sampled = self._decode_steps(entries, sampled_requests, num_steps)
             logprobs_by_id, prompt_logprobs = {}, None
-            num_steps = len(tokens[0])  # fewer where a stop token ended them
+            num_steps = len(sampled[0])  # fewer where a stop token ended them
         else:
             run = self.runner.run(
                 entries, sample_mask, prompt_ranges, num_prompt_top, drafts, argmax
             )
             if run.argmax is not None:
-                sampled = {sampled_requests[0].request_id: run.argmax.tolist()}
+                sampled = run.argmax.tolist()
                 logprobs_by_id = {}
             else:
                 sampled, logprobs_by_id = self._sample(run.logits, sampled_requests, scheduled)
@@ -645,7 +643,7 @@ class EngineCore:
             updated = self.scheduler.update_from_output(scheduled, sampled)
             starts = [num_outputs_before[r.request_id] for r in updated]
             outputs = self._outputs(updated, starts, logprobs_by_id)
-            num_accepted = 0 if drafts is None else sum(map(len, sampled.values())) - len(sampled)
+            num_accepted = 0 if drafts is None else sum(map(len, sampled)) - len(sampled)
         if self.kv_connector is not None and self.kv_connector.streaming:
             self._stage_streams(entries)
         if self.proposer is not None:
@@ -685,28 +683,26 @@ class EngineCore:
 
     def _sample(
         self, logits: torch.Tensor, requests: list[Request], scheduled: SchedulerOutput
-    ) -> tuple[dict[str, list[int]], dict[str, list[dict[int, Logprob]]]]:
-        """The tokens each sampling request gets from the step (one, or its accepted drafts
-        and one more), and their logprob dicts for the requests that asked. Requests without
-        drafts sample as in any step (their seeded draws do not depend on whether a batch mate
-        speculates); the others are verified."""
-        ids = [r.request_id for r in requests]
+    ) -> tuple[list[int] | list[list[int]], dict[str, list[dict[int, Logprob]]]]:
+        """The tokens each sampling request gets from the step, in order (as
+        Scheduler.update_from_output takes them): with no drafts in the step, one token each;
+        with drafts, a list each (accepted drafts and one more); and their logprob dicts for
+        the requests that asked. Requests without drafts sample as in any step (their seeded
+        draws do not depend on whether a batch mate speculates); the others are verified."""
         inputs = self._sampling_inputs(requests)
         if not scheduled.num_draft_tokens:
             output = sample(logits, inputs)
-            sampled_ids = {
-                request_id: [token_id]
-                for request_id, token_id in zip(ids, output.token_ids.tolist(), strict=True)
-            }
             if output.logprobs is None:
-                return sampled_ids, {}
-            rows = zip(ids, output.logprobs, strict=True)
-            return sampled_ids, {i: [row] for i, row in rows if row is not None}
+                return output.token_ids.tolist(), {}
+            rows = zip(requests, output.logprobs, strict=True)
+            logprobs = {r.request_id: [row] for r, row in rows if row is not None}
+            return output.token_ids.tolist(), logprobs
+        ids = [r.request_id for r in requests]
         drafts = [s.draft_token_ids for s in scheduled.scheduled if s.sample]
         plain = [i for i, d in enumerate(drafts) if not d]
         speculative = [i for i, d in enumerate(drafts) if d]
         first_rows = np.cumsum([0] + [1 + len(d) for d in drafts])
-        sampled: dict[str, list[int]] = {}
+        sampled: list[list[int]] = [[] for _ in requests]
         logprobs_by_id: dict[str, list[dict[int, Logprob]]] = {}
         if plain:
             if speculative:
@@ -716,7 +712,7 @@ class EngineCore:
                 output = sample(logits, inputs)
             rows = output.logprobs or [None] * len(plain)
             for i, token, row in zip(plain, output.token_ids.tolist(), rows, strict=True):
-                sampled[ids[i]] = [token]
+                sampled[i] = [token]
                 if row is not None:
                     logprobs_by_id[ids[i]] = [row]
         if speculative:
@@ -727,7 +723,7 @@ class EngineCore:
             )
             logprobs = verified.logprobs or [None] * len(speculative)
             for i, tokens, rows in zip(speculative, verified.token_ids, logprobs, strict=True):
-                sampled[ids[i]] = tokens
+                sampled[i] = tokens
                 if rows is not None:
                     logprobs_by_id[ids[i]] = rows
         return sampled, logprobs_by_id
