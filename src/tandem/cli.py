@@ -226,6 +226,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         max_waiting=args.max_waiting,
         max_request_bytes=args.max_request_bytes,
         trust_request_chat_template=args.trust_request_chat_template,
+        response_role=args.response_role,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         shutdown_timeout=args.shutdown_timeout,
         log_requests=not args.disable_log_requests,
     )
@@ -396,6 +398,10 @@ def main(argv: list[str] | None = None) -> None:
                        help="largest request body (413 above it)")  # fmt: skip
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="run chat templates sent by requests (code in the server)")  # fmt: skip
+    serve.add_argument("--response-role", default="assistant",
+                       help="role of chat replies that start a new message")  # fmt: skip
+    serve.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help='logprobs name tokens "token_id:{id}" by default')  # fmt: skip
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM")  # fmt: skip
     serve.add_argument("--disable-log-requests", action="store_true",

@@ -15,7 +15,7 @@ import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 # Below this temperature the logits / temperature division overflows float32 for ordinary logits,
 # and the distribution is a one-hot anyway, so it is sampled as argmax (vLLM uses the same cut).
@@ -118,11 +118,15 @@ def num_top_logprobs(requested: int, vocab_size: int) -> int:
 
 
 def truncate_prompt(
-    prompt_token_ids: Sequence[int], truncate_prompt_tokens: int | None, max_model_len: int
+    prompt_token_ids: Sequence[int],
+    truncate_prompt_tokens: int | None,
+    max_model_len: int,
+    side: Literal["left", "right"] = "left",
 ) -> list[int]:
     """The prompt's last k = truncate_prompt_tokens tokens (k = max_model_len for -1; the whole
-    prompt for None), as vLLM truncates (from the left). k above max_model_len is a ValueError,
-    as in vLLM: the prompt could not run anyway."""
+    prompt for None), as vLLM truncates (from the left), or its first k (`side` "right", the
+    server's `truncation_side`). k above max_model_len is a ValueError, as in vLLM: the prompt
+    could not run anyway."""
     k = truncate_prompt_tokens
     if k is None:
         return list(prompt_token_ids)
@@ -133,7 +137,7 @@ def truncate_prompt(
             f"truncate_prompt_tokens must be <= max_model_len ({max_model_len}), got {k}: "
             "choose a smaller truncation size"
         )
-    return list(prompt_token_ids[-k:])
+    return list(prompt_token_ids[:k] if side == "right" else prompt_token_ids[-k:])
 
 
 def tokenize_bad_words(bad_words: Sequence[str], tokenizer: Any) -> list[list[int]]:

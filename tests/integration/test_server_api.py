@@ -300,6 +300,9 @@ def test_echo(client, offline_llm):
     num_prompt = len(reference.prompt_token_ids)
     assert len(logprobs.tokens) == num_prompt + N
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    # the first prompt token has no logprob, but its text (as in vLLM and OpenAI)
+    first_text = offline_llm.get_tokenizer().decode([reference.prompt_token_ids[0]])
+    assert logprobs.tokens[0] == first_text != ""
     assert all(isinstance(value, float) for value in logprobs.token_logprobs[1:])
     assert "".join(logprobs.tokens[num_prompt:]) == reference.outputs[0].text
     # streamed: the prompt arrives once, in front of the first piece
@@ -309,6 +312,88 @@ def test_echo(client, offline_llm):
     pieces = [chunk.choices[0].text for chunk in stream]
     assert pieces[0].startswith(PROMPT)
     assert "".join(pieces) == PROMPT + reference.outputs[0].text
+
+
+def test_logprob_tokens_as_token_ids(client, offline_llm):
+    """vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:{id}" (so a
+    client knows the exact token even where several decode to the same text); the text
+    itself is unchanged."""
+    reference = offline(offline_llm, PROMPT, greedy(N)).outputs[0]
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0, logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    choice = response.choices[0]
+    assert choice.text == reference.text
+    names = [f"token_id:{token_id}" for token_id in reference.token_ids]
+    assert choice.logprobs.tokens == names
+    for top, row in zip(choice.logprobs.top_logprobs, reference.logprobs, strict=True):
+        assert set(top) == {f"token_id:{token_id}" for token_id, lp in row.items() if lp.rank <= 2}
+    chat_reference = offline(offline_llm, CHAT, greedy(N)).outputs[0]
+    response = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=N, temperature=0, logprobs=True, top_logprobs=1,
+        extra_body={"return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    content = response.choices[0].logprobs.content
+    expected = [f"token_id:{token_id}" for token_id in chat_reference.token_ids]
+    assert [entry.token for entry in content] == expected
+    assert all(entry.bytes == list(entry.token.encode()) for entry in content)
+
+
+def test_truncation_side_right_keeps_the_first_prompt_tokens(client, offline_llm):
+    prompt = list(range(1000, 1020))
+    reference = offline(offline_llm, prompt[:5], greedy(4)).outputs[0]
+    response = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+        extra_body={"truncate_prompt_tokens": 5, "truncation_side": "right",
+                    "return_token_ids": True},
+    )  # fmt: skip
+    choice = response.choices[0]
+    assert choice.model_extra["prompt_token_ids"] == prompt[:5]
+    assert response.usage.prompt_tokens == 5
+    assert_same_greedy(token_ids_of(choice), choice.text, reference, "truncated on the right")
+
+
+def test_chat_echo_returns_the_continued_message_whole(client, offline_llm):
+    """vLLM's chat echo: continuing an assistant message, the reply starts with it."""
+    start = "The capital of France is"
+    conversation = [*CHAT, {"role": "assistant", "content": start}]
+    [reference] = offline_llm.chat(
+        [conversation], greedy(N), add_generation_prompt=False, continue_final_message=True,
+        use_tqdm=False,
+    )  # fmt: skip
+    settings = dict(
+        model=MODEL, messages=conversation, max_tokens=N, temperature=0,
+        extra_body={"echo": True, "add_generation_prompt": False,
+                    "continue_final_message": True},
+    )  # fmt: skip
+    message = client.chat.completions.create(**settings).choices[0].message
+    assert message.role == "assistant"
+    assert message.content == start + reference.outputs[0].text
+    chunks = list(client.chat.completions.create(**settings, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[1].choices[0].delta.content == start  # the echo, before any new text
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert text == start + reference.outputs[0].text
+
+
+def test_response_role_and_token_ids_as_names_by_flag(server_factory):
+    """vLLM's server flags: --response-role names new chat replies; with
+    --return-tokens-as-token-ids logprobs name tokens by id unless a request says false."""
+    server = server_factory.start(
+        "--response-role", "bot", "--return-tokens-as-token-ids", name="flags-server"
+    )
+    client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=120)
+    settings = dict(model=MODEL, messages=CHAT, max_tokens=3, temperature=0, logprobs=True)
+    response = client.chat.completions.create(**settings)
+    assert response.choices[0].message.role == "bot"
+    assert all(e.token.startswith("token_id:") for e in response.choices[0].logprobs.content)
+    stream = client.chat.completions.create(**settings, stream=True)
+    assert next(iter(stream)).choices[0].delta.role == "bot"
+    response = client.chat.completions.create(
+        **settings, extra_body={"return_tokens_as_token_ids": False}
+    )
+    assert not any(e.token.startswith("token_id:") for e in response.choices[0].logprobs.content)
 
 
 def test_long_prompt_logprobs_cross_in_one_large_message(client, offline_llm):

@@ -322,8 +322,6 @@ UNSUPPORTED_COMMON = [
     ("length_penalty", 0.5),
     ("early_stopping", True),
     ("best_of", 3),
-    ("truncation_side", "right"),
-    ("return_tokens_as_token_ids", True),
     ("response_format", {"type": "json_object"}),
     ("structured_outputs", {"regex": "[0-9]+"}),
     ("guided_json", {"type": "object"}),
@@ -343,7 +341,6 @@ UNSUPPORTED_CHAT = [
     ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]),
     ("documents", [{"title": "t", "text": "x"}]),
-    ("echo", True),
     ("include_reasoning", False),
     ("reasoning_effort", "low"),
     ("verbosity", "low"),
@@ -369,8 +366,8 @@ def test_known_but_unsupported_fields_are_rejected_when_set(
 def test_unsupported_errors_say_what_to_send_instead() -> None:
     msg = rejection(ChatCompletionRequest, {"messages": USER, "include_reasoning": False})["msg"]
     assert "omit it or send true" in msg
-    msg = rejection(CompletionRequest, {"prompt": "x", "truncation_side": "right"})["msg"]
-    assert 'omit it or send null or "left"' in msg
+    msg = rejection(CompletionRequest, {"prompt": "x", "thinking_token_budget": 100})["msg"]
+    assert "omit it or send null or -1" in msg
     msg = rejection(ChatCompletionRequest, {"messages": USER, "response_format": {"type": "x"}})[
         "msg"
     ]
@@ -416,6 +413,7 @@ def test_unsupported_fields_at_their_defaults_are_accepted(field: str, value: An
         ("function_call", "none"),
         ("modalities", ["text"]),
         ("echo", False),
+        ("echo", True),
         ("include_reasoning", True),
         ("documents", None),
         ("metadata", {"k": "v"}),
@@ -429,6 +427,16 @@ def test_unsupported_fields_at_their_defaults_are_accepted(field: str, value: An
 )
 def test_chat_fields_that_ask_for_nothing_missing_are_accepted(field: str, value: Any) -> None:
     assert getattr(chat(**{field: value}), field) == value
+
+
+def test_truncation_side_and_token_ids_as_logprob_tokens_are_served() -> None:
+    """The route honours them (serving.py): no longer refused as unsupported."""
+    for make in (completion, chat):
+        assert make(truncate_prompt_tokens=4, truncation_side="right").truncation_side == "right"
+        assert make(return_tokens_as_token_ids=True).return_tokens_as_token_ids is True
+    assert rejection(CompletionRequest, {"prompt": "x", "truncation_side": "middle"})["loc"] == (
+        "truncation_side",
+    )
 
 
 def test_best_of_equal_to_n_is_accepted() -> None:

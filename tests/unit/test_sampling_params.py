@@ -291,6 +291,9 @@ def test_truncate_prompt_keeps_the_last_tokens() -> None:
     assert truncate_prompt(prompt, 30, 100) == prompt
     assert truncate_prompt(prompt, -1, 4) == [6, 7, 8, 9]
     assert SamplingParams(truncate_prompt_tokens=2).truncate_prompt(prompt, 100) == [8, 9]
+    # the server's truncation_side "right": the first k tokens
+    assert truncate_prompt(prompt, 3, 100, "right") == [0, 1, 2]
+    assert truncate_prompt(prompt, -1, 4, "right") == [0, 1, 2, 3]
     with pytest.raises(ValueError, match=r"truncate_prompt_tokens must be <= max_model_len \(8\)"):
         truncate_prompt(prompt, 9, 8)
 

@@ -17,7 +17,15 @@ from tandem.server.protocol_responses import (
     CompletionStreamResponse,
     DeltaMessage,
 )
-from tandem.server.serving import ChatShaper, CompletionShaper, PromptJob, TextChunk
+from tandem.server.serving import (
+    ChatShaper,
+    CompletionShaper,
+    PromptJob,
+    TextChunk,
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+)
 
 TEXTS = [
     "",
@@ -63,14 +71,16 @@ def _job(n: int = 1) -> PromptJob:
 
 def _completions(**fields: object) -> CompletionShaper:
     request = CompletionRequest(model="m", prompt="p", stream=True, **fields)
-    return CompletionShaper(request, [_job(fields.get("n", 1))], "m")
+    return CompletionShaper(request, [_job(fields.get("n", 1))], "m", TokenText())
 
 
-def _chat(**fields: object) -> ChatShaper:
+def _chat(
+    messages: list[dict] | None = None, response_role: str = "assistant", **fields: object
+) -> ChatShaper:
     request = ChatCompletionRequest(
-        model="m", messages=[{"role": "user", "content": "p"}], stream=True, **fields
+        model="m", messages=messages or [{"role": "user", "content": "p"}], stream=True, **fields
     )
-    return ChatShaper(request, _job(fields.get("n", 1)), "m")
+    return ChatShaper(request, _job(fields.get("n", 1)), "m", TokenText(), response_role)
 
 
 def test_plain_deltas_take_the_template_and_the_rest_the_model() -> None:
@@ -138,3 +148,56 @@ def test_two_choices_in_one_delta_use_the_model() -> None:
     single = shaper.chunk(0, _output(CompletionOutput(0, "", []), CompletionOutput(1, " c", [7])))
     assert isinstance(single, str)
     assert json.loads(single)["choices"] == [{"index": 1, "text": " c"}]
+
+
+CONTINUED = [
+    {"role": "user", "content": "Tell me a story."},
+    {"role": "assistant", "content": "Once upon"},
+]
+
+
+def test_chat_echo_puts_the_continued_message_in_front_of_the_reply() -> None:
+    """vLLM's chat echo: the last message's content comes first when that message has the
+    reply's role; streamed, as a chunk per choice after the role's."""
+    shaper = _chat(CONTINUED, echo=True, n=2, add_generation_prompt=False,
+                   continue_final_message=True)  # fmt: skip
+    opening, *echoes = shaper.opening_chunks()
+    assert [c.delta.role for c in opening.choices] == ["assistant", "assistant"]
+    assert [(e.choices[0].index, e.choices[0].delta.content) for e in echoes] == [
+        (0, "Once upon"), (1, "Once upon")
+    ]  # fmt: skip
+    reply = _output(CompletionOutput(0, " a time", [5], finish_reason="length"), finished=True)
+    message = shaper.response(reply).choices[0].message
+    assert (message.role, message.content) == ("assistant", "Once upon a time")
+    # a new assistant message: the last message is the user's, nothing to echo
+    fresh = _chat(CONTINUED[:1], echo=True)
+    assert len(fresh.opening_chunks()) == 1
+    assert fresh.response(reply).choices[0].message.content == " a time"
+    # without echo the continued message is not repeated
+    plain = _chat(CONTINUED, add_generation_prompt=False, continue_final_message=True)
+    assert len(plain.opening_chunks()) == 1
+
+
+def test_chat_reply_role_is_the_servers_or_the_continued_messages() -> None:
+    assert _chat(response_role="bot").opening_chunks()[0].choices[0].delta.role == "bot"
+    # with add_generation_prompt false the reply continues the last message, in its role
+    shaper = _chat(add_generation_prompt=False, response_role="bot", echo=True)
+    opening, echo = shaper.opening_chunks()
+    assert opening.choices[0].delta.role == "user" and echo.choices[0].delta.content == "p"
+    reply = _output(CompletionOutput(0, "!", [5], finish_reason="stop"), finished=True)
+    assert shaper.response(reply).choices[0].message.role == "user"
+
+
+def test_logprob_tokens_as_token_ids_and_the_first_prompt_tokens_text() -> None:
+    rows = [None, {7: Logprob(-0.1, 1, "b"), 8: Logprob(-2.5, 2, "cc")}]
+    named = completion_logprobs([6, 7], rows, 2, 10, TokenText(decode=lambda token: "A"))
+    assert named.tokens == ["A", "b"]  # the first prompt token has no row: decoded
+    assert named.text_offset == [10, 11]
+    assert named.top_logprobs == [None, {"b": -0.1, "cc": -2.5}]
+    by_id = completion_logprobs([6, 7], rows, 2, 0, TokenText(as_token_ids=True))
+    assert by_id.tokens == ["token_id:6", "token_id:7"]
+    assert by_id.top_logprobs[1] == {"token_id:7": -0.1, "token_id:8": -2.5}
+    assert by_id.text_offset == [0, len("token_id:6")]  # offsets count the names, as vLLM's
+    chat = chat_logprobs([7], rows[1:], 1, TokenText(as_token_ids=True)).content[0]
+    assert (chat.token, chat.bytes) == ("token_id:7", list(b"token_id:7"))
+    assert [top.token for top in chat.top_logprobs] == ["token_id:7"]

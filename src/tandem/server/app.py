@@ -58,6 +58,7 @@ from tandem.server.serving import (
     new_token_times,
     render_chat,
     start_jobs,
+    token_text_for,
 )
 
 logger = logging.getLogger("tandem.server")
@@ -72,6 +73,8 @@ class ServerSettings:
     max_waiting: int | None = None  # waiting requests above which new ones get a 503
     max_request_bytes: int = 32 << 20
     trust_request_chat_template: bool = False  # a request's own template runs in this process
+    response_role: str = "assistant"  # of chat replies that start a new message (vLLM's flag)
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:{id}" by default
     draining: bool = False  # set on SIGTERM: no new requests, in-flight ones finish
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -417,7 +420,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         check_capacity()
         jobs = await off_loop_if_large(request, completion_jobs, engine, body)
         check_capacity()  # again: the queue may have grown while this request was tokenized
-        shaper = CompletionShaper(body, jobs, model_name)
+        token_text = token_text_for(engine, body, settings.return_tokens_as_token_ids)
+        shaper = CompletionShaper(body, jobs, model_name, token_text)
         check_kv_transfer(body, jobs)
         streams = start_jobs(engine, jobs, body.cache_salt, body.priority, body.kv_transfer_params)
         outputs = merge_streams(streams)
@@ -436,7 +440,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         check_capacity()
         job = await off_loop_if_large(request, chat_job, engine, body)
         check_capacity()
-        shaper = ChatShaper(body, job, model_name)
+        token_text = token_text_for(engine, body, settings.return_tokens_as_token_ids)
+        shaper = ChatShaper(body, job, model_name, token_text, settings.response_role)
         check_kv_transfer(body, [job])
         streams = start_jobs(engine, [job], body.cache_salt, body.priority, body.kv_transfer_params)
         outputs = merge_streams(streams)

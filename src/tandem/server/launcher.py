@@ -75,6 +75,8 @@ async def serve(
     max_request_bytes: int,
     shutdown_timeout: float,
     trust_request_chat_template: bool = False,
+    response_role: str = "assistant",
+    return_tokens_as_token_ids: bool = False,
     log_requests: bool = True,
     client: EngineCoreClient | None = None,
 ) -> int:
@@ -92,6 +94,8 @@ async def serve(
         max_waiting=max_waiting,
         max_request_bytes=max_request_bytes,
         trust_request_chat_template=trust_request_chat_template,
+        response_role=response_role,
+        return_tokens_as_token_ids=return_tokens_as_token_ids,
     )
     app = build_app(engine, settings)
     server = _Server(

@@ -8,10 +8,10 @@ the field, which the server turns into an OpenAI-shaped 400. Nothing a client as
 silently dropped, except fields that cannot change the output (`user`, `metadata`, ...).
 
 Fields the route itself must honour (they are not sampling settings): `stream`, `stream_options`,
-`echo` and `add_special_tokens` (completions), the chat template fields (`chat_template`,
-`chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`), `cache_salt`,
-`request_id`, `return_token_ids`, and `truncate_prompt_tokens` (the prompt is cut before
-max_tokens is fitted to the room it leaves).
+`echo`, `add_special_tokens`, the chat template fields (`chat_template`, `chat_template_kwargs`,
+`add_generation_prompt`, `continue_final_message`), `cache_salt`, `request_id`,
+`return_token_ids`, `return_tokens_as_token_ids`, and `truncate_prompt_tokens` with
+`truncation_side` (the prompt is cut before max_tokens is fitted to the room it leaves).
 """
 
 from __future__ import annotations
@@ -68,8 +68,7 @@ def _not_supported(field: str, hint: str) -> PydanticCustomError:
 _UNSUPPORTED = (
     # sampling and decoding
     "logprob_token_ids", "logits_processors", "use_beam_search", "length_penalty",
-    "early_stopping", "watermarking", "return_tokens_as_token_ids", "repetition_detection",
-    "thinking_token_budget", "truncation_side",
+    "early_stopping", "watermarking", "repetition_detection", "thinking_token_budget",
     # structured outputs
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
@@ -91,7 +90,6 @@ _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "function_call": ("none",),
     "modalities": (["text"],),
     "thinking_token_budget": (-1,),
-    "truncation_side": ("left",),  # how truncate_prompt_tokens cuts anyway
 }
 
 
@@ -284,9 +282,13 @@ class _Generation(_Request):
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k; -1: max_model_len
+    # which end truncate_prompt_tokens cuts: "right" keeps the first k tokens (null: "left")
+    truncation_side: Literal["left", "right"] | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     request_id: str | None = None
     return_token_ids: bool | None = False  # token_ids / prompt_token_ids in the response
+    # logprobs' tokens as "token_id:{id}" (also the server's --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
     priority: int = 0  # lower first; needs the server's --scheduling-policy priority (vLLM's)
     # accepted, no effect on the output
     user: str | None = None
@@ -302,10 +304,8 @@ class _Generation(_Request):
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     watermarking: bool | None = None
-    return_tokens_as_token_ids: bool | None = None
     repetition_detection: dict[str, Any] | None = None
     thinking_token_budget: int | None = None
-    truncation_side: Literal["left", "right"] | None = None
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -539,8 +539,9 @@ class ChatCompletionRequest(_ChatPrompt, _Generation):
     top_logprobs: int | None = Field(0, ge=-1, le=MAX_LOGPROBS)  # alternatives; -1: all
     max_tokens: int | None = Field(None, ge=1)  # OpenAI's older name
     max_completion_tokens: int | None = Field(None, ge=1)  # wins over max_tokens
-    # vLLM: put the last message in front of the reply when it has the assistant's role;
-    # tandem does not do that yet
+    # vLLM's: the reply starts with the last message's content when that message has the
+    # reply's role (the server's --response-role, or with add_generation_prompt false the last
+    # message's own role: a continued message comes back whole)
     echo: bool = False
     # accepted, no effect on the output
     metadata: dict[str, str] | None = None
@@ -564,13 +565,6 @@ class ChatCompletionRequest(_ChatPrompt, _Generation):
     reasoning_effort: str | None = None
     include_reasoning: bool = True
     return_prompt_text: bool | None = None
-
-    @field_validator("echo")
-    @classmethod
-    def _no_chat_echo(cls, value: bool) -> bool:
-        if value:
-            raise _not_supported("echo", "omit it or send false")
-        return value
 
     @field_validator("top_logprobs")
     @classmethod

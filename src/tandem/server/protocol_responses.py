@@ -156,7 +156,9 @@ class ChatCompletionLogProbs(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    # The server's --response-role; with add_generation_prompt false, the last message's role
+    # (vLLM's rule).
+    role: str = "assistant"
     content: str | None = None
     refusal: str | None = None
 
@@ -186,7 +188,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     """What a stream chunk adds: the role on the first chunk, then text."""
 
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
 
 

@@ -7,7 +7,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from tandem.engine.async_llm import AsyncLLM, OutputKind, RequestStream
@@ -58,7 +58,12 @@ def _job(
     if not token_ids:
         raise RequestValidationError(f"`{prompt_param}` is empty after tokenizing", prompt_param)
     try:  # before max_tokens is fitted to the room the prompt leaves
-        token_ids = truncate_prompt(token_ids, request.truncate_prompt_tokens, engine.max_model_len)
+        token_ids = truncate_prompt(
+            token_ids,
+            request.truncate_prompt_tokens,
+            engine.max_model_len,
+            request.truncation_side or "left",
+        )
     except ValueError as error:
         raise RequestValidationError(str(error), "truncate_prompt_tokens") from error
     if len(token_ids) >= engine.max_model_len:  # no room for output: say by how much
@@ -228,8 +233,21 @@ class UsageCounter:
         )
 
 
-def _token_text(logprob: Logprob) -> str:
-    return logprob.decoded_token or ""
+@dataclass(frozen=True)
+class TokenText:
+    """How logprobs name tokens: their text, or "token_id:{id}" (vLLM's
+    return_tokens_as_token_ids, for clients that must know the exact token); `decode`: the text
+    of a token that has no logprob row (the first prompt token of an echo)."""
+
+    as_token_ids: bool = False
+    decode: Callable[[int], str] | None = None
+
+    def __call__(self, token_id: int, logprob: Logprob | None) -> str:
+        if self.as_token_ids:
+            return f"token_id:{token_id}"
+        if logprob is not None:
+            return logprob.decoded_token or ""
+        return "" if self.decode is None else self.decode(token_id)
 
 
 def _top(row: dict[int, Logprob], limit: int) -> list[tuple[int, Logprob]]:
@@ -238,48 +256,62 @@ def _top(row: dict[int, Logprob], limit: int) -> list[tuple[int, Logprob]]:
     )
 
 
+def token_text_for(
+    engine: AsyncLLM, request: CompletionRequest | ChatCompletionRequest, server_default: bool
+) -> TokenText:
+    """The request's return_tokens_as_token_ids, or where it leaves it null the server's."""
+    as_token_ids = request.return_tokens_as_token_ids
+    tokenizer = engine.tokenizer
+    return TokenText(
+        as_token_ids=server_default if as_token_ids is None else as_token_ids,
+        decode=None if tokenizer is None else lambda token_id: tokenizer.decode([token_id]),
+    )
+
+
 def completion_logprobs(
     token_ids: list[int],
     rows: Sequence[dict[int, Logprob] | None],
     num_top: int,
     text_offset: int,
+    token_text: TokenText,
 ) -> CompletionLogProbs:
-    """Completions-style logprobs; a None row (the first prompt token) has no logprob."""
+    """Completions-style logprobs; a None row (the first prompt token) has no logprob. Text
+    offsets count the tokens as named (as vLLM's do)."""
     result = CompletionLogProbs()
     for token_id, row in zip(token_ids, rows, strict=True):
         if row is None:
-            result.tokens.append("")
+            result.tokens.append(token_text(token_id, None))
             result.token_logprobs.append(None)
             result.top_logprobs.append(None)
         else:
             chosen = row[token_id]
-            result.tokens.append(_token_text(chosen))
+            result.tokens.append(token_text(token_id, chosen))
             result.token_logprobs.append(chosen.logprob)
-            top = {_token_text(lp): lp.logprob for _, lp in _top(row, num_top)}
-            top.setdefault(_token_text(chosen), chosen.logprob)
+            top = {token_text(t, lp): lp.logprob for t, lp in _top(row, num_top)}
+            top.setdefault(result.tokens[-1], chosen.logprob)
             result.top_logprobs.append(top)
         result.text_offset.append(text_offset)
         text_offset += len(result.tokens[-1])
     return result
 
 
-def _chat_logprob(logprob: Logprob) -> ChatCompletionLogProb:
-    text = _token_text(logprob)
+def _chat_logprob(token_id: int, logprob: Logprob, token_text: TokenText) -> ChatCompletionLogProb:
+    text = token_text(token_id, logprob)
     return ChatCompletionLogProb(
         token=text, logprob=logprob.logprob, bytes=list(text.encode("utf-8"))
     )
 
 
 def chat_logprobs(
-    token_ids: list[int], rows: Sequence[dict[int, Logprob]], num_top: int
+    token_ids: list[int], rows: Sequence[dict[int, Logprob]], num_top: int, token_text: TokenText
 ) -> ChatCompletionLogProbs:
     content = []
     for token_id, row in zip(token_ids, rows, strict=True):
-        chosen = _chat_logprob(row[token_id])
+        chosen = _chat_logprob(token_id, row[token_id], token_text)
         content.append(
             ChatCompletionLogProbsContent(
                 **chosen.model_dump(),
-                top_logprobs=[_chat_logprob(lp) for _, lp in _top(row, num_top)],
+                top_logprobs=[_chat_logprob(t, lp, token_text) for t, lp in _top(row, num_top)],
             )
         )
     return ChatCompletionLogProbs(content=content)
@@ -361,10 +393,13 @@ class _ChoiceState:
 class CompletionShaper:
     """Builds /v1/completions bodies and chunks from delta outputs."""
 
-    def __init__(self, request: CompletionRequest, jobs: list[PromptJob], model: str) -> None:
+    def __init__(
+        self, request: CompletionRequest, jobs: list[PromptJob], model: str, token_text: TokenText
+    ) -> None:
         self.request = request
         self.jobs = jobs
         self.model = model
+        self.token_text = token_text
         self.n = jobs[0].params.n
         self.response_id = request.request_id or f"cmpl-{uuid.uuid4().hex}"
         self.usage = UsageCounter(jobs)
@@ -397,7 +432,7 @@ class CompletionShaper:
         logprobs = None
         if rows is not None and self.request.logprobs is not None:
             logprobs = completion_logprobs(
-                token_ids, rows, self.request.logprobs, state.text_length
+                token_ids, rows, self.request.logprobs, state.text_length, self.token_text
             )
         state.text_length += len(text)
         return text, logprobs
@@ -490,10 +525,23 @@ class CompletionShaper:
 class ChatShaper:
     """Builds /v1/chat/completions bodies and chunks from delta outputs."""
 
-    def __init__(self, request: ChatCompletionRequest, job: PromptJob, model: str) -> None:
+    def __init__(
+        self,
+        request: ChatCompletionRequest,
+        job: PromptJob,
+        model: str,
+        token_text: TokenText,
+        response_role: str = "assistant",
+    ) -> None:
         self.request = request
         self.job = job
         self.model = model
+        self.token_text = token_text
+        # vLLM's rule: a new message has the server's role; a continued one keeps its own.
+        last = request.messages[-1]
+        self.role = response_role if request.add_generation_prompt else last.role
+        # echo: the reply starts with the last message's text when that message has its role
+        self.echo = last.text if request.echo and last.role == self.role else ""
         self.response_id = request.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         self.usage = UsageCounter([job])
         self.num_top = request.top_logprobs or 0
@@ -506,14 +554,16 @@ class ChatShaper:
     def _logprobs(self, completion: CompletionOutput) -> ChatCompletionLogProbs | None:
         if not self.request.logprobs or completion.logprobs is None:
             return None
-        return chat_logprobs(completion.token_ids, completion.logprobs, self.num_top)
+        return chat_logprobs(
+            completion.token_ids, completion.logprobs, self.num_top, self.token_text
+        )
 
     def response(self, output: RequestOutput) -> ChatCompletionResponse:
         self.usage.add(0, output)
         choices = [
             ChatCompletionResponseChoice(
                 index=completion.index,
-                message=ChatMessage(content=completion.text),
+                message=ChatMessage(role=self.role, content=self.echo + completion.text),
                 logprobs=self._logprobs(completion),
                 finish_reason=completion.finish_reason,
                 stop_reason=completion.stop_reason,
@@ -532,10 +582,11 @@ class ChatShaper:
         )
 
     def opening_chunks(self) -> list[ChatCompletionStreamResponse]:
-        """OpenAI streams open each choice with the assistant role and empty content."""
+        """OpenAI streams open each choice with the role and empty content; with echo, a chunk
+        per choice with the echoed text follows (as vLLM sends it)."""
         choices = [
             ChatCompletionResponseStreamChoice(
-                index=index, delta=DeltaMessage(role="assistant", content="")
+                index=index, delta=DeltaMessage(role=self.role, content="")
             )
             for index in range(self.job.params.n)
         ]
@@ -545,7 +596,19 @@ class ChatShaper:
             choices=choices,
             prompt_token_ids=self.job.token_ids if self.request.return_token_ids else None,
         )
-        return [opening]
+        echoes = [
+            ChatCompletionStreamResponse(
+                id=self.response_id,
+                model=self.model,
+                choices=[
+                    ChatCompletionResponseStreamChoice(
+                        index=index, delta=DeltaMessage(content=self.echo)
+                    )
+                ],
+            )
+            for index in range(self.job.params.n if self.echo else 0)
+        ]
+        return [opening, *echoes]
 
     def chunk(
         self, prompt_index: int, output: RequestOutput
