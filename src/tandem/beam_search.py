@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
-from tandem.outputs import Logprob
+from tandem.outputs import Logprob, RequestOutput
 from tandem.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -88,6 +88,91 @@ class _Instance:
     completed: list[BeamSearchSequence] = field(default_factory=list)
 
 
+class BeamSearch:
+    """One search over a batch of prompts, driven a step at a time by an engine, offline
+    (run_beam_search) or async (AsyncLLM.beam_search): `live()` says which beams to extend (one
+    engine request each: the beam's tokens as its prompt, `step_params`), `extend()` takes each
+    one's logprob row of the new token, `results()` ranks the beams at the end."""
+
+    def __init__(
+        self,
+        prompts: Sequence[list[int]],
+        params: BeamSearchParams,
+        eos_token_id: int | None,
+        max_model_len: int,
+    ) -> None:
+        self.params = params
+        self.eos = None if params.ignore_eos else eos_token_id
+        self.max_model_len = max_model_len
+        self.step_params = SamplingParams(
+            logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature
+        )
+        self.num_steps = 0
+        self._instances = [_Instance([BeamSearchSequence(list(p))]) for p in prompts]
+
+    def score(self, beam: BeamSearchSequence) -> float:
+        return beam_search_score(
+            beam.tokens, beam.cum_logprob, self.eos, self.params.length_penalty
+        )
+
+    def live(self) -> list[tuple[_Instance, BeamSearchSequence]]:
+        """The beams to extend next (none once max_tokens steps have run). A beam that fills the
+        context cannot grow: it is done."""
+        if self.num_steps >= self.params.max_tokens:
+            return []
+        for instance in self._instances:
+            instance.completed += [b for b in instance.beams if len(b.tokens) >= self.max_model_len]
+            instance.beams = [b for b in instance.beams if len(b.tokens) < self.max_model_len]
+        return [(instance, beam) for instance in self._instances for beam in instance.beams]
+
+    def extend(
+        self,
+        live: list[tuple[_Instance, BeamSearchSequence]],
+        rows: Sequence[dict[int, Logprob] | None],
+    ) -> None:
+        """Each live beam's logprob row of its next token: every candidate extends it (an EOS
+        ends the child), and each prompt keeps its beam_width best children."""
+        self.num_steps += 1
+        for instance in self._instances:
+            instance.beams = []
+        grown: dict[int, list[BeamSearchSequence]] = {}
+        for (instance, beam), row in zip(live, rows, strict=True):
+            for token_id, logprob in (row or {}).items():
+                child = BeamSearchSequence(
+                    [*beam.tokens, token_id],
+                    [*beam.logprobs, row],
+                    beam.cum_logprob + logprob.logprob,
+                )
+                if token_id == self.eos:
+                    instance.completed.append(child)
+                else:
+                    grown.setdefault(id(instance), []).append(child)
+        for instance in self._instances:
+            candidates = sorted(grown.get(id(instance), []), key=self.score, reverse=True)
+            instance.beams = candidates[: self.params.beam_width]
+
+    def results(self) -> list[list[BeamSearchSequence]]:
+        """Per prompt, the beam_width best beams (finished and live ranked together), best
+        first, their finish_reason set; their text is the caller's (offline it includes the
+        prompt, served it does not)."""
+        results = []
+        for instance in self._instances:
+            ranked = sorted(
+                itertools.chain(instance.completed, instance.beams), key=self.score, reverse=True
+            )
+            best = ranked[: self.params.beam_width]
+            for beam in best:
+                ended = self.eos is not None and beam.logprobs and beam.tokens[-1] == self.eos
+                beam.finish_reason = "stop" if ended else "length"
+            results.append(best)
+        return results
+
+
+def first_row(output: RequestOutput) -> dict[int, Logprob] | None:
+    """The logprob row of a one-token step's token (None where it has none)."""
+    return (output.outputs[0].logprobs or [None])[0]
+
+
 def run_beam_search(
     llm: LLM,
     prompts: Sequence[list[int]],
@@ -97,60 +182,29 @@ def run_beam_search(
 ) -> list[BeamSearchOutput]:
     """Beam search for each prompt's token ids; prompts are validated first (like generate)."""
     engine = llm.llm_engine
-    eos = None if params.ignore_eos else engine.processor.eos_token_id
-    max_model_len = engine.max_model_len
-
-    def score(beam: BeamSearchSequence) -> float:
-        return beam_search_score(beam.tokens, beam.cum_logprob, eos, params.length_penalty)
-
-    step_params = SamplingParams(
-        logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature
-    )
-    llm.config.check_logprobs(step_params)  # fail before anything runs
-    instances = [_Instance([BeamSearchSequence(list(p))]) for p in prompts]
     if concurrency_limit is not None and concurrency_limit < 1:
         raise ValueError(f"concurrency_limit must be >= 1 or None, got {concurrency_limit}")
-    limit = concurrency_limit or max(1, len(instances))
-    for start in range(0, len(instances), limit):
-        batch = instances[start : start + limit]
+    limit = concurrency_limit or max(1, len(prompts))
+    tokenizer = llm.get_tokenizer()
+    results = []
+    for start in range(0, len(prompts), limit):
+        search = BeamSearch(
+            prompts[start : start + limit], params, engine.processor.eos_token_id,
+            engine.max_model_len,
+        )  # fmt: skip
+        llm.config.check_logprobs(search.step_params)  # fail before anything runs
         steps = range(params.max_tokens)
         for _ in tqdm(steps, desc="Beam search", unit="token", disable=not use_tqdm):
-            for instance in batch:  # a beam that fills the context cannot grow: it is done
-                instance.completed += [b for b in instance.beams if len(b.tokens) >= max_model_len]
-                instance.beams = [b for b in instance.beams if len(b.tokens) < max_model_len]
-            live = [(instance, beam) for instance in batch for beam in instance.beams]
+            live = search.live()
             if not live:
                 break
             outputs = llm.generate(
-                [{"prompt_token_ids": beam.tokens} for _, beam in live], step_params,
+                [{"prompt_token_ids": beam.tokens} for _, beam in live], search.step_params,
                 use_tqdm=False,
             )  # fmt: skip
-            for instance in batch:
-                instance.beams = []
-            grown: dict[int, list[BeamSearchSequence]] = {}
-            for (instance, beam), output in zip(live, outputs, strict=True):
-                row = (output.outputs[0].logprobs or [None])[0]
-                for token_id, logprob in (row or {}).items():
-                    child = BeamSearchSequence(
-                        [*beam.tokens, token_id],
-                        [*beam.logprobs, row],
-                        beam.cum_logprob + logprob.logprob,
-                    )
-                    if token_id == eos:
-                        instance.completed.append(child)
-                    else:
-                        grown.setdefault(id(instance), []).append(child)
-            for instance in batch:
-                candidates = sorted(grown.get(id(instance), []), key=score, reverse=True)
-                instance.beams = candidates[: params.beam_width]
-    return [_finish(instance, params, eos, score, llm.get_tokenizer()) for instance in instances]
-
-
-def _finish(instance: _Instance, params, eos, score, tokenizer) -> BeamSearchOutput:
-    ranked = sorted(itertools.chain(instance.completed, instance.beams), key=score, reverse=True)
-    best = ranked[: params.beam_width]
-    for beam in best:
-        ended = eos is not None and beam.logprobs and beam.tokens[-1] == eos
-        beam.finish_reason = "stop" if ended else "length"
-        beam.text = None if tokenizer is None else tokenizer.decode(beam.tokens)
-    return BeamSearchOutput(best)
+            search.extend(live, [first_row(output) for output in outputs])
+        for best in search.results():
+            for beam in best:
+                beam.text = None if tokenizer is None else tokenizer.decode(beam.tokens)
+            results.append(BeamSearchOutput(best))
+    return results

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 
 import httpx
 import pytest
@@ -157,3 +158,24 @@ def test_non_streaming_clients_that_disconnect(default_server: ServerProcess):
     assert all(isinstance(result, httpx.TimeoutException) for result in results), results
     after = wait_until_idle(default_server.url, timeout=20)
     assert _aborts(after) - _aborts(before) == 4
+
+
+def test_beam_search_clients_that_disconnect(default_server: ServerProcess):
+    """A beam search runs a request per beam per step: a client that goes away (streaming or
+    not) stops the search at once; it does not run on to max_tokens."""
+    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 1000, "n": 3,
+            "ignore_eos": True, "use_beam_search": True}  # fmt: skip
+
+    async def run() -> list:
+        async with httpx.AsyncClient(base_url=default_server.url, timeout=3) as client:
+            plain = client.post("/v1/completions", json=body)
+            streamed = client.post("/v1/completions", json={**body, "stream": True})
+            return await asyncio.gather(plain, streamed, return_exceptions=True)
+
+    results = asyncio.run(run())
+    assert all(isinstance(result, httpx.TimeoutException) for result in results), results
+    # Every step of a search finishes a request per beam: once idle, none may finish any more
+    # (between two steps the engine is idle for a moment too).
+    finished = _finished(wait_until_idle(default_server.url, timeout=20))
+    time.sleep(2)
+    assert _finished(wait_until_idle(default_server.url, timeout=20)) == finished

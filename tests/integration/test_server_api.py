@@ -377,6 +377,62 @@ def test_chat_echo_returns_the_continued_message_whole(client, offline_llm):
     assert text == start + reference.outputs[0].text
 
 
+def _beam_text(tokenizer, beam, num_prompt: int) -> str:
+    generated = beam.tokens[num_prompt:]
+    if beam.finish_reason == "stop":
+        generated = generated[:-1]  # the EOS that ended it is not text
+    return tokenizer.decode(generated, skip_special_tokens=True)
+
+
+def test_beam_search_equals_offline(client, offline_llm):
+    """vLLM's use_beam_search: the n best beams, best first, as the offline LLM.beam_search
+    finds them for the same prompt tokens (completions, chat, streamed)."""
+    tokenizer = offline_llm.get_tokenizer()
+    settings = dict(
+        model=MODEL, max_tokens=6, temperature=0, n=2,
+        extra_body={"use_beam_search": True, "length_penalty": 0.5, "return_token_ids": True},
+    )  # fmt: skip
+    params = tandem.BeamSearchParams(beam_width=2, max_tokens=6, length_penalty=0.5)
+    for route in ("completions", "chat"):
+        if route == "completions":
+            response = client.completions.create(prompt=PROMPT, **settings)
+            prompt_ids = response.choices[0].model_extra["prompt_token_ids"]
+            texts = [choice.text for choice in response.choices]
+        else:
+            response = client.chat.completions.create(messages=CHAT, **settings)
+            prompt_ids = response.model_extra["prompt_token_ids"]
+            texts = [choice.message.content for choice in response.choices]
+        [reference] = offline_llm.beam_search([{"prompt_token_ids": prompt_ids}], params)
+        beams = reference.sequences
+        assert [c.index for c in response.choices] == [0, 1]
+        assert [token_ids_of(c) for c in response.choices] == [
+            b.tokens[len(prompt_ids) :] for b in beams
+        ], route
+        assert texts == [_beam_text(tokenizer, b, len(prompt_ids)) for b in beams]
+        assert [c.finish_reason for c in response.choices] == [b.finish_reason for b in beams]
+        generated = sum(len(token_ids_of(choice)) for choice in response.choices)
+        assert response.usage.completion_tokens == generated
+    stream = client.completions.create(prompt=PROMPT, stream=True, **settings)
+    streamed = ["", ""]
+    for chunk in stream:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    first = client.completions.create(prompt=PROMPT, **settings)
+    assert streamed == [choice.text for choice in first.choices]
+
+
+def test_beam_search_refuses_what_it_cannot_honour(http):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "use_beam_search": True}
+    for field, value in (("top_p", 0.5), ("seed", 1), ("stop", ["."]), ("min_tokens", 2)):
+        response = http.post("/v1/completions", json={**body, field: value})
+        assert response.status_code == 400, field
+        error = response.json()["error"]
+        assert error["param"] == field and "does not apply to beam search" in error["message"]
+    # values that ask for nothing are fine
+    response = http.post("/v1/completions", json={**body, "top_p": 1.0, "stop": []})
+    assert response.status_code == 200
+
+
 def test_response_role_and_token_ids_as_names_by_flag(server_factory):
     """vLLM's server flags: --response-role names new chat replies; with
     --return-tokens-as-token-ids logprobs name tokens by id unless a request says false."""

@@ -13,6 +13,7 @@ import pytest
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from tandem.outputs import Logprob
+from tandem.sampling_params import SamplingParams
 from tandem.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -318,8 +319,6 @@ def test_unknown_fields_are_rejected(model: type[BaseModel], body: dict, loc: tu
 UNSUPPORTED_COMMON = [
     ("logprob_token_ids", [3]),
     ("logits_processors", ["my.module.Processor"]),
-    ("use_beam_search", True),
-    ("length_penalty", 0.5),
     ("early_stopping", True),
     ("best_of", 3),
     ("response_format", {"type": "json_object"}),
@@ -437,6 +436,24 @@ def test_truncation_side_and_token_ids_as_logprob_tokens_are_served() -> None:
     assert rejection(CompletionRequest, {"prompt": "x", "truncation_side": "middle"})["loc"] == (
         "truncation_side",
     )
+
+
+def test_beam_search_settings_and_what_it_refuses() -> None:
+    """use_beam_search takes vLLM's settings (n beams, length_penalty, ignore_eos, the fitted
+    max_tokens and temperature); a field it cannot honour is a 400 naming it, unless its
+    value asks for nothing."""
+    request = completion(use_beam_search=True, n=3, length_penalty=0.5, ignore_eos=True)
+    params = request.beam_search_params(SamplingParams(n=3, max_tokens=7, temperature=0.0))
+    assert (params.beam_width, params.max_tokens, params.temperature) == (3, 7, 0.0)
+    assert (params.length_penalty, params.ignore_eos) == (0.5, True)
+    for field, value in (("top_p", 0.9), ("top_k", 5), ("seed", 0), ("stop", "x"),
+                         ("stop_token_ids", [3]), ("repetition_penalty", 1.2),
+                         ("logit_bias", {"3": 1.0}), ("min_tokens", 1)):  # fmt: skip
+        with pytest.raises(RequestValidationError, match="does not apply to beam search") as info:
+            completion(use_beam_search=True, **{field: value}).beam_search_params(SamplingParams())
+        assert info.value.param == field
+    quiet = completion(use_beam_search=True, top_p=1.0, top_k=-1, stop=[], min_p=0)
+    assert quiet.beam_search_params(SamplingParams()).beam_width == 1
 
 
 def test_best_of_equal_to_n_is_accepted() -> None:

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Sequence
 
+from tandem.beam_search import BeamSearch, BeamSearchParams, BeamSearchSequence, first_row
 from tandem.engine.config import EngineConfig
 from tandem.engine.core_client import EngineCoreClient, EngineDeadError
 from tandem.engine.messages import (
@@ -33,6 +34,15 @@ from tandem.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncLLM", "EngineDeadError", "OutputKind", "RequestRefusedError"]
+
+
+async def _last_output(stream: RequestStream) -> RequestOutput:
+    last = None
+    async for output in stream:
+        last = output
+    if last is None:
+        raise EngineDeadError(f"request {stream.request_id} ended without an output")
+    return last
 
 
 class RequestRefusedError(ValueError):
@@ -318,6 +328,40 @@ class AsyncLLM:
                 yield output
         finally:
             await stream.aclose()
+
+    async def beam_search(
+        self,
+        prompt_token_ids: list[int],
+        params: BeamSearchParams,
+        request_id: str,
+        *,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> list[BeamSearchSequence]:
+        """vLLM's beam search behind the server (as its EngineClient.beam_search): each step
+        queues every live beam as a one-token request (ids `request_id`-step-beam; the prefix
+        cache makes the repeated prompts cheap) and waits for them all. The best beams, best
+        first, with their tokens (the prompt's included). Cancelling it aborts the step's
+        requests. Raises ValueError for a search the server cannot run."""
+        search = BeamSearch([prompt_token_ids], params, self.eos_token_id, self.max_model_len)
+        self.config.check_logprobs(search.step_params)
+        while live := search.live():
+            streams: list[RequestStream] = []
+            try:
+                for index, (_, beam) in enumerate(live):
+                    beam_id = f"{request_id}-{search.num_steps}-{index}"
+                    stream = self.add_request(
+                        beam.tokens, search.step_params, beam_id,
+                        output_kind=OutputKind.FINAL_ONLY, cache_salt=cache_salt,
+                        priority=priority,
+                    )  # fmt: skip
+                    streams.append(stream)
+                outputs = await asyncio.gather(*(_last_output(stream) for stream in streams))
+            finally:
+                for stream in streams:
+                    stream.cancel()
+            search.extend(live, [first_row(output) for output in outputs])
+        return search.results()[0]
 
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)

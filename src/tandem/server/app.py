@@ -48,6 +48,7 @@ from tandem.server.protocol_responses import (
     error_body,
 )
 from tandem.server.serving import (
+    BeamSearches,
     ChatShaper,
     CompletionShaper,
     PromptJob,
@@ -199,7 +200,7 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
 
 async def _sse_stream(
     request: Request,
-    streams: list[RequestStream],
+    streams: list[RequestStream] | list[BeamSearches],
     outputs: AsyncIterator[tuple[int, RequestOutput]],
     shaper: CompletionShaper | ChatShaper,
     stats: PrometheusStatLogger | None,
@@ -342,6 +343,19 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
                 param="priority",
             )
 
+    def start(
+        body: CompletionRequest | ChatCompletionRequest, jobs: list[PromptJob]
+    ) -> tuple[list[RequestStream] | list[BeamSearches], AsyncIterator[tuple[int, RequestOutput]]]:
+        """Queue the request's prompts (or start their beam searches): what the disconnect
+        watcher cancels, and the (prompt index, delta output) pairs the shaper takes."""
+        if body.use_beam_search:
+            params = body.beam_search_params(jobs[0].params)
+            searches = BeamSearches(engine, jobs, params, body.cache_salt, body.priority)
+            return [searches], searches.outputs()
+        check_kv_transfer(body, jobs)
+        streams = start_jobs(engine, jobs, body.cache_salt, body.priority, body.kv_transfer_params)
+        return streams, merge_streams(streams)
+
     def check_kv_transfer(
         body: CompletionRequest | ChatCompletionRequest, jobs: list[PromptJob]
     ) -> None:
@@ -422,9 +436,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         check_capacity()  # again: the queue may have grown while this request was tokenized
         token_text = token_text_for(engine, body, settings.return_tokens_as_token_ids)
         shaper = CompletionShaper(body, jobs, model_name, token_text)
-        check_kv_transfer(body, jobs)
-        streams = start_jobs(engine, jobs, body.cache_salt, body.priority, body.kv_transfer_params)
-        outputs = merge_streams(streams)
+        streams, outputs = start(body, jobs)
         if body.stream:
             return StreamingResponse(
                 _sse_stream(request, streams, outputs, shaper, stats),
@@ -442,9 +454,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         check_capacity()
         token_text = token_text_for(engine, body, settings.return_tokens_as_token_ids)
         shaper = ChatShaper(body, job, model_name, token_text, settings.response_role)
-        check_kv_transfer(body, [job])
-        streams = start_jobs(engine, [job], body.cache_salt, body.priority, body.kv_transfer_params)
-        outputs = merge_streams(streams)
+        streams, outputs = start(body, [job])
         if body.stream:
             return StreamingResponse(
                 _sse_stream(request, streams, outputs, shaper, stats),

@@ -31,6 +31,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from tandem.beam_search import BeamSearchParams
 from tandem.sampling_params import SamplingParams
 
 # OpenAI's documented limits; vLLM's default max_logprobs is the same 20. vLLM takes -1 (the
@@ -67,8 +68,8 @@ def _not_supported(field: str, hint: str) -> PydanticCustomError:
 # fmt: off
 _UNSUPPORTED = (
     # sampling and decoding
-    "logprob_token_ids", "logits_processors", "use_beam_search", "length_penalty",
-    "early_stopping", "watermarking", "repetition_detection", "thinking_token_budget",
+    "logprob_token_ids", "logits_processors", "early_stopping", "watermarking",
+    "repetition_detection", "thinking_token_budget",
     # structured outputs
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
@@ -290,6 +291,9 @@ class _Generation(_Request):
     # logprobs' tokens as "token_id:{id}" (also the server's --return-tokens-as-token-ids)
     return_tokens_as_token_ids: bool | None = None
     priority: int = 0  # lower first; needs the server's --scheduling-policy priority (vLLM's)
+    # vLLM's beam search: the n best of n beams; score = cum logprob / length ** length_penalty
+    use_beam_search: bool = False
+    length_penalty: float = Field(1.0, allow_inf_nan=False)
     # accepted, no effect on the output
     user: str | None = None
     session_id: str | None = None
@@ -300,8 +304,6 @@ class _Generation(_Request):
     # accepted so that asking for them is a clear error (see _UNSUPPORTED)
     logprob_token_ids: list[TokenId] | None = None
     logits_processors: list[Any] | None = None
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
     early_stopping: bool | str = False
     watermarking: bool | None = None
     repetition_detection: dict[str, Any] | None = None
@@ -446,6 +448,38 @@ class _Generation(_Request):
             param = renames.get(name, name) if name in kwargs else None
             raise RequestValidationError(str(exc), param=param) from exc
 
+    def beam_search_params(self, sampling_params: SamplingParams) -> BeamSearchParams:
+        """use_beam_search's settings, as vLLM's to_beam_search_params makes them (beam width
+        n; max_tokens and temperature as `sampling_params` fitted them). What beam search
+        cannot honour is refused, naming the field: it ranks beams by their logprobs, so no
+        sampling filter, penalty, seed or stop condition but EOS applies."""
+        for name, no_ops in _NOT_WITH_BEAM_SEARCH.items():
+            value = getattr(self, name, None)
+            empty = isinstance(value, (str, list, dict)) and not value
+            if not (value is None or empty or value in no_ops):
+                raise RequestValidationError(
+                    f"`{name}` does not apply to beam search (use_beam_search ranks beams by "
+                    "their logprobs and ends them at EOS or max_tokens); omit it",
+                    param=name,
+                )
+        return BeamSearchParams(
+            beam_width=sampling_params.n,
+            max_tokens=sampling_params.max_tokens or 1,
+            ignore_eos=self.ignore_eos,
+            temperature=sampling_params.temperature,
+            length_penalty=self.length_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+
+# Request fields beam search cannot honour -> their values that ask for nothing (null and empty
+# ones never do).
+_NOT_WITH_BEAM_SEARCH: dict[str, tuple[Any, ...]] = {
+    "top_p": (1.0,), "top_k": (0, -1), "min_p": (0.0,), "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "seed": (), "stop": (),
+    "stop_token_ids": (), "min_tokens": (0,), "logit_bias": (), "allowed_token_ids": (),
+    "bad_words": (), "prompt_logprobs": (), "kv_transfer_params": (),
+}  # fmt: skip
 
 # Prompts as OpenAI takes them: one text, several texts, one token list, or several token lists.
 PromptInput = str | list[str] | list[TokenId] | list[list[TokenId]]

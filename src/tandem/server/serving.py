@@ -10,8 +10,9 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
+from tandem.beam_search import BeamSearchParams, BeamSearchSequence
 from tandem.engine.async_llm import AsyncLLM, OutputKind, RequestStream
-from tandem.outputs import CompletionOutput, Logprob, RequestOutput
+from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tandem.sampling_params import SamplingParams, truncate_prompt
 from tandem.server.protocol import (
     ChatCompletionRequest,
@@ -196,6 +197,76 @@ async def merge_streams(
             future.cancel()
         for stream in streams:
             stream.cancel()
+
+
+class BeamSearches:
+    """A request's beam searches (use_beam_search), one task per prompt
+    (AsyncLLM.beam_search), with their outputs in the shape of a request's streams: one
+    finished RequestOutput per prompt whose choices are its best beams, best first. `cancel`
+    aborts them, as it does a stream (the server calls it when the client goes away)."""
+
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        jobs: Sequence[PromptJob],
+        params: BeamSearchParams,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> None:
+        self.engine = engine
+        self.jobs = jobs
+        base_id = uuid.uuid4().hex
+        self.request_ids = [f"{base_id}-{index}" for index in range(len(jobs))]
+        self.tasks = [
+            asyncio.ensure_future(
+                engine.beam_search(
+                    job.token_ids, params, request_id, cache_salt=cache_salt, priority=priority
+                )
+            )
+            for job, request_id in zip(jobs, self.request_ids, strict=True)
+        ]
+        self.arrival_time = time.monotonic()
+
+    def cancel(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, its output) as each search ends; closing it early cancels the rest."""
+        index_of = {task: index for index, task in enumerate(self.tasks)}
+        pending = set(self.tasks)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task.cancelled():
+                        return
+                    yield index_of[task], self._output(index_of[task], task.result())
+        finally:
+            self.cancel()
+
+    def _output(self, prompt_index: int, beams: list[BeamSearchSequence]) -> RequestOutput:
+        """The beams as choices: the generated tokens (a final EOS's included), their text
+        without that EOS (as vLLM's server gives it), cumulative logprob and logprob rows."""
+        job = self.jobs[prompt_index]
+        num_prompt = len(job.token_ids)
+        tokenizer = self.engine.tokenizer
+        completions = []
+        for index, beam in enumerate(beams):
+            token_ids = beam.tokens[num_prompt:]
+            shown = token_ids[:-1] if beam.finish_reason == "stop" else token_ids
+            text = ""
+            if tokenizer is not None:
+                text = tokenizer.decode(shown, skip_special_tokens=job.params.skip_special_tokens)
+            rows = beam.logprobs or None
+            completion = CompletionOutput(
+                index, text, token_ids, beam.cum_logprob, rows, beam.finish_reason
+            )
+            completions.append(completion)
+        metrics = RequestMetrics(self.arrival_time, finished_time=time.monotonic())
+        return RequestOutput(
+            self.request_ids[prompt_index], job.text, job.token_ids, completions, True, metrics
+        )
 
 
 def new_token_times(output: RequestOutput) -> list[float]:
