@@ -628,6 +628,29 @@ def test_models(client, offline_llm):
     assert models[0].model_extra["max_model_len"] == offline_llm.config.scheduler.max_model_len
 
 
+def test_chat_documents_reach_the_template(http, offline_llm):
+    """vLLM's `documents` (for templates that render them, as RAG models' do), in /tokenize
+    and the chat route alike; chat_template_kwargs may still override them."""
+    template = (
+        "{% for d in documents %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    documents = [{"title": "Paris", "text": "the capital of France"}]
+    body = {"messages": CHAT, "chat_template": template, "documents": documents}
+    tokens = http.post("/tokenize", json=body).json()["tokens"]
+    expected = "[Paris: the capital of France]" + CHAT[0]["content"]
+    tokenizer = offline_llm.get_tokenizer()
+    assert tokens == tokenizer(expected, add_special_tokens=False).input_ids
+    response = http.post(
+        "/v1/chat/completions",
+        json={**body, "model": MODEL, "max_tokens": 1, "return_token_ids": True},
+    )
+    assert response.json()["prompt_token_ids"] == tokens
+    overridden = {**body, "chat_template_kwargs": {"documents": []}}
+    tokens = http.post("/tokenize", json=overridden).json()["tokens"]
+    assert tokens == tokenizer(CHAT[0]["content"], add_special_tokens=False).input_ids
+
+
 def test_tokenize_detokenize_version_health(http, offline_llm):
     tokenizer = offline_llm.get_tokenizer()
     body = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()

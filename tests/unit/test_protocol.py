@@ -339,7 +339,6 @@ UNSUPPORTED_CHAT = [
     ("function_call", "auto"),
     ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]),
-    ("documents", [{"title": "t", "text": "x"}]),
     ("include_reasoning", False),
     ("reasoning_effort", "low"),
     ("verbosity", "low"),
@@ -454,6 +453,12 @@ def test_beam_search_settings_and_what_it_refuses() -> None:
         assert info.value.param == field
     quiet = completion(use_beam_search=True, top_p=1.0, top_k=-1, stop=[], min_p=0)
     assert quiet.beam_search_params(SamplingParams()).beam_width == 1
+    # each step asks for 2 * n logprobs, held to the server's max_logprobs
+    wide = completion(use_beam_search=True, n=11)
+    with pytest.raises(RequestValidationError, match=r"n <= 10, or start the server") as info:
+        wide.beam_search_params(SamplingParams(n=11), max_logprobs=20)
+    assert info.value.param == "n"
+    assert wide.beam_search_params(SamplingParams(n=11), max_logprobs=-1).beam_width == 11
 
 
 def test_best_of_equal_to_n_is_accepted() -> None:

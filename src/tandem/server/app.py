@@ -349,7 +349,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         """Queue the request's prompts (or start their beam searches): what the disconnect
         watcher cancels, and the (prompt index, delta output) pairs the shaper takes."""
         if body.use_beam_search:
-            params = body.beam_search_params(jobs[0].params)
+            params = body.beam_search_params(jobs[0].params, engine.config.max_logprobs)
             searches = BeamSearches(engine, jobs, params, body.cache_salt, body.priority)
             return [searches], searches.outputs()
         check_kv_transfer(body, jobs)

@@ -9,7 +9,7 @@ silently dropped, except fields that cannot change the output (`user`, `metadata
 
 Fields the route itself must honour (they are not sampling settings): `stream`, `stream_options`,
 `echo`, `add_special_tokens`, the chat template fields (`chat_template`, `chat_template_kwargs`,
-`add_generation_prompt`, `continue_final_message`), `cache_salt`, `request_id`,
+`add_generation_prompt`, `continue_final_message`, `documents`), `cache_salt`, `request_id`,
 `return_token_ids`, `return_tokens_as_token_ids`, and `truncate_prompt_tokens` with
 `truncation_side` (the prompt is cut before max_tokens is fitted to the room it leaves).
 """
@@ -80,7 +80,7 @@ _UNSUPPORTED = (
     # chat: tools, media, reasoning, OpenAI-hosted features
     "tools", "tool_choice", "functions", "function_call", "tool_calls", "audio", "refusal",
     "modalities", "moderation", "web_search_options", "verbosity", "reasoning_effort",
-    "include_reasoning", "documents", "mm_processor_kwargs", "media_io_kwargs",
+    "include_reasoning", "mm_processor_kwargs", "media_io_kwargs",
     "return_prompt_text",
 )
 # fmt: on
@@ -172,7 +172,7 @@ class _ChatPrompt(_Request):
     add_special_tokens: bool = False  # on top of what the template adds
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    documents: list[dict[str, str]] | None = None
+    documents: list[dict[str, str]] | None = None  # for templates that render them (RAG)
     tools: list[dict[str, Any]] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
     media_io_kwargs: dict[str, Any] | None = None
@@ -448,11 +448,22 @@ class _Generation(_Request):
             param = renames.get(name, name) if name in kwargs else None
             raise RequestValidationError(str(exc), param=param) from exc
 
-    def beam_search_params(self, sampling_params: SamplingParams) -> BeamSearchParams:
+    def beam_search_params(
+        self, sampling_params: SamplingParams, max_logprobs: int = MAX_LOGPROBS
+    ) -> BeamSearchParams:
         """use_beam_search's settings, as vLLM's to_beam_search_params makes them (beam width
         n; max_tokens and temperature as `sampling_params` fitted them). What beam search
         cannot honour is refused, naming the field: it ranks beams by their logprobs, so no
-        sampling filter, penalty, seed or stop condition but EOS applies."""
+        sampling filter, penalty, seed or stop condition but EOS applies. Each step asks for
+        2 * n logprobs, held to the server's `max_logprobs` (-1: no limit)."""
+        width = sampling_params.n
+        if -1 < max_logprobs < 2 * width:
+            raise RequestValidationError(
+                f"use_beam_search with n={width} asks for 2 * n = {2 * width} logprobs a step, "
+                f"more than this server's max_logprobs of {max_logprobs}: ask for n <= "
+                f"{max_logprobs // 2}, or start the server with a larger --max-logprobs",
+                param="n",
+            )
         for name, no_ops in _NOT_WITH_BEAM_SEARCH.items():
             value = getattr(self, name, None)
             empty = isinstance(value, (str, list, dict)) and not value
@@ -463,7 +474,7 @@ class _Generation(_Request):
                     param=name,
                 )
         return BeamSearchParams(
-            beam_width=sampling_params.n,
+            beam_width=width,
             max_tokens=sampling_params.max_tokens or 1,
             ignore_eos=self.ignore_eos,
             temperature=sampling_params.temperature,

@@ -124,7 +124,8 @@ def render_chat(engine: AsyncLLM, request: ChatCompletionRequest | TokenizeChatR
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             chat_template=request.chat_template,
-            **(request.chat_template_kwargs or {}),
+            # the request's template kwargs win, as in vLLM
+            **{"documents": request.documents, **(request.chat_template_kwargs or {})},
         )
     except Exception as error:
         raise RequestValidationError(
