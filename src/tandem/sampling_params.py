@@ -197,6 +197,9 @@ class SamplingParams:
     # Keep only the last k prompt tokens (-1: the last max_model_len); see truncate_prompt.
     truncate_prompt_tokens: int | None = None
     logprobs_mode: str = "raw_logprobs"  # one of LOGPROBS_MODES; vLLM has it engine-wide
+    # vLLM's: with logprobs, each output token's logprobs give these tokens (and the sampled
+    # one), each with its rank, in place of the top-N (scoring a fixed set of labels).
+    logprob_token_ids: list[int] | None = None
     # vLLM v1 refuses these two; they exist so the refusal says why instead of a TypeError.
     best_of: int | None = None  # must be None or equal n
     logits_processors: list[Any] | None = None  # must be None or empty
@@ -218,6 +221,9 @@ class SamplingParams:
         self.stop_token_ids = list(dict.fromkeys(_token_id_list("stop_token_ids", ids)))
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _token_id_list("allowed_token_ids", self.allowed_token_ids)
+        if self.logprob_token_ids is not None:
+            ids = _token_id_list("logprob_token_ids", self.logprob_token_ids)
+            self.logprob_token_ids = list(dict.fromkeys(ids)) or None  # []: the top-N, as None
         if self.logit_bias is not None:
             self.logit_bias = _logit_bias(self.logit_bias)
         if self.seed == -1 and _is_int(self.seed):
@@ -261,6 +267,11 @@ class SamplingParams:
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError(
                 "allowed_token_ids must hold at least one token id (None allows every token)"
+            )
+        if self.logprob_token_ids and self.logprobs is None:
+            raise ValueError(
+                "logprob_token_ids gives the logprobs of those tokens, which needs logprobs set "
+                "(any count: the ids replace the top-N)"
             )
 
     def _validate_flags(self) -> None:
@@ -319,6 +330,7 @@ class SamplingParams:
         fields_ids = {
             "logit_bias": list(self.logit_bias or ()),
             "allowed_token_ids": self.allowed_token_ids or [],
+            "logprob_token_ids": self.logprob_token_ids or [],
             "bad_words": [t for seq in self._bad_words_token_ids or () for t in seq],
         }
         for name, ids in fields_ids.items():

@@ -340,6 +340,41 @@ def test_logprob_tokens_as_token_ids(client, offline_llm):
     assert all(entry.bytes == list(entry.token.encode()) for entry in content)
 
 
+def test_logprob_token_ids_score_fixed_tokens(client, offline_llm):
+    """vLLM's logprob_token_ids: at every generated token, the logprobs of the asked tokens
+    (whatever their rank) in place of the top-N, as the offline engine gives them."""
+    tokenizer = offline_llm.get_tokenizer()
+    asked = [tokenizer.encode(word, add_special_tokens=False)[0] for word in (" Paris", " London")]
+    params = greedy(4, logprob_token_ids=asked)
+    reference = offline(offline_llm, PROMPT, params).outputs[0]
+    names = {token_id: tokenizer.decode([token_id]) for token_id in asked}
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2,
+        extra_body={"logprob_token_ids": asked},
+    )  # fmt: skip
+    for top, row, token_id in zip(
+        response.choices[0].logprobs.top_logprobs, reference.logprobs, reference.token_ids,
+        strict=True,
+    ):  # fmt: skip
+        expected = {names[t]: row[t].logprob for t in asked}
+        expected.setdefault(row[token_id].decoded_token, row[token_id].logprob)
+        assert top.keys() == expected.keys()
+        for name, value in expected.items():
+            assert top[name] == pytest.approx(value, abs=1e-3)
+    response = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=3, temperature=0, logprobs=True,
+        extra_body={"logprob_token_ids": asked},
+    )  # fmt: skip
+    [chat_reference] = offline_llm.chat([CHAT], greedy(3, logprob_token_ids=asked), use_tqdm=False)
+    rows = chat_reference.outputs[0].logprobs
+    for entry, row in zip(response.choices[0].logprobs.content, rows, strict=True):
+        by_rank = sorted(asked, key=lambda t: row[t].rank)
+        assert [top.token for top in entry.top_logprobs] == [names[t] for t in by_rank]
+        assert [top.logprob for top in entry.top_logprobs] == pytest.approx(
+            [row[t].logprob for t in by_rank], abs=1e-3
+        )
+
+
 def test_truncation_side_right_keeps_the_first_prompt_tokens(client, offline_llm):
     prompt = list(range(1000, 1020))
     reference = offline(offline_llm, prompt[:5], greedy(4)).outputs[0]

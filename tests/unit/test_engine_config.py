@@ -131,6 +131,9 @@ def test_max_logprobs_refuses_with_both_numbers(folder):
         config.check_logprobs(SamplingParams(prompt_logprobs=7))
     with pytest.raises(ValueError, match=r"whole vocabulary.*max_logprobs=5"):
         config.check_logprobs(SamplingParams(logprobs=-1))
+    config.check_logprobs(SamplingParams(logprobs=0, logprob_token_ids=[1, 2, 3, 4, 5]))
+    with pytest.raises(ValueError, match="logprob_token_ids has 6 ids, more than max_logprobs=5"):
+        config.check_logprobs(SamplingParams(logprobs=0, logprob_token_ids=list(range(6))))
     unlimited = EngineConfig.create(folder, device="cpu", max_logprobs=-1)
     unlimited.check_logprobs(SamplingParams(logprobs=-1, prompt_logprobs=300))
 

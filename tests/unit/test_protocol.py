@@ -317,7 +317,6 @@ def test_unknown_fields_are_rejected(model: type[BaseModel], body: dict, loc: tu
 # ---------------------------------------------------------------- known but not supported yet
 
 UNSUPPORTED_COMMON = [
-    ("logprob_token_ids", [3]),
     ("logits_processors", ["my.module.Processor"]),
     ("early_stopping", True),
     ("best_of", 3),
@@ -447,7 +446,8 @@ def test_beam_search_settings_and_what_it_refuses() -> None:
     assert (params.length_penalty, params.ignore_eos) == (0.5, True)
     for field, value in (("top_p", 0.9), ("top_k", 5), ("seed", 0), ("stop", "x"),
                          ("stop_token_ids", [3]), ("repetition_penalty", 1.2),
-                         ("logit_bias", {"3": 1.0}), ("min_tokens", 1)):  # fmt: skip
+                         ("logit_bias", {"3": 1.0}), ("min_tokens", 1),
+                         ("logprob_token_ids", [3])):  # fmt: skip
         with pytest.raises(RequestValidationError, match="does not apply to beam search") as info:
             completion(use_beam_search=True, **{field: value}).beam_search_params(SamplingParams())
         assert info.value.param == field

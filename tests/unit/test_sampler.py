@@ -325,6 +325,48 @@ def test_logprobs_come_from_the_raw_logits() -> None:
     assert len(out.logprobs[4]) == vocab
 
 
+def test_logprob_token_ids_replace_the_top_n() -> None:
+    """vLLM's logprob_token_ids: a row gives the sampled token, then the asked tokens in the
+    order asked (repeats dropped), each with its logprob and rank, and no top-N; other rows
+    keep their top-N; the processed modes read their own distribution."""
+    vocab = 40
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(5)) * 3
+    raw = torch.log_softmax(logits, -1)
+    asked = [7, 31, 2, 7]
+    params = [
+        SamplingParams(temperature=0.0, logprobs=5, logprob_token_ids=asked),
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(
+            temperature=0.0, logprobs=0, logprob_token_ids=[3], logprobs_mode="raw_logits"
+        ),
+    ]
+    out = sample(logits, make_inputs(params))
+    assert out.logprobs is not None
+    tokens = out.token_ids.tolist()
+    first = out.logprobs[0]
+    expected = list(dict.fromkeys([tokens[0], 7, 31, 2]))
+    assert list(first) == expected
+    for token, logprob in first.items():
+        assert logprob.logprob == pytest.approx(float(raw[0, token]), abs=1e-5)
+        assert logprob.rank == 1 + int((raw[0] > raw[0, token]).sum())
+    second = out.logprobs[1]
+    assert set(second) == {tokens[1], *raw[1].argsort(descending=True)[:2].tolist()}
+    third = out.logprobs[2]
+    assert list(third) == list(dict.fromkeys([tokens[2], 3]))
+    assert third[3].logprob == pytest.approx(float(logits[2, 3]), abs=1e-5)
+    assert third[3].rank == 1 + int((logits[2] > logits[2, 3]).sum())
+
+
+def test_logprob_token_ids_are_checked() -> None:
+    with pytest.raises(ValueError, match="logprob_token_ids gives the logprobs of those tokens"):
+        SamplingParams(logprob_token_ids=[1])
+    with pytest.raises(TypeError, match="logprob_token_ids"):
+        SamplingParams(logprobs=1, logprob_token_ids=[1, "2"])
+    assert SamplingParams(logprobs=1, logprob_token_ids=[]).logprob_token_ids is None
+    with pytest.raises(ValueError, match=r"logprob_token_ids has token ids outside the vocab"):
+        SamplingParams(logprobs=1, logprob_token_ids=[5, 100]).check_vocab(100)
+
+
 def test_token_logprobs_of_given_targets_in_slices() -> None:
     """What prompt logprobs use: any target per row (not a sampled one), its rank, the top-N;
     rows scored in slices and concatenated give the same as all at once; each row's dict keeps

@@ -345,8 +345,8 @@ def test_every_field_survives_msgpack() -> None:
         spaces_between_special_tokens=False, include_stop_str_in_output=True,
         output_kind=RequestOutputKind.DELTA, logit_bias={5: -3.5, 9: 100.0},
         allowed_token_ids=[5, 9, 11], truncate_prompt_tokens=-1,
-        logprobs_mode="processed_logits", best_of=2, logits_processors=[],
-        _bad_words_token_ids=[[1, 2], [3]],
+        logprobs_mode="processed_logits", logprob_token_ids=[4, 8], best_of=2,
+        logits_processors=[], _bad_words_token_ids=[[1, 2], [3]],
     )  # fmt: skip
     names = {f.name for f in dataclasses.fields(SamplingParams)}
     changed = {name for name in names if getattr(params, name) != getattr(SamplingParams(), name)}

@@ -356,6 +356,12 @@ class EngineConfig:
         logprobs) than max_logprobs, as vLLM refuses it."""
         vocab_size = self.model_config.vocab_size
         limit = vocab_size if self.max_logprobs == -1 else self.max_logprobs
+        if params.logprob_token_ids and len(params.logprob_token_ids) > limit:
+            raise ValueError(
+                f"logprob_token_ids has {len(params.logprob_token_ids)} ids, more than "
+                f"max_logprobs={limit}: ask for at most {limit}, or start the engine with a "
+                "larger max_logprobs (-1: no limit)"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             requested = getattr(params, name)
             if requested is not None and num_top_logprobs(requested, vocab_size) > limit:

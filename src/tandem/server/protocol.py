@@ -68,8 +68,8 @@ def _not_supported(field: str, hint: str) -> PydanticCustomError:
 # fmt: off
 _UNSUPPORTED = (
     # sampling and decoding
-    "logprob_token_ids", "logits_processors", "early_stopping", "watermarking",
-    "repetition_detection", "thinking_token_budget",
+    "logits_processors", "early_stopping", "watermarking", "repetition_detection",
+    "thinking_token_budget",
     # structured outputs
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
@@ -291,6 +291,8 @@ class _Generation(_Request):
     # logprobs' tokens as "token_id:{id}" (also the server's --return-tokens-as-token-ids)
     return_tokens_as_token_ids: bool | None = None
     priority: int = 0  # lower first; needs the server's --scheduling-policy priority (vLLM's)
+    # with logprobs: these tokens' logprobs at every output token, in place of the top-N (vLLM's)
+    logprob_token_ids: list[TokenId] | None = None
     # vLLM's beam search: the n best of n beams; score = cum logprob / length ** length_penalty
     use_beam_search: bool = False
     length_penalty: float = Field(1.0, allow_inf_nan=False)
@@ -302,7 +304,6 @@ class _Generation(_Request):
     return_mm_kwargs: bool = True  # vLLM's render endpoints only
     routed_experts_prompt_start: int = Field(0, ge=0)  # MoE routing data, never returned here
     # accepted so that asking for them is a clear error (see _UNSUPPORTED)
-    logprob_token_ids: list[TokenId] | None = None
     logits_processors: list[Any] | None = None
     early_stopping: bool | str = False
     watermarking: bool | None = None
@@ -440,6 +441,7 @@ class _Generation(_Request):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            logprob_token_ids=self.logprob_token_ids,
         )
         try:
             return SamplingParams.from_optional(**kwargs)
@@ -489,7 +491,7 @@ _NOT_WITH_BEAM_SEARCH: dict[str, tuple[Any, ...]] = {
     "top_p": (1.0,), "top_k": (0, -1), "min_p": (0.0,), "presence_penalty": (0.0,),
     "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "seed": (), "stop": (),
     "stop_token_ids": (), "min_tokens": (0,), "logit_bias": (), "allowed_token_ids": (),
-    "bad_words": (), "prompt_logprobs": (), "kv_transfer_params": (),
+    "bad_words": (), "prompt_logprobs": (), "kv_transfer_params": (), "logprob_token_ids": (),
 }  # fmt: skip
 
 # Prompts as OpenAI takes them: one text, several texts, one token list, or several token lists.

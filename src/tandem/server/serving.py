@@ -322,10 +322,16 @@ class TokenText:
         return "" if self.decode is None else self.decode(token_id)
 
 
-def _top(row: dict[int, Logprob], limit: int) -> list[tuple[int, Logprob]]:
-    return sorted(
-        ((t, lp) for t, lp in row.items() if lp.rank <= limit), key=lambda item: item[1].rank
-    )
+def _top(
+    row: dict[int, Logprob], limit: int, asked: Sequence[int] | None = None
+) -> list[tuple[int, Logprob]]:
+    """A row's alternatives, most likely first: its top `limit`, or where the request gave
+    logprob_token_ids (`asked`), those tokens."""
+    if asked:
+        chosen = ((t, row[t]) for t in asked if t in row)
+    else:
+        chosen = ((t, lp) for t, lp in row.items() if lp.rank <= limit)
+    return sorted(chosen, key=lambda item: item[1].rank)
 
 
 def token_text_for(
@@ -346,11 +352,15 @@ def completion_logprobs(
     num_top: int,
     text_offset: int,
     token_text: TokenText,
+    asked: Sequence[int] | None = None,
+    first_generated: int = 0,
 ) -> CompletionLogProbs:
     """Completions-style logprobs; a None row (the first prompt token) has no logprob. Text
-    offsets count the tokens as named (as vLLM's do)."""
+    offsets count the tokens as named (as vLLM's do). `asked`: logprob_token_ids, the
+    alternatives of the generated tokens (from `first_generated` on; an echoed prompt's
+    keep their top `num_top`)."""
     result = CompletionLogProbs()
-    for token_id, row in zip(token_ids, rows, strict=True):
+    for position, (token_id, row) in enumerate(zip(token_ids, rows, strict=True)):
         if row is None:
             result.tokens.append(token_text(token_id, None))
             result.token_logprobs.append(None)
@@ -359,7 +369,8 @@ def completion_logprobs(
             chosen = row[token_id]
             result.tokens.append(token_text(token_id, chosen))
             result.token_logprobs.append(chosen.logprob)
-            top = {token_text(t, lp): lp.logprob for t, lp in _top(row, num_top)}
+            alternatives = _top(row, num_top, asked if position >= first_generated else None)
+            top = {token_text(t, lp): lp.logprob for t, lp in alternatives}
             top.setdefault(result.tokens[-1], chosen.logprob)
             result.top_logprobs.append(top)
         result.text_offset.append(text_offset)
@@ -375,15 +386,21 @@ def _chat_logprob(token_id: int, logprob: Logprob, token_text: TokenText) -> Cha
 
 
 def chat_logprobs(
-    token_ids: list[int], rows: Sequence[dict[int, Logprob]], num_top: int, token_text: TokenText
+    token_ids: list[int],
+    rows: Sequence[dict[int, Logprob]],
+    num_top: int,
+    token_text: TokenText,
+    asked: Sequence[int] | None = None,
 ) -> ChatCompletionLogProbs:
+    """`asked`: logprob_token_ids, every token's alternatives in place of its top `num_top`."""
     content = []
     for token_id, row in zip(token_ids, rows, strict=True):
         chosen = _chat_logprob(token_id, row[token_id], token_text)
+        alternatives = _top(row, num_top, asked)
         content.append(
             ChatCompletionLogProbsContent(
                 **chosen.model_dump(),
-                top_logprobs=[_chat_logprob(t, lp, token_text) for t, lp in _top(row, num_top)],
+                top_logprobs=[_chat_logprob(t, lp, token_text) for t, lp in alternatives],
             )
         )
     return ChatCompletionLogProbs(content=content)
@@ -495,17 +512,20 @@ class CompletionShaper:
         text = completion.text
         token_ids, rows = completion.token_ids, completion.logprobs
         prompt_rows = output.prompt_logprobs
+        first_generated = 0
         if self.request.echo and not state.echoed:
             state.echoed = True
             text = (job.text or "") + text
             if rows is not None:
                 prompt = prompt_rows or [None] * len(job.token_ids)
                 token_ids, rows = job.token_ids + token_ids, list(prompt) + rows
+                first_generated = len(job.token_ids)
         logprobs = None
         if rows is not None and self.request.logprobs is not None:
             logprobs = completion_logprobs(
-                token_ids, rows, self.request.logprobs, state.text_length, self.token_text
-            )
+                token_ids, rows, self.request.logprobs, state.text_length, self.token_text,
+                job.params.logprob_token_ids, first_generated,
+            )  # fmt: skip
         state.text_length += len(text)
         return text, logprobs
 
@@ -627,8 +647,9 @@ class ChatShaper:
         if not self.request.logprobs or completion.logprobs is None:
             return None
         return chat_logprobs(
-            completion.token_ids, completion.logprobs, self.num_top, self.token_text
-        )
+            completion.token_ids, completion.logprobs, self.num_top, self.token_text,
+            self.job.params.logprob_token_ids,
+        )  # fmt: skip
 
     def response(self, output: RequestOutput) -> ChatCompletionResponse:
         self.usage.add(0, output)

@@ -584,13 +584,33 @@ def _logprobs(
             positions = [j for j, m in enumerate(modes) if m == mode]
             index = torch.tensor([rows[j] for j in positions], device=device)
             values[torch.tensor(positions, device=device)] = _logprob_values(sources, mode, index)
-    num_top = [num_top_logprobs(params[i].logprobs, vocab) for i in rows]
+    asked = [params[i].logprob_token_ids for i in rows]
+    num_top = [
+        0 if ids else num_top_logprobs(params[i].logprobs, vocab)
+        for i, ids in zip(rows, asked, strict=True)
+    ]
     index = torch.tensor(rows, device=device)
     tensors = gather_logprobs(values, tokens[index], max(num_top))
     result: list[dict[int, Logprob] | None] = [None] * len(params)
-    for row, entry in zip(rows, logprob_dicts(tensors, num_top), strict=True):
+    dicts = logprob_dicts(tensors, num_top)
+    for position, (row, entry, ids) in enumerate(zip(rows, dicts, asked, strict=True)):
+        if ids:
+            for token_id, logprob in asked_logprobs(values[position], ids).items():
+                entry.setdefault(token_id, logprob)
         result[row] = entry
     return result
+
+
+def asked_logprobs(values: torch.Tensor, token_ids: list[int]) -> dict[int, Logprob]:
+    """logprob_token_ids' part of a row: each asked token's value in `values` [vocab] with its
+    rank (1 + how many tokens are more likely), in the order asked."""
+    asked = torch.tensor(token_ids, device=values.device)
+    chosen = values[asked]
+    ranks = (values.unsqueeze(0) > chosen.unsqueeze(1)).sum(dim=-1, dtype=torch.int32).add_(1)
+    return {
+        token_id: Logprob(value, rank)
+        for token_id, value, rank in zip(token_ids, chosen.tolist(), ranks.tolist(), strict=True)
+    }
 
 
 def _logprob_values(
