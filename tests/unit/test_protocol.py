@@ -451,6 +451,10 @@ def test_beam_search_settings_and_what_it_refuses() -> None:
         with pytest.raises(RequestValidationError, match="does not apply to beam search") as info:
             completion(use_beam_search=True, **{field: value}).beam_search_params(SamplingParams())
         assert info.value.param == field
+    echoed = completion(use_beam_search=True, echo=True, logprobs=1)
+    with pytest.raises(RequestValidationError, match="beam search does not compute") as info:
+        echoed.beam_search_params(SamplingParams(prompt_logprobs=1))
+    assert info.value.param == "echo"
     quiet = completion(use_beam_search=True, top_p=1.0, top_k=-1, stop=[], min_p=0)
     assert quiet.beam_search_params(SamplingParams()).beam_width == 1
     # each step asks for 2 * n logprobs, held to the server's max_logprobs

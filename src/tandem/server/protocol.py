@@ -459,6 +459,12 @@ class _Generation(_Request):
         sampling filter, penalty, seed or stop condition but EOS applies. Each step asks for
         2 * n logprobs, held to the server's `max_logprobs` (-1: no limit)."""
         width = sampling_params.n
+        if getattr(self, "echo", False) and sampling_params.prompt_logprobs is not None:
+            raise RequestValidationError(
+                "`echo` with `logprobs` asks for the prompt's logprobs, which beam search does "
+                "not compute; omit one of them",
+                param="echo",
+            )
         if -1 < max_logprobs < 2 * width:
             raise RequestValidationError(
                 f"use_beam_search with n={width} asks for 2 * n = {2 * width} logprobs a step, "
