@@ -245,10 +245,9 @@ def least_squares(rows: np.ndarray, times: np.ndarray) -> tuple[float, ...] | No
     """Least squares; a feature whose coefficient comes out negative (collinear, or not
     varied in the rows) is dropped and the rest refitted, so every prediction grows with the
     work; a regime not seen is priced as the other. None: the rows cannot be fitted."""
-    if rows[:, DENSE_STEP].any() and not spans_a_line(rows[:, DENSE_TOKENS]):
-        rows = rows.copy()
-        rows[:, DENSE_STEP] = 0.0
     seen = [bool(rows[:, i].any()) for i in range(rows.shape[1])]
+    if seen[DENSE_STEP] and not spans_a_line(rows[:, DENSE_TOKENS]):
+        seen[DENSE_STEP] = False  # not fitted: the dense rows' own cost carries the jump
     active = [i for i in range(rows.shape[1]) if seen[i]]
     while active:
         solution, *_ = np.linalg.lstsq(rows[:, active], times, rcond=None)

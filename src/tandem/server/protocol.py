@@ -94,6 +94,12 @@ _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
 }
 
 
+def _asks_for_nothing(value: Any, no_ops: tuple[Any, ...]) -> bool:
+    """Whether a field's value leaves it off: null, empty, or one of `no_ops`."""
+    empty = isinstance(value, (str, list, dict)) and not value
+    return value is None or empty or value in no_ops
+
+
 class _Request(BaseModel):
     """Strict: "5" is not 5 and true is not 1, as in OpenAI's API; unknown fields are errors."""
 
@@ -105,8 +111,7 @@ class _Request(BaseModel):
         name = info.field_name
         assert name is not None
         no_ops = (cls.model_fields[name].default, *_NO_OP_VALUES.get(name, ()))
-        empty = isinstance(value, (str, list, dict)) and not value
-        if value is None or (value is False and no_ops[0] is None) or empty or value in no_ops:
+        if _asks_for_nothing(value, no_ops) or (value is False and no_ops[0] is None):
             return value  # null, an off flag or an empty list asks for nothing
         allowed = " or ".join(dict.fromkeys(map(json.dumps, no_ops)))
         raise _not_supported(name, f"omit it or send {allowed}")
@@ -473,9 +478,7 @@ class _Generation(_Request):
                 param="n",
             )
         for name, no_ops in _NOT_WITH_BEAM_SEARCH.items():
-            value = getattr(self, name, None)
-            empty = isinstance(value, (str, list, dict)) and not value
-            if not (value is None or empty or value in no_ops):
+            if not _asks_for_nothing(getattr(self, name), no_ops):
                 raise RequestValidationError(
                     f"`{name}` does not apply to beam search (use_beam_search ranks beams by "
                     "their logprobs and ends them at EOS or max_tokens); omit it",

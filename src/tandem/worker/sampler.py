@@ -594,23 +594,15 @@ def _logprobs(
     result: list[dict[int, Logprob] | None] = [None] * len(params)
     dicts = logprob_dicts(tensors, num_top)
     for position, (row, entry, ids) in enumerate(zip(rows, dicts, asked, strict=True)):
-        if ids:
-            for token_id, logprob in asked_logprobs(values[position], ids).items():
-                entry.setdefault(token_id, logprob)
+        if ids:  # logprob_token_ids: each asked token's value and rank, in the order asked
+            targets = torch.tensor(ids, device=device)
+            asked_tensors = gather_logprobs(values[position].expand(len(ids), -1), targets, 0)
+            logprobs = asked_tensors.token_logprobs.tolist()
+            ranks = asked_tensors.ranks.tolist()
+            for token_id, logprob, rank in zip(ids, logprobs, ranks, strict=True):
+                entry.setdefault(token_id, Logprob(logprob, rank))
         result[row] = entry
     return result
-
-
-def asked_logprobs(values: torch.Tensor, token_ids: list[int]) -> dict[int, Logprob]:
-    """logprob_token_ids' part of a row: each asked token's value in `values` [vocab] with its
-    rank (1 + how many tokens are more likely), in the order asked."""
-    asked = torch.tensor(token_ids, device=values.device)
-    chosen = values[asked]
-    ranks = (values.unsqueeze(0) > chosen.unsqueeze(1)).sum(dim=-1, dtype=torch.int32).add_(1)
-    return {
-        token_id: Logprob(value, rank)
-        for token_id, value, rank in zip(token_ids, chosen.tolist(), ranks.tolist(), strict=True)
-    }
 
 
 def _logprob_values(
