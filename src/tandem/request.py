@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -78,6 +79,9 @@ class Request:
 
     output_token_ids: list[int] = field(init=False, default_factory=list)
     all_token_ids: list[int] = field(init=False)
+    # len(prompt_token_ids), which never changes: the step loop compares it with
+    # num_computed_tokens for every running request, without reading the prompt's list.
+    num_prompt_tokens: int = field(init=False)
     num_computed_tokens: int = field(init=False, default=0)
     status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
     num_preemptions: int = field(init=False, default=0)
@@ -88,12 +92,16 @@ class Request:
     stop_reason: int | str | None = field(init=False, default=None)
     first_scheduled_time: float | None = field(init=False, default=None)
     first_token_time: float | None = field(init=False, default=None)
-    token_times: list[float] = field(init=False, default_factory=list)  # one per output token
+    # When its newest token was sampled (the core sends each step's tokens with their time;
+    # the front end keeps one per token).
+    last_token_time: float | None = field(init=False, default=None)
     finished_time: float | None = field(init=False, default=None)
     # Speculative decoding: the proposer's guesses of the tokens after the last one (the
     # scheduler verifies some or all of them in the next step), and what verification did
     # with this request's drafts so far (the scheduler estimates its acceptance rate from them).
-    spec_token_ids: list[int] = field(init=False, default_factory=list)
+    # Replaced, never changed in place: none is one shared empty tuple, which the step loop's
+    # check of every running request reads without touching a list of each request's own.
+    spec_token_ids: Sequence[int] = field(init=False, default=())
     num_draft_tokens: int = field(init=False, default=0)
     num_accepted_tokens: int = field(init=False, default=0)
     # Accepted drafts and rejections (a verification rejects at most one), decayed so that
@@ -126,14 +134,11 @@ class Request:
             raise ValueError(f"priority must be an int, got {self.priority!r}")
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.all_token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

@@ -44,7 +44,7 @@ class OrderLogger:
 
 def finishing_output(request_id: str) -> EngineCoreOutput:
     return EngineCoreOutput(
-        request_id, [7], None, "length", None, 0, 0, 1.0, 1.0, [1.0], finished_time=1.0
+        request_id, [7], None, "length", None, 0, 0, 1.0, 1.0, 1.0, finished_time=1.0
     )
 
 

@@ -60,7 +60,7 @@ def test_struct_records_are_not_tracked_by_the_collector() -> None:
 def test_engine_core_output_crosses_processes_as_an_array() -> None:
     output = EngineCoreOutput(
         "req-1", [5, 6], [{5: Logprob(-0.5, 1)}, {6: Logprob(-1.0, 1)}], "length", None, 3, 0,
-        1.0, 2.0, [2.0, 2.5], 3.0, None, 0, 0, {"remote": "x"},
+        1.0, 2.0, 2.5, 3.0, None, 0, 0, {"remote": "x"},
     )  # fmt: skip
     encoded = msgspec.msgpack.encode(output)
     assert isinstance(msgspec.msgpack.decode(encoded), list)  # no field names on the wire

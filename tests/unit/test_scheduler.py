@@ -495,12 +495,14 @@ def test_timestamps_come_from_the_clock() -> None:
     now = [100.0]
     scheduler = make_scheduler(clock=lambda: now[0])
     request = add(scheduler, "a", 4, max_tokens=3)
+    token_times = []
     for _ in range(3):
         now[0] += 1.0
         step(scheduler)
+        token_times.append(request.last_token_time)
     assert request.first_scheduled_time == 101.0
     assert request.first_token_time == 101.0
-    assert request.token_times == [101.0, 102.0, 103.0]
+    assert token_times == [101.0, 102.0, 103.0]
     assert request.finished_time == 103.0
 
 
@@ -537,4 +539,4 @@ def test_a_token_landing_after_its_request_was_aborted_goes_nowhere() -> None:
     reused = add(scheduler, "a", 6, first_token=50, max_tokens=8)
     assert scheduler.settle_in_flight(in_flight, [999]) == []
     assert reused.all_token_ids == list(range(50, 56)) and reused.output_token_ids == []
-    assert reused.token_times == [] and reused.status is RequestStatus.WAITING
+    assert reused.last_token_time is None and reused.status is RequestStatus.WAITING

@@ -311,6 +311,9 @@ def run(workload: Workload) -> tuple[Scheduler, list[Request], int]:
         check_step(scheduler, output, waiting_before, decoding_before, prompt_lens)
         check_queue_order(scheduler, output, queue_before, running_before)
         assert output.sums == batch_sums(output.scheduled), "cost sums drifted while planning"
+        assert output.sampling_requests() == [
+            r for r, s in zip(output.requests, output.scheduled, strict=True) if s.sample
+        ]
         sampled = runner.execute(output)
         num_bursts += output.num_steps > 1
         aborts = [
@@ -346,7 +349,7 @@ def test_random_workloads_keep_every_invariant(workload: Workload) -> None:
         if params.max_tokens is not None:
             assert request.num_output_tokens <= params.max_tokens
         assert request.num_tokens <= max(scheduler.max_model_len, request.num_prompt_tokens + 1)
-        assert len(request.token_times) == request.num_output_tokens
+        assert (request.last_token_time is None) == (request.num_output_tokens == 0)
         if request.status is not RequestStatus.FINISHED_ABORTED:
             assert request.num_output_tokens >= 1
 
@@ -416,6 +419,9 @@ def run_async(workload: Workload) -> tuple[Scheduler, list[Request]]:
         output = scheduler.schedule()
         assert output.scheduled or in_flight or not had_work, "no progress with requests pending"
         assert output.sums == batch_sums(output.scheduled), "cost sums drifted while planning"
+        assert output.sampling_requests() == [
+            r for r, s in zip(output.requests, output.scheduled, strict=True) if s.sample
+        ]
         launched = None
         if output.scheduled:
             sampled = runner.execute_in_flight(output, {} if in_flight is None else in_flight[1])
@@ -448,7 +454,7 @@ def test_async_scheduling_gives_the_same_tokens(workload: Workload) -> None:
     for index, (spec, request) in enumerate(zip(workload.requests, requests, strict=True)):
         assert request.is_finished
         assert PLACEHOLDER_TOKEN_ID not in request.all_token_ids
-        assert len(request.token_times) == request.num_output_tokens
+        assert (request.last_token_time is None) == (request.num_output_tokens == 0)
         if request.status is RequestStatus.FINISHED_ABORTED:
             continue
         reference = run_alone(make_request(index, spec, priority=0), scheduler.max_model_len)

@@ -82,6 +82,14 @@ class SchedulerOutput:
     # this step; they compute nothing until it has arrived.
     kv_loads: list[KVLoad] = field(default_factory=list)
 
+    def sampling_requests(self) -> list[Request]:
+        """The requests of the entries that sample, in order: `requests` itself where every
+        entry samples, as in most steps (the sums count each sampling entry and its drafts,
+        so no look at each entry is needed to tell)."""
+        if self.sums.num_sampled - self.num_draft_tokens == len(self.scheduled):
+            return self.requests
+        return [r for r, s in zip(self.requests, self.scheduled, strict=True) if s.sample]
+
 
 class StepCostPredictor(Protocol):
     """Seconds a step of these sums will take (core/step_cost.py fits one online)."""
@@ -405,7 +413,7 @@ class Scheduler:
                 outputs, all_token_ids = request.output_token_ids, request.all_token_ids
                 outputs.append(token_id)
                 all_token_ids.append(token_id)
-                request.token_times.append(now)
+                request.last_token_time = now
                 num_tokens = len(all_token_ids)
                 # _stop_status ends a request only at one of these tokens or at this length.
                 if token_id in request.stop_check_ids or num_tokens >= request.length_limit:
@@ -490,7 +498,7 @@ class Scheduler:
             num_output_tokens = position - request.num_prompt_tokens + 1
             request.all_token_ids[position] = token_id
             request.output_token_ids[num_output_tokens - 1] = token_id
-            request.token_times.append(now)
+            request.last_token_time = now
             if request.first_token_time is None:
                 request.first_token_time = now
             updated.append(request)
@@ -642,7 +650,7 @@ class Scheduler:
             num_computed = request.num_computed_tokens
             if request.status is not running:
                 continue
-            is_decoding = num_computed >= len(request.prompt_token_ids)
+            is_decoding = num_computed >= request.num_prompt_tokens
             if decoding is not None and is_decoding != decoding:
                 num_other_phase += 1
                 continue
@@ -1039,7 +1047,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
-        request.spec_token_ids = []  # it must recompute first; guesses come again after
+        request.spec_token_ids = ()  # it must recompute first; guesses come again after
         self.waiting.prepend([request])
         plan.preempted.append(request)
 
@@ -1067,7 +1075,7 @@ class Scheduler:
         burst) and stop at the first one that ends the request; the rest are dropped."""
         for token_id in token_ids:
             request.append_output_token_ids([token_id])
-            request.token_times.append(now)
+            request.last_token_time = now
             status = self._stop_status(
                 request, token_id, request.num_output_tokens, request.num_tokens
             )
@@ -1118,11 +1126,11 @@ class Scheduler:
                 num_new_tokens,
                 [] if block_ids is None else block_ids,
                 num_computed + num_new_tokens - num_drafts == len(token_ids),
-                request.spec_token_ids[:num_drafts] if num_drafts else _NO_DRAFTS,
+                list(request.spec_token_ids[:num_drafts]) if num_drafts else _NO_DRAFTS,
             )
             assert not num_drafts or scheduled.sample, "drafts follow a request's last token"
             # A request (re)admitted this step is catching up even if its prompt was a cache hit.
-            prefill_done = num_computed >= len(request.prompt_token_ids)
+            prefill_done = num_computed >= request.num_prompt_tokens
             if prefill_done and (not admitted or request_id not in admitted):
                 decodes.append(scheduled)
                 decode_requests.append(request)

@@ -226,7 +226,9 @@ class StepCostModel:
             self.coefficients = coefficients
         tokens = rows[:, DENSE_TOKENS] + rows[:, PACKED_TOKENS]
         small = tokens <= SMALL_MAX_TOKENS
-        if small.sum() >= SMALL_MIN_STEPS and len(np.unique(tokens[small])) > 1:
+        small_tokens = tokens[small]
+        # (min < max, not np.unique: its first call imports numpy.ma, ~10 ms in a step.)
+        if len(small_tokens) >= SMALL_MIN_STEPS and small_tokens.min() < small_tokens.max():
             small_coefficients = least_squares(rows[small], times[small])
             if small_coefficients is not None:
                 self.small_coefficients = small_coefficients
@@ -245,7 +247,7 @@ def least_squares(rows: np.ndarray, times: np.ndarray) -> tuple[float, ...] | No
     """Least squares; a feature whose coefficient comes out negative (collinear, or not
     varied in the rows) is dropped and the rest refitted, so every prediction grows with the
     work; a regime not seen is priced as the other. None: the rows cannot be fitted."""
-    seen = [bool(rows[:, i].any()) for i in range(rows.shape[1])]
+    seen = rows.any(axis=0).tolist()
     if seen[DENSE_STEP] and not spans_a_line(rows[:, DENSE_TOKENS]):
         seen[DENSE_STEP] = False  # not fitted: the dense rows' own cost carries the jump
     active = [i for i in range(rows.shape[1]) if seen[i]]

@@ -39,7 +39,7 @@ from tandem.kv_transfer.params import (
 )
 from tandem.outputs import Logprob
 from tandem.records import record
-from tandem.request import Request, RequestStatus
+from tandem.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus
 from tandem.sampling_params import num_top_logprobs
 from tandem.spec_decode.draft_model import DraftModelProposer
 from tandem.spec_decode.ngram import NgramProposer, Proposer
@@ -90,7 +90,7 @@ class EngineCoreOutput:
     num_preemptions: int
     first_scheduled_time: float | None
     first_token_time: float | None
-    token_times: list[float]  # of the new tokens
+    token_time: float | None  # when the new tokens were sampled (one step samples them all)
     finished_time: float | None = None
     # Prompt logprobs this step computed, one per prompt position in order from the second
     # prompt token (the first has none); each position is sent once, even after a preemption.
@@ -143,7 +143,7 @@ def runner_shape(runner: ModelRunner) -> ModelShape:
 def _no_guesses(requests: list[Request]) -> float:
     """A step that guesses nothing: the requests' old guesses go (no backlog paid: 0 s)."""
     for request in requests:
-        request.spec_token_ids = []
+        request.spec_token_ids = ()
     return 0.0
 
 
@@ -264,6 +264,9 @@ class EngineCore:
         # Requests with fewer output tokens than their min_tokens: EOS and stop ids are
         # blocked for them. Usually none, and then sampling does not look at each request.
         self._min_tokens_ids: set[str] = set()
+        # Unfinished requests that are not argmax_only: with none, every step's rows are plain
+        # greedy without a look at each request.
+        self._not_argmax_ids: set[str] = set()
 
     @property
     def spec_decode_stats(self) -> SpecDecodeStats:
@@ -366,6 +369,8 @@ class EngineCore:
             self._sync_request_ids.add(request.request_id)
         if request.sampling_params.min_tokens > request.num_output_tokens:
             self._min_tokens_ids.add(request.request_id)
+        if not request.argmax_only:
+            self._not_argmax_ids.add(request.request_id)
 
     def finish_requests(
         self, request_ids: list[str], status: RequestStatus, stop_reason: str | None = None
@@ -387,6 +392,7 @@ class EngineCore:
             self.prompt_logprobs_sent.pop(request_id, None)
             self._sync_request_ids.discard(request_id)
             self._min_tokens_ids.discard(request_id)
+            self._not_argmax_ids.discard(request_id)
             if self.proposer is not None:
                 self.proposer.forget(request_id)
         self.scheduler.finish_requests(request_ids, status)
@@ -468,8 +474,7 @@ class EngineCore:
         """Record the first token the prefill instance sampled; its logprobs by request id."""
         request.append_output_token_ids([remote.first_token_id])
         now = self.scheduler.clock()
-        request.token_times.append(now)
-        request.first_scheduled_time = request.first_token_time = now
+        request.first_scheduled_time = request.first_token_time = request.last_token_time = now
         request.num_cached_tokens = remote.num_cached_tokens
         first_row = first_logprobs_row(remote.first_logprobs)
         return {} if first_row is None else {request.request_id: [first_row]}
@@ -518,7 +523,7 @@ class EngineCore:
         previous step is still sampling are placeholders in the batch: the executor fills
         them in from that step's sampled ids (on the device) before the forward."""
         entries = scheduled.scheduled
-        requests = [r for r, s in zip(scheduled.requests, entries, strict=True) if s.sample]
+        requests = scheduled.sampling_requests()
         batch = self.runner.prepare(entries, [s.sample for s in entries])
         inputs = self._sampling_inputs(requests)
         fill_rows = None
@@ -600,7 +605,7 @@ class EngineCore:
         if not scheduled.scheduled:
             return []
         entries = scheduled.scheduled
-        sampled_requests = [r for r, s in zip(scheduled.requests, entries, strict=True) if s.sample]
+        sampled_requests = scheduled.sampling_requests()
         prompt_ranges, num_prompt_top = self._prompt_logits_ranges(entries)
         drafts = None
         if scheduled.num_draft_tokens:
@@ -875,7 +880,7 @@ class EngineCore:
     def _sampling_inputs(self, requests: list[Request]) -> SamplingInputs:
         params = [r.sampling_params for r in requests]
         num_rows = len(requests)
-        all_argmax_only = all(r.argmax_only for r in requests)
+        all_argmax_only = not self._not_argmax_ids or all(r.argmax_only for r in requests)
         if all_argmax_only and not self._min_tokens_ids:
             # Plain greedy rows: the sampler takes the argmax and reads nothing else.
             nothing = [()] * num_rows
@@ -918,8 +923,11 @@ class EngineCore:
         running = RequestStatus.RUNNING
         for index, request in enumerate(requests):
             if starts is None:
-                start = len(request.token_times) - 1  # one time per sampled token
-                end = start + 1
+                output_token_ids = request.output_token_ids
+                end = len(output_token_ids)
+                if output_token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                    end -= 1  # the next step's token, in flight
+                start = end - 1
             else:
                 start, end = starts[index], None
             request_id = request.request_id
@@ -941,7 +949,7 @@ class EngineCore:
                     request.num_preemptions,
                     request.first_scheduled_time,
                     request.first_token_time,
-                    request.token_times[start:],
+                    request.last_token_time,
                     request.finished_time,
                     None,
                     request.num_draft_tokens,
@@ -965,6 +973,7 @@ class EngineCore:
         generator = self.generators.pop(request_id, None)
         self._sync_request_ids.discard(request_id)
         self._min_tokens_ids.discard(request_id)
+        self._not_argmax_ids.discard(request_id)
         if request.hold_kv and request_id in self.scheduler.detached:
             return self._hold_kv(request, rows, generator)
         return None

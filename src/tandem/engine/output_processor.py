@@ -263,7 +263,7 @@ class OutputProcessor:
         metrics = sequence.metrics
         metrics.first_scheduled_time = out.first_scheduled_time
         metrics.first_token_time = out.first_token_time
-        metrics.token_times.extend(out.token_times[: len(new_token_ids)])
+        metrics.token_times.extend([out.token_time] * len(new_token_ids))
         metrics.num_cached_tokens = out.num_cached_tokens
         metrics.num_preemptions = out.num_preemptions
         metrics.num_draft_tokens = out.num_draft_tokens
