@@ -135,7 +135,9 @@ class _StepPlan:
     thousand entries)."""
 
     token_budget: int
-    entries: dict[str, tuple[Request, int]] = field(default_factory=dict)
+    # The third item: the step's entry for the request where planning built it (a decode
+    # gathered in one go, while its fields were at hand); None: _build_output builds it.
+    entries: dict[str, tuple[Request, int, ScheduledRequest | None]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
     admitted: set[str] = field(default_factory=set)
     has_prefill: bool = False  # a prompt chunk was sized against the ITL target
@@ -159,18 +161,21 @@ class _StepPlan:
         request_id = request.request_id
         if request_id in self.entries:
             self._count(request, self.entries[request_id][1], self.drafts.pop(request_id, 0), -1)
-        self.entries[request_id] = (request, num_new_tokens)
+        self.entries[request_id] = (request, num_new_tokens, None)
         self._count(request, num_new_tokens, num_drafts, 1)
         if num_drafts:
             self.drafts[request_id] = num_drafts
 
-    def add_decodes(self, requests: list[Request], num_context: int) -> None:
-        """add(request, 1) for requests not planned yet whose one token is their last;
-        `num_context`: the sum of their num_computed_tokens + 1."""
+    def add_decodes(
+        self, decodes: list[tuple[Request, ScheduledRequest | None]], num_context: int
+    ) -> None:
+        """add(request, 1) for requests not planned yet whose one token is their last, each
+        with its entry of the step if built; `num_context`: the sum of their
+        num_computed_tokens + 1."""
         entries = self.entries
-        for request in requests:
-            entries[request.request_id] = (request, 1)
-        count = len(requests)
+        for request, entry in decodes:
+            entries[request.request_id] = (request, 1, entry)
+        count = len(decodes)
         self.token_budget -= count
         self.num_new_tokens += count
         self.num_attended += num_context
@@ -205,7 +210,7 @@ def all_greedy(requests: Iterable[Request]) -> bool:
 
 
 def _num_decodes(plan: _StepPlan) -> int:
-    return sum(1 for request, _ in plan.entries.values() if request.is_prefill_done)
+    return sum(1 for request, _, _ in plan.entries.values() if request.is_prefill_done)
 
 
 class Scheduler:
@@ -631,14 +636,14 @@ class Scheduler:
         prompt (False) or either (None), oldest first, while the budget lasts; `prompt_chunks`:
         they are prompts, sized against the ITL target if there is one. Decodes whose blocks
         hold their token, or will with one more block from the pool, the common case, are
-        gathered and planned in one go.
+        gathered and planned in one go, their entries of the step built here.
         Returns how many running requests it passed over for being in the other phase (with
         none, a pass over the other phase has nothing to do)."""
         ending = self._ending_in_flight
         kv = self.kv_cache_manager
-        held_blocks, block_size = kv.held_blocks, kv.block_size
+        held_block_ids, block_size = kv.held_block_ids, kv.block_size
         running = RequestStatus.RUNNING
-        decodes: list[Request] = []  # gathered, not planned yet
+        decodes: list[tuple[Request, ScheduledRequest | None]] = []  # gathered, not planned yet
         num_context = 0
         budget = plan.token_budget
         num_other_phase = 0
@@ -654,9 +659,11 @@ class Scheduler:
             if decoding is not None and is_decoding != decoding:
                 num_other_phase += 1
                 continue
-            num_uncomputed = len(request.all_token_ids) - num_computed
+            token_ids = request.all_token_ids
+            num_uncomputed = len(token_ids) - num_computed
             if num_uncomputed == 1 and not prompt_chunks:
-                blocks = held_blocks.get(request.request_id)
+                request_id = request.request_id
+                blocks = held_block_ids.get(request_id)
                 # Its blocks hold its token, or one more block will (a block filled up): it takes
                 # that block here; with none free it goes the general way (preemption).
                 if blocks is not None and (
@@ -666,7 +673,12 @@ class Scheduler:
                         and kv.allocate_slots(request, 1) is not None
                     )
                 ):
-                    decodes.append(request)
+                    entry = None  # a prompt's last token: _build_output files it as prefill
+                    if is_decoding:
+                        entry = ScheduledRequest(
+                            request_id, token_ids, num_computed, 1, blocks, True, _NO_DRAFTS
+                        )
+                    decodes.append((request, entry))
                     num_context += num_computed + 1
                     budget -= 1
                     continue
@@ -765,7 +777,7 @@ class Scheduler:
         adaptive = config.adaptive_speculation and self.cost_model is not None
         # Asked every decode step, drafts or not, so its exploring steps come round.
         if adaptive and not self.speculation_guard.allows(
-            num_decodes, all_greedy(request for request, _ in plan.entries.values())
+            num_decodes, all_greedy(request for request, _, _ in plan.entries.values())
         ):
             return
         limit = config.speculation_max_running
@@ -773,7 +785,7 @@ class Scheduler:
             return
         candidates = [
             (request, self._draft_limit(request))
-            for request, num_new_tokens in plan.entries.values()
+            for request, num_new_tokens, _ in plan.entries.values()
             if request.spec_token_ids and num_new_tokens == 1 == request.num_uncomputed_tokens
         ]
         candidates = [(request, limit) for request, limit in candidates if limit > 0]
@@ -820,7 +832,7 @@ class Scheduler:
         if forecast > 0:  # none, or a line fitted to nonsense: the burst knows no window
             max_steps = min(max_steps, int(window / forecast))
         requests = []
-        for request, num_new_tokens in entries.values():
+        for request, num_new_tokens, _ in entries.values():
             if max_steps <= 1 or not (
                 num_new_tokens == 1 == request.num_uncomputed_tokens
                 and request.plain_sampling
@@ -862,7 +874,8 @@ class Scheduler:
         from sampled requests' drafts for greedy ones, would never be tested again; which
         drafts are worth verifying is the step's own choice, the measured guard's check.)"""
         plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
-        plan.add_decodes(requests, sum(request.num_tokens for request in requests))
+        decodes = [(request, None) for request in requests]  # a plan to weigh, not a step's
+        plan.add_decodes(decodes, sum(request.num_tokens for request in requests))
         candidates = [(r, limit) for r, limit in zip(requests, limits, strict=True) if limit > 0]
         return any(self._choose_drafts(plan, candidates, seconds, sunk=False, acceptance=1.0))
 
@@ -886,7 +899,7 @@ class Scheduler:
         the model learns only from such steps, each worth many plain ones (BENCHMARKS.md,
         issue 12)."""
         assert self.cost_model is not None
-        weights = self._token_weights([request for request, _ in plan.entries.values()])
+        weights = self._token_weights([request for request, _, _ in plan.entries.values()])
         increments = []
         for index, (request, limit) in enumerate(candidates):
             chance = self._acceptance(request) if acceptance is None else acceptance
@@ -898,7 +911,7 @@ class Scheduler:
         sums = plan.sums
         expected = sum(  # the tokens the step emits without drafts, weighted
             weights.get(request.request_id, 1.0)
-            for request, num_new_tokens in plan.entries.values()
+            for request, num_new_tokens, _ in plan.entries.values()
             if request.num_computed_tokens + num_new_tokens == request.num_tokens
         )
         base_rate = expected / max(self.cost_model.predict(sums) + sunk * spent, 1e-9)
@@ -1111,9 +1124,14 @@ class Scheduler:
         num_decode_tokens = 0
         held_block_ids = self.kv_cache_manager.held_block_ids
         drafts, admitted = plan.drafts, plan.admitted
-        for request, num_new_tokens in plan.entries.values():
+        for request, num_new_tokens, built in plan.entries.values():
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
+            if built is not None:  # a decode, planned with its entry
+                decodes.append(built)
+                decode_requests.append(request)
+                num_decode_tokens += 1
+                continue
             request_id = request.request_id
             num_computed = request.num_computed_tokens
             num_drafts = drafts.get(request_id, 0) if drafts else 0
