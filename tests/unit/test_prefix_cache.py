@@ -4,12 +4,15 @@ KV), the query/hit counters, LRU eviction, reset, and what a lookup costs."""
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 
 from tandem.core.kv_cache_manager import (
     BLOCK_HASH_FUNCTIONS,
     KVCacheManager,
     sha256_block_hash,
+    token_bytes,
     xxhash_block_hash,
 )
 from tandem.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -49,6 +52,13 @@ def test_hash_chains_parent_tokens_and_extra_keys(hash_fn, bits: int) -> None:
     others = [hash_fn(base, [1, 2], b""), hash_fn(0, [2, 1], b""), hash_fn(0, [1, 2], b"salt")]
     assert len({base, *others}) == 4
     assert hash_fn(2**bits - 1, [1, 2], b"") >= 0  # any parent of its own width chains
+
+
+@pytest.mark.parametrize(
+    "token_ids", [[], [7], list(range(16)), [2**63 - 1, -(2**63), -1, 0], (5, 6, 7)]
+)
+def test_token_bytes_are_an_int64_arrays_bytes(token_ids) -> None:
+    assert token_bytes(token_ids) == array("q", token_ids).tobytes()
 
 
 def test_hash_algo_is_chosen_once_and_checked() -> None:

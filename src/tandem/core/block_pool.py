@@ -37,7 +37,9 @@ def is_stale(parent_key: ParentKey) -> bool:
     return parent is not None and parent.generation != generation
 
 
-@dataclass(eq=False)  # identity equality: blocks are nodes, two blocks are never "equal"
+# Identity equality: blocks are nodes, two blocks are never "equal". Slots: the step loop
+# takes and caches a block for every request that fills one.
+@dataclass(eq=False, slots=True)
 class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
@@ -142,14 +144,14 @@ class BlockPool:
 
         A reused block's old content is overwritten, so its hash entry is dropped.
         """
-        if num_blocks > self.num_free_blocks:
-            raise RuntimeError(
-                f"cannot allocate {num_blocks} blocks: only {self.num_free_blocks} are free"
-            )
+        queue = self.free_block_queue
+        if num_blocks > len(queue):
+            raise RuntimeError(f"cannot allocate {num_blocks} blocks: only {len(queue)} are free")
         new_blocks = []
         for _ in range(num_blocks):
-            block = self.free_block_queue.popleft()
-            self.evict_cached_block(block)
+            block = queue.popleft()
+            if block.block_hash is not None:
+                self.evict_cached_block(block)
             block.ref_cnt = 1
             new_blocks.append(block)
         return new_blocks
