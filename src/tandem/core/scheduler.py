@@ -167,14 +167,12 @@ class _StepPlan:
             self.drafts[request_id] = num_drafts
 
     def add_decodes(
-        self, decodes: list[tuple[Request, ScheduledRequest | None]], num_context: int
+        self, decodes: dict[str, tuple[Request, int, ScheduledRequest | None]], num_context: int
     ) -> None:
-        """add(request, 1) for requests not planned yet whose one token is their last, each
-        with its entry of the step if built; `num_context`: the sum of their
-        num_computed_tokens + 1."""
-        entries = self.entries
-        for request, entry in decodes:
-            entries[request.request_id] = (request, 1, entry)
+        """add(request, 1) for requests not planned yet whose one token is their last, given
+        as their `entries` items (the new tokens 1; the step's entry if built);
+        `num_context`: the sum of their num_computed_tokens + 1."""
+        self.entries.update(decodes)
         count = len(decodes)
         self.token_budget -= count
         self.num_new_tokens += count
@@ -643,7 +641,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         held_block_ids, block_size = kv.held_block_ids, kv.block_size
         running = RequestStatus.RUNNING
-        decodes: list[tuple[Request, ScheduledRequest | None]] = []  # gathered, not planned yet
+        # Gathered, not planned yet: as plan.entries' items.
+        decodes: dict[str, tuple[Request, int, ScheduledRequest | None]] = {}
         num_context = 0
         budget = plan.token_budget
         num_other_phase = 0
@@ -678,12 +677,12 @@ class Scheduler:
                         entry = ScheduledRequest(
                             request_id, token_ids, num_computed, 1, blocks, True, _NO_DRAFTS
                         )
-                    decodes.append((request, entry))
+                    decodes[request_id] = (request, 1, entry)
                     num_context += num_computed + 1
                     budget -= 1
                     continue
             plan.add_decodes(decodes, num_context)
-            decodes, num_context = [], 0
+            decodes, num_context = {}, 0
             num_new_tokens = min(num_uncomputed, plan.token_budget, max_tokens_each)
             if prompt_chunks:
                 num_new_tokens = self._within_target(
@@ -874,7 +873,7 @@ class Scheduler:
         from sampled requests' drafts for greedy ones, would never be tested again; which
         drafts are worth verifying is the step's own choice, the measured guard's check.)"""
         plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
-        decodes = [(request, None) for request in requests]  # a plan to weigh, not a step's
+        decodes = {request.request_id: (request, 1, None) for request in requests}  # (no step's)
         plan.add_decodes(decodes, sum(request.num_tokens for request in requests))
         candidates = [(r, limit) for r, limit in zip(requests, limits, strict=True) if limit > 0]
         return any(self._choose_drafts(plan, candidates, seconds, sunk=False, acceptance=1.0))
