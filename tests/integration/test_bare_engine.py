@@ -24,7 +24,7 @@ for name in {missing!r}:
     sys.modules[name] = None  # its import fails, as where the package is not installed
 from tandem import LLM, SamplingParams
 from tandem.core.scheduler import ScheduledRequest
-from tandem.engine.engine_core import EngineCoreOutput
+from tandem.core.outputs import EngineCoreOutput
 assert dataclasses.is_dataclass(ScheduledRequest) and dataclasses.is_dataclass(EngineCoreOutput)
 llm = LLM({folder!r}, dtype="float32", skip_tokenizer_init=True, async_scheduling={async_mode})
 params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from tandem.bench.launch import free_port
+from tandem.core.outputs import EngineCoreOutput
 from tandem.engine.config import EngineConfig
-from tandem.engine.engine_core import EngineCore, EngineCoreOutput
+from tandem.engine.engine_core import EngineCore
 from tandem.kv_transfer.config import KVTransferConfig
 from tandem.request import Request, RequestStatus
 from tandem.sampling_params import SamplingParams

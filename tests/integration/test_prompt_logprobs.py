@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.engine.engine_core import EngineCoreOutput
+from tandem.core.outputs import EngineCoreOutput
 from tandem.engine.output_processor import OutputKind
 from tandem.request import Request
 from tandem.worker import model_runner

@@ -5,9 +5,9 @@ core the chunks are written where it waits for that (stream writes first: core_p
 
 import asyncio
 
+from tandem.core.outputs import EngineCoreOutput
 from tandem.engine.async_llm import AsyncLLM
 from tandem.engine.config import EngineConfig
-from tandem.engine.engine_core import EngineCoreOutput
 from tandem.engine.messages import CoreOutputs, OutputsWritten
 from tandem.engine.stats import FinishedRequestStats, SchedulerStats, StepStats
 from tandem.sampling_params import SamplingParams

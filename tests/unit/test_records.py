@@ -9,8 +9,8 @@ import pickle
 
 import pytest
 
+from tandem.core.outputs import EngineCoreOutput
 from tandem.core.scheduler import ScheduledRequest
-from tandem.engine.engine_core import EngineCoreOutput
 from tandem.outputs import Logprob
 from tandem.records import as_dataclass, as_struct, msgspec
 

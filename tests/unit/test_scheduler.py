@@ -477,7 +477,8 @@ def test_abort_between_schedule_and_update_is_ignored() -> None:
     request = add(scheduler, "a", 4)
     output = scheduler.schedule()
     scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
-    assert scheduler.update_from_output(output, [[1000]]) == []
+    update = scheduler.update_from_output(output, [[1000]])
+    assert update.outputs == update.requests == update.finished == []
     assert request.num_output_tokens == 0
 
 
@@ -537,6 +538,7 @@ def test_a_token_landing_after_its_request_was_aborted_goes_nowhere() -> None:
     scheduler.mark_in_flight(in_flight)
     scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
     reused = add(scheduler, "a", 6, first_token=50, max_tokens=8)
-    assert scheduler.settle_in_flight(in_flight, [999]) == []
+    update = scheduler.settle_in_flight(in_flight, [999])
+    assert update.outputs == update.requests == update.finished == []
     assert reused.all_token_ids == list(range(50, 56)) and reused.output_token_ids == []
     assert reused.last_token_time is None and reused.status is RequestStatus.WAITING

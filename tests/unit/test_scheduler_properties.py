@@ -12,6 +12,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.outputs import StepUpdate, core_output
 from tandem.core.roofline import batch_sums
 from tandem.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tandem.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus
@@ -243,6 +244,26 @@ def check_step(
         assert decoding_before <= scheduled, "admitted while a decode was left out"
 
 
+def check_outputs(update: StepUpdate, num_outputs_before: dict[str, int] | None) -> None:
+    """An output per request that got tokens, with the tokens it got (`num_outputs_before`:
+    each request's output tokens before the step; None: a step that ran in flight, one token
+    each), as core_output builds it (update_from_output builds the common case in line), and
+    the finished ones listed."""
+    assert [o.request_id for o in update.outputs] == [r.request_id for r in update.requests]
+    assert update.finished == [i for i, r in enumerate(update.requests) if r.is_finished]
+    for output, request in zip(update.outputs, update.requests, strict=True):
+        if num_outputs_before is None:
+            (token_id,) = output.new_token_ids
+            assert token_id != PLACEHOLDER_TOKEN_ID
+            start = len(request.output_token_ids) - 1
+            if request.output_token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                start -= 1
+            assert output == core_output(request, start, start + 1, None)
+        else:
+            start = num_outputs_before[request.request_id]
+            assert output.new_token_ids and output == core_output(request, start, None, None)
+
+
 def check_blocks(scheduler: Scheduler, all_requests: list[Request]) -> None:
     kv = scheduler.kv_cache_manager
     holders: dict[int, int] = {}
@@ -322,7 +343,10 @@ def run(workload: Workload) -> tuple[Scheduler, list[Request], int]:
             if s.abort_step == step and s.abort_after_schedule
         ]
         scheduler.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)
-        scheduler.update_from_output(output, in_order(output, sampled))
+        num_outputs_before = {r.request_id: r.num_output_tokens for r in output.requests}
+        check_outputs(
+            scheduler.update_from_output(output, in_order(output, sampled)), num_outputs_before
+        )
         check_blocks(scheduler, requests)
         step += 1
         assert step <= max_steps, "no end in sight: preempt/resume loop?"
@@ -432,7 +456,8 @@ def run_async(workload: Workload) -> tuple[Scheduler, list[Request]]:
         scheduler.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)
         if in_flight is not None:
             landed, tokens = in_flight
-            scheduler.settle_in_flight(landed, [t[0] for t in in_order(landed, tokens)])
+            update = scheduler.settle_in_flight(landed, [t[0] for t in in_order(landed, tokens)])
+            check_outputs(update, None)
         in_flight = launched
         check_blocks(scheduler, requests)
         step += 1

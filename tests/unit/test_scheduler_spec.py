@@ -96,8 +96,9 @@ def test_a_stop_inside_an_accepted_run_ends_the_request_at_that_token():
     request = add(scheduler, "a", 4, max_tokens=10, stop_token_ids=[77])
     prefill(scheduler, ["a"])
     request.spec_token_ids = [77, 6, 7]
-    updated = scheduler.update_from_output(scheduler.schedule(), [[77, 6, 7, 8]])
-    assert updated == [request]
+    update = scheduler.update_from_output(scheduler.schedule(), [[77, 6, 7, 8]])
+    assert update.requests == [request] and update.finished == [0]
+    assert update.outputs[0].new_token_ids == [77] and update.outputs[0].finish_reason == "stop"
     assert request.output_token_ids == [500, 77]
     assert request.status is RequestStatus.FINISHED_STOPPED
     assert kv.num_free_blocks == kv.num_blocks  # nothing leaks

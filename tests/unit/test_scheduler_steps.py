@@ -36,8 +36,9 @@ def test_a_lone_greedy_decode_runs_several_forwards_in_its_blocks():
     assert output.num_decode_tokens == 1 and output.sums.num_new_tokens == 1  # one forward's
     # Tokens 5..8 are fed to the four forwards: their KV needs slots up to position 8.
     assert len(kv.get_block_ids(request.request_id)) * kv.block_size >= 9
-    updated = scheduler.update_from_output(output, [[11, 12, 13, 14]])
-    assert updated == [request]
+    update = scheduler.update_from_output(output, [[11, 12, 13, 14]])
+    assert update.requests == [request] and update.finished == []
+    assert update.outputs[0].new_token_ids == [11, 12, 13, 14]
     assert request.output_token_ids == [500, 11, 12, 13, 14]
     assert request.num_computed_tokens == 9
 

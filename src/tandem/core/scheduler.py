@@ -20,18 +20,20 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from tandem.core.block_pool import KVCacheBlock
 from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.outputs import EngineCoreOutput, StepUpdate, core_output
 from tandem.core.request_queue import SCHEDULING_POLICIES, SchedulingPolicy, make_request_queue
 from tandem.core.roofline import BatchSums, request_sums
 from tandem.core.scheduler_config import BATCHING_POLICIES, BatchingPolicy, SchedulerConfig
 from tandem.core.spec_guard import SpeculationGuard
 from tandem.core.spec_stats import SpecDecodeStats
 from tandem.kv_transfer.params import KVLoad
+from tandem.outputs import Logprob
 from tandem.records import record
 from tandem.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus
 
@@ -362,15 +364,22 @@ class Scheduler:
         return self._build_output(plan)
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled_token_ids: Sequence[int | Sequence[int]]
-    ) -> list[Request]:
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled_token_ids: Sequence[int | Sequence[int]],
+        logprobs_by_id: Mapping[str, list[dict[int, Logprob]]] | None = None,
+    ) -> StepUpdate:
         """Record a step's results: progress, sampled tokens, stops. `sampled_token_ids`: for
         each entry of the step that samples, in order, its token, or its tokens (accepted
         drafts and one more, or a multi-step burst's), as the model runner lists them: no
-        lookup by request id, no list per token in the common case. Returns the requests that
-        got tokens (those that finished have their status set and blocks freed)."""
+        lookup by request id, no list per token in the common case. `logprobs_by_id`: the
+        logprob rows of the requests that asked, one per token they got. Returns each request
+        that got tokens with its output (those that finished have their status set and blocks
+        freed)."""
         now = self.clock()
+        outputs: list[EngineCoreOutput] = []
         updated: list[Request] = []
+        finished: list[int] = []
         any_finished = False
         kv = self.kv_cache_manager
         caching, block_size = kv.enable_caching, kv.block_size
@@ -410,17 +419,20 @@ class Scheduler:
             if num_drafts:
                 self._record_verification(request, num_drafts, num_got - 1)
             num_computed_before = request.num_computed_tokens
+            output_ids = request.output_token_ids
             if num_got > 1:  # accepted drafts, or a multi-step burst's tokens
+                num_outputs_before = len(output_ids)
                 finished_status = self._append_until_stop(request, token_ids, now)
             else:  # the common case, inline
-                outputs, all_token_ids = request.output_token_ids, request.all_token_ids
-                outputs.append(token_id)
+                all_token_ids = request.all_token_ids
+                output_ids.append(token_id)
                 all_token_ids.append(token_id)
                 request.last_token_time = now
                 num_tokens = len(all_token_ids)
+                num_outputs_before = -1  # (its one token: the last)
                 # _stop_status ends a request only at one of these tokens or at this length.
                 if token_id in request.stop_check_ids or num_tokens >= request.length_limit:
-                    finished_status = stop_status(request, token_id, len(outputs), num_tokens)
+                    finished_status = stop_status(request, token_id, len(output_ids), num_tokens)
                 else:
                     finished_status = None
             # Every appended token but the last was computed this step (an accepted draft);
@@ -432,15 +444,29 @@ class Scheduler:
             if finished_status is not None:
                 self._finish(request, finished_status, now)
                 any_finished = True
+                finished.append(len(outputs))
             elif num_drafts or request.spec_token_ids or num_got < num_steps:
                 # Blocks past its tokens: rejected drafts', a proposer's unverified ones, or
                 # those of a burst that another request's stop token ended early.
                 kv.free_tail(request, request.num_tokens)
+            if num_got == 1 and finished_status is None and not logprobs_by_id:
+                # The common case: core_output's fields, in line.
+                output = EngineCoreOutput(
+                    request.request_id, [token_id], None, None, request.stop_reason,
+                    request.num_cached_tokens, request.num_preemptions,
+                    request.first_scheduled_time, request.first_token_time, now,
+                    request.finished_time, None, request.num_draft_tokens,
+                    request.num_accepted_tokens,
+                )  # fmt: skip
+                outputs.append(output)
+            else:
+                rows = logprobs_by_id.get(request.request_id) if logprobs_by_id else None
+                outputs.append(core_output(request, num_outputs_before, None, rows))
         if next(sampled, None) is not None:
             raise ValueError("more sampled tokens than the step has sampling entries")
         if any_finished:
             self.running = [r for r in self.running if r.status is running]
-        return updated
+        return StepUpdate(outputs, updated, finished)
 
     def mark_in_flight(self, scheduler_output: SchedulerOutput) -> None:
         """Async scheduling: count a step as done before its results are known, so the next
@@ -468,15 +494,20 @@ class Scheduler:
                 self._ending_in_flight.add(request.request_id)
 
     def settle_in_flight(
-        self, scheduler_output: SchedulerOutput, sampled_token_ids: Sequence[int]
-    ) -> list[Request]:
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled_token_ids: Sequence[int],
+        logprobs_by_id: Mapping[str, list[dict[int, Logprob]]] | None = None,
+    ) -> StepUpdate:
         """Record a step that ran in flight (mark_in_flight): its placeholders get their token
         ids (one per sampling entry, in order, as in update_from_output), and stops apply
         exactly as there. A request that stops drops the placeholder the next step gave it;
-        one preempted meanwhile keeps its token (it recomputes it). Returns the requests that
-        got a token."""
+        one preempted meanwhile keeps its token (it recomputes it). Returns each request that
+        got a token with its output, as update_from_output."""
         now = self.clock()
+        outputs: list[EngineCoreOutput] = []
         updated: list[Request] = []
+        finished: list[int] = []
         any_finished = False
         kv = self.kv_cache_manager
         sampled = iter(sampled_token_ids)
@@ -509,17 +540,21 @@ class Scheduler:
             if finished_status is None:
                 if running:
                     kv.cache_blocks(request, num_computed)
-                continue
-            del request.all_token_ids[position + 1 :]
-            del request.output_token_ids[num_output_tokens:]
-            self._finish(request, finished_status, now)
-            any_finished = True
+            else:
+                del request.all_token_ids[position + 1 :]
+                del request.output_token_ids[num_output_tokens:]
+                self._finish(request, finished_status, now)
+                any_finished = True
+                finished.append(len(outputs))
+            rows = logprobs_by_id.get(request.request_id) if logprobs_by_id else None
+            # Its token alone: the next step's placeholder may follow it.
+            outputs.append(core_output(request, num_output_tokens - 1, num_output_tokens, rows))
         if next(sampled, None) is not None:
             raise ValueError("more sampled tokens than the step has sampling entries")
         if any_finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
             self.waiting.discard_finished()
-        return updated
+        return StepUpdate(outputs, updated, finished)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """End requests from outside (aborts, stop strings); unknown or finished ids are ignored."""

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.outputs import EngineCoreOutput, StepUpdate, core_output
 from tandem.core.roofline import BatchSums, ModelShape, StepWork, place_step, sums_work
 from tandem.core.scheduler import Scheduler, SchedulerOutput, all_greedy
 from tandem.core.spec_stats import SpecDecodeStats
@@ -38,8 +39,7 @@ from tandem.kv_transfer.params import (
     first_logprobs_row,
 )
 from tandem.outputs import Logprob
-from tandem.records import record
-from tandem.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus
+from tandem.request import Request, RequestStatus
 from tandem.sampling_params import num_top_logprobs
 from tandem.spec_decode.draft_model import DraftModelProposer
 from tandem.spec_decode.ngram import NgramProposer, Proposer
@@ -74,33 +74,6 @@ RETRY_DECLINED_EVERY = 8
 ASYNC_SWITCH_INTERVAL = 0.0001
 # Steps whose telemetry waits to be worked out together (see EngineCore._record_stats).
 TELEMETRY_BATCH = 16
-
-
-@record(array_like=True)
-class EngineCoreOutput:
-    """What one request got from a step. Requests that sampled or finished appear, and prompt
-    chunks that scored prompt logprobs (with no new tokens)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-    num_cached_tokens: int
-    num_preemptions: int
-    first_scheduled_time: float | None
-    first_token_time: float | None
-    token_time: float | None  # when the new tokens were sampled (one step samples them all)
-    finished_time: float | None = None
-    # Prompt logprobs this step computed, one per prompt position in order from the second
-    # prompt token (the first has none); each position is sent once, even after a preemption.
-    new_prompt_logprobs: list[dict[int, Logprob]] | None = None
-    # Speculative decoding so far: draft tokens verified for the request, and those accepted.
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    # Disaggregation, prefill side: where the finished request's prompt KV waits (the
-    # response's kv_transfer_params).
-    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -589,8 +562,8 @@ class EngineCore:
                 for r, row in zip(requests, output.logprobs, strict=True)
                 if row is not None
             }
-        updated = self.scheduler.settle_in_flight(in_flight.scheduled, sampled)
-        outputs = self._outputs(updated, None, logprobs_by_id)
+        update = self.scheduler.settle_in_flight(in_flight.scheduled, sampled, logprobs_by_id)
+        outputs = self._finish_outputs(update, logprobs_by_id)
         if self.kv_connector is not None and self.kv_connector.streaming:
             self._stage_streams(in_flight.scheduled.scheduled)
         now = time.perf_counter()
@@ -639,16 +612,10 @@ class EngineCore:
                 sampled, logprobs_by_id = self._sample(run.logits, sampled_requests, scheduled)
             prompt_logprobs = run.prompt_logprobs
         prompt_logprobs_by_id = self._prompt_logprobs(entries, prompt_ranges, prompt_logprobs)
-        if drafts is None and scheduled.num_steps == 1:  # one token each
-            updated = self.scheduler.update_from_output(scheduled, sampled)
-            outputs = self._outputs(updated, None, logprobs_by_id)
-            num_accepted = 0
-        else:
-            num_outputs_before = {r.request_id: r.num_output_tokens for r in sampled_requests}
-            updated = self.scheduler.update_from_output(scheduled, sampled)
-            starts = [num_outputs_before[r.request_id] for r in updated]
-            outputs = self._outputs(updated, starts, logprobs_by_id)
-            num_accepted = 0 if drafts is None else sum(map(len, sampled)) - len(sampled)
+        update = self.scheduler.update_from_output(scheduled, sampled, logprobs_by_id)
+        outputs = self._finish_outputs(update, logprobs_by_id)
+        num_accepted = 0 if drafts is None else sum(map(len, sampled)) - len(sampled)
+        updated = update.requests
         if self.kv_connector is not None and self.kv_connector.streaming:
             self._stage_streams(entries)
         if self.proposer is not None:
@@ -909,60 +876,27 @@ class EngineCore:
             all_argmax_only=all_argmax_only,
         )
 
-    def _outputs(
-        self,
-        requests: list[Request],
-        starts: Sequence[int] | None,
-        logprobs_by_id: dict,
+    def _finish_outputs(
+        self, update: StepUpdate, logprobs_by_id: dict[str, list[dict[int, Logprob]]]
     ) -> list[EngineCoreOutput]:
-        """Each request's output tokens from its `starts` entry on; None: its newest sampled
-        token alone (with async scheduling a placeholder may follow it). One loop for the
-        whole step: it runs for every running request, every step."""
-        outputs = []
-        append = outputs.append
-        running = RequestStatus.RUNNING
-        for index, request in enumerate(requests):
-            if starts is None:
-                output_token_ids = request.output_token_ids
-                end = len(output_token_ids)
-                if output_token_ids[-1] == PLACEHOLDER_TOKEN_ID:
-                    end -= 1  # the next step's token, in flight
-                start = end - 1
-            else:
-                start, end = starts[index], None
-            request_id = request.request_id
-            status = request.status
-            finish_reason = kv_transfer_params = None
-            rows = logprobs_by_id.get(request_id) if logprobs_by_id else None
-            if status is not running and status.is_finished:
-                finish_reason = status.finish_reason.value
-                kv_transfer_params = self._forget_finished(request, rows)
-            new_token_ids = request.output_token_ids[start:end]
-            append(
-                EngineCoreOutput(
-                    request_id,
-                    new_token_ids,
-                    None if rows is None else rows[: len(new_token_ids)],
-                    finish_reason,
-                    request.stop_reason,
-                    request.num_cached_tokens,
-                    request.num_preemptions,
-                    request.first_scheduled_time,
-                    request.first_token_time,
-                    request.last_token_time,
-                    request.finished_time,
-                    None,
-                    request.num_draft_tokens,
-                    request.num_accepted_tokens,
-                    kv_transfer_params,
-                )
-            )
-        return outputs
+        """The step's outputs (the scheduler built them as it recorded the tokens), each
+        finished request's state here forgotten (its KV held on a prefill instance)."""
+        for index in update.finished:
+            request = update.requests[index]
+            rows = logprobs_by_id.get(request.request_id) if logprobs_by_id else None
+            update.outputs[index].kv_transfer_params = self._forget_finished(request, rows)
+        return update.outputs
 
     def _output(
         self, request: Request, num_outputs_before: int, logprobs_by_id: dict
     ) -> EngineCoreOutput:
-        return self._outputs([request], (num_outputs_before,), logprobs_by_id)[0]
+        """A request's output of its tokens from `num_outputs_before` on, made outside a
+        step's recording (a first token that came with the request, prompt logprobs)."""
+        rows = logprobs_by_id.get(request.request_id)
+        output = core_output(request, num_outputs_before, None, rows)
+        if request.is_finished:
+            output.kv_transfer_params = self._forget_finished(request, rows)
+        return output
 
     def _forget_finished(
         self, request: Request, rows: list[dict[int, Logprob]] | None

@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from tandem.engine.engine_core import EngineCoreOutput
+from tandem.core.outputs import EngineCoreOutput
 from tandem.engine.stats import SchedulerStats, StepStats
 from tandem.sampling_params import SamplingParams
 

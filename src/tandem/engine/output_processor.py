@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
+from tandem.core.outputs import EngineCoreOutput
 from tandem.engine.detokenizer import IncrementalDetokenizer
-from tandem.engine.engine_core import EngineCoreOutput
 from tandem.engine.stats import FinishedRequestStats
 from tandem.outputs import (
     CompletionOutput,
