@@ -876,6 +876,34 @@ def test_a_seeded_row_draws_the_same_tokens_with_logprobs_on_or_off(knobs):
 
 
 @needs_cpu_kernels
+def test_the_callers_all_plain_hint_changes_no_row_and_no_token():
+    """`all_plain` (the engine core knows no unfinished request needs more than the C
+    sampler) skips the per-row look; the rows and the seeded draws are those the look gives,
+    and a row under min_tokens (stop ids blocked) still goes the torch way."""
+    vocab = 500
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(3)) * 3
+    params = [
+        SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.2, top_k=40, seed=2), SamplingParams(top_p=0.7, seed=3),
+        SamplingParams(min_p=0.1, seed=4), SamplingParams(temperature=0.5, top_k=1, seed=5),
+    ]  # fmt: skip
+
+    def run(all_plain: bool | None, block: list[list[int]] | None = None):
+        generators = [torch.Generator().manual_seed(p.seed or 0) for p in params]
+        inputs = dataclasses.replace(
+            make_inputs(params, generators=generators, block=block), all_plain=all_plain
+        )
+        return sampler._kernel_rows(logits, inputs), sample(logits, inputs).token_ids.tolist()
+
+    assert run(True) == run(None) and run(True)[0] == list(range(len(params)))
+    blocked = [[], [], [7], [], [], []]
+    assert run(True, blocked) == run(None, blocked) and 2 not in run(True, blocked)[0]
+    assert make_inputs(params).select([0, 2]).all_plain is None
+    selected = dataclasses.replace(make_inputs(params), all_plain=True).select([0, 2])
+    assert selected.all_plain is True
+
+
+@needs_cpu_kernels
 def test_the_kernel_draws_from_extreme_logits_without_hanging():
     """Huge scaled logits (a temperature of 1e-5), +inf, NaN and all -inf rows: a token comes
     back from each (where the threshold cannot step lower, the candidates are the whole row)."""

@@ -237,9 +237,10 @@ class EngineCore:
         # Requests with fewer output tokens than their min_tokens: EOS and stop ids are
         # blocked for them. Usually none, and then sampling does not look at each request.
         self._min_tokens_ids: set[str] = set()
-        # Unfinished requests that are not argmax_only: with none, every step's rows are plain
-        # greedy without a look at each request.
+        # Unfinished requests that are not argmax_only, and those that are not plain_sampling:
+        # with none, every step's rows are plain greedy (plain) without a look at each request.
         self._not_argmax_ids: set[str] = set()
+        self._not_plain_ids: set[str] = set()
 
     @property
     def spec_decode_stats(self) -> SpecDecodeStats:
@@ -344,6 +345,8 @@ class EngineCore:
             self._min_tokens_ids.add(request.request_id)
         if not request.argmax_only:
             self._not_argmax_ids.add(request.request_id)
+        if not request.plain_sampling:
+            self._not_plain_ids.add(request.request_id)
 
     def finish_requests(
         self, request_ids: list[str], status: RequestStatus, stop_reason: str | None = None
@@ -366,6 +369,7 @@ class EngineCore:
             self._sync_request_ids.discard(request_id)
             self._min_tokens_ids.discard(request_id)
             self._not_argmax_ids.discard(request_id)
+            self._not_plain_ids.discard(request_id)
             if self.proposer is not None:
                 self.proposer.forget(request_id)
         self.scheduler.finish_requests(request_ids, status)
@@ -874,6 +878,7 @@ class EngineCore:
             else [None] * num_rows,
             stop_token_ids_to_block=blocked,
             all_argmax_only=all_argmax_only,
+            all_plain=True if not self._not_plain_ids else None,
         )
 
     def _finish_outputs(
@@ -908,6 +913,7 @@ class EngineCore:
         self._sync_request_ids.discard(request_id)
         self._min_tokens_ids.discard(request_id)
         self._not_argmax_ids.discard(request_id)
+        self._not_plain_ids.discard(request_id)
         if request.hold_kv and request_id in self.scheduler.detached:
             return self._hold_kv(request, rows, generator)
         return None

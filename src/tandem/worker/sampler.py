@@ -40,9 +40,11 @@ class SamplingInputs:
     # cannot be sampled anyway and are ignored.
     stop_token_ids_to_block: list[Sequence[int]]
     # (params carry the rest: allowed_token_ids, bad-word token ids, logit_bias, penalties)
-    # Whether every row's params are argmax_only, when the caller knows (it saves a pass over
-    # every row's attributes per step); None: the sampler looks.
+    # Whether every row's params are argmax_only, and whether every row's are plain_sampling,
+    # when the caller knows (each saves a pass over every row's attributes per step); None:
+    # the sampler looks.
     all_argmax_only: bool | None = None
+    all_plain: bool | None = None
 
     def __post_init__(self) -> None:
         lengths = {
@@ -64,6 +66,7 @@ class SamplingInputs:
             [self.generators[i] for i in rows],
             [self.stop_token_ids_to_block[i] for i in rows],
             True if self.all_argmax_only else None,
+            True if self.all_plain else None,
         )
 
 
@@ -142,6 +145,8 @@ def _kernel_rows(logits: torch.Tensor, inputs: SamplingInputs) -> list[int]:
     logprobs."""
     if not cpu_kernel.takes_logits(logits):
         return []
+    if inputs.all_plain and not any(inputs.stop_token_ids_to_block):
+        return list(range(len(inputs.params)))
     return [
         row
         for row, (params, blocked) in enumerate(
@@ -156,22 +161,29 @@ def _sample_in_kernel(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Ten
     mass in vocabulary order, in a few passes over each row where the torch path makes a
     dozen over copies of the batch); _kernel_rows chose them."""
     params = inputs.params
-    vocab = logits.shape[1]
     draws = [_draws(p) for p in params]
-    # Rows that take the argmax draw nothing, as in the torch path.
-    generators = [g if d else None for g, d in zip(inputs.generators, draws, strict=True)]
+    generators = inputs.generators
+    if any(generators):  # seeded rows that take the argmax draw nothing, as in the torch path
+        generators = [g if d else None for g, d in zip(generators, draws, strict=True)]
     uniforms = row_uniforms(generators, logits.device)
-    rows = [kernel_parameters(p, vocab) for p in params]
-    tokens = cpu_kernel.sample_rows(logits, *map(list, zip(*rows, strict=True)), uniforms)
+    columns = kernel_columns(params, draws, logits.shape[1])
+    tokens = cpu_kernel.sample_rows(logits, *columns, uniforms)
     assert tokens is not None  # _kernel_rows saw the kernel take these logits
     return tokens
 
 
-def kernel_parameters(params: SamplingParams, vocab: int) -> tuple[float, int, float, float]:
-    """A row's temperature (0: the argmax), top-k (0: none), top-p and min-p as the C sampler
-    takes them (csrc/sample_rows.c)."""
-    temperature = params.temperature if _draws(params) else 0.0
-    return temperature, params.top_k if 0 < params.top_k < vocab else 0, params.top_p, params.min_p
+def kernel_columns(
+    params: Sequence[SamplingParams], draws: Sequence[bool], vocab: int
+) -> tuple[list[float], list[int], list[float], list[float]]:
+    """The rows' temperatures (0: the argmax; `draws`: each row's _draws), top-k (0: none),
+    top-p and min-p as the C sampler takes them (csrc/sample_rows.c): a list each, one pass
+    over the rows each (a tuple per row, transposed, cost twice as much a step)."""
+    return (
+        [p.temperature if d else 0.0 for p, d in zip(params, draws, strict=True)],
+        [p.top_k if 0 < p.top_k < vocab else 0 for p in params],
+        [p.top_p for p in params],
+        [p.min_p for p in params],
+    )
 
 
 @dataclass(frozen=True)
@@ -215,8 +227,8 @@ def burst_draws(
         if generator is not None and _draws(row_params):
             states.append((generator, generator.get_state()))
             uniforms[:, row] = torch.rand(num_steps, generator=generator)
-    columns = zip(*(kernel_parameters(p, vocab) for p in params), strict=True)
-    return BurstDraws(*map(list, columns), uniforms, states)
+    columns = kernel_columns(params, [_draws(p) for p in params], vocab)
+    return BurstDraws(*columns, uniforms, states)
 
 
 def _sample_rows(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
