@@ -15,7 +15,7 @@ import torch
 from tandem.attention import cpu_kernel
 from tandem.sampling_params import SamplingParams
 from tandem.worker import sampler
-from tandem.worker.logits_processors import apply_penalties, process_logits
+from tandem.worker.logits_processors import apply_penalties, modifies_logits, process_logits
 from tandem.worker.sampler import (
     LogprobsTensors,
     SamplingInputs,
@@ -901,6 +901,14 @@ def test_the_callers_all_plain_hint_changes_no_row_and_no_token():
     assert make_inputs(params).select([0, 2]).all_plain is None
     selected = dataclasses.replace(make_inputs(params), all_plain=True).select([0, 2])
     assert selected.all_plain is True
+    # The torch path (a GPU's) takes the hint too: no pass to find what processes the logits.
+    assert not modifies_logits(selected)
+    assert modifies_logits(dataclasses.replace(selected, stop_token_ids_to_block=[[7], []]))
+    torch_tokens = [sampler._sample_in_torch(logits, dataclasses.replace(
+        make_inputs(params, generators=[torch.Generator().manual_seed(p.seed or 0)
+                                        for p in params]), all_plain=hint)).token_ids.tolist()
+        for hint in (True, None)]  # fmt: skip
+    assert torch_tokens[0] == torch_tokens[1]
 
 
 @needs_cpu_kernels

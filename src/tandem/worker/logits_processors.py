@@ -135,8 +135,11 @@ def changes_logits(params: SamplingParams) -> bool:
 
 def modifies_logits(inputs: SamplingInputs) -> bool:
     """Whether process_logits changes anything for this batch (otherwise it hands the tensor
-    back untouched)."""
-    return any(inputs.stop_token_ids_to_block) or any(map(changes_logits, inputs.params))
+    back untouched). Rows the caller knows are all plain_sampling change nothing but by
+    min_tokens' blocked ids."""
+    if any(inputs.stop_token_ids_to_block):
+        return True
+    return not inputs.all_plain and any(map(changes_logits, inputs.params))
 
 
 def reads_output_tokens(params: SamplingParams) -> bool:
