@@ -1,8 +1,8 @@
 """The step loop's own cost per running request (issue 13, items 1 and 2). The model is a
 stand-in for a device: a tiny Llama whose forward is replaced by a device step of --device-ms
-(a sleep, which releases the GIL) returning constant logits, so what is timed is tandem's own
-work: scheduling, input preparation, sampling bookkeeping, recording the tokens, building
-outputs.
+(a sleep, which releases the GIL) returning the same logits each step, so what is timed is
+tandem's own work: scheduling, input preparation, sampling bookkeeping, recording the tokens,
+building outputs.
 
 1. Device time 0: for 16 to 1,024 running decodes, the engine core's step (what the server's
    core process runs) per running request, and the front end's output processing per request
@@ -10,9 +10,10 @@ outputs.
    sampler's arithmetic runs on the stand-in device (as part 2's does, and as a GPU's does),
    and the steps inside gc_policy.step_loop_gc, as the engine-core process runs them; two more
    columns time the step with the sampler on the host, and at CPython's default collector
-   thresholds, and one with prompts of LONG_CONTEXT tokens and more (a step's work must
-   not grow with what the requests hold). Prompt lengths are staggered over a block, as a
-   server's are, so that each step a sixteenth of the requests fills a block.
+   thresholds, one with prompts of LONG_CONTEXT tokens and more (a step's work must not grow
+   with what the requests hold), and one with every request sampled at a chat server's
+   temperature and top-p by the sampler on the host. Prompt lengths are staggered over a
+   block, as a server's are, so that each step a sixteenth of the requests fills a block.
 2. Device time --device-ms, sampling included (as on a GPU, where it is kernels behind the
    forward), the device asynchronous as a CUDA stream is (StandInDevice): steps per second
    with async scheduling off and on, as a share of 1 / device time. Target: within 5% with it
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import platform
 import statistics
@@ -45,6 +47,9 @@ from tandem.engine.gc_policy import step_loop_gc
 from tandem.worker.sampler import SamplerOutput, SamplingInputs
 
 RUNNING = (16, 64, 256, 1024)
+GREEDY = SamplingParams(temperature=0)
+# The last column of part 1: random sampling as a chat server's (the sampler on the host).
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.95)
 LONG_CONTEXT = 1000  # tokens of the shortest prompt, for the last column of part 1
 BATCHED_TOKENS = 16384  # the engine's max_num_batched_tokens: a long-context setup is short
 WARM_UP_STEPS = 3
@@ -92,13 +97,17 @@ def stand_in_engine(
     device_seconds: float,
     steps: int,
     prompt_len: int = 8,
+    sampling: SamplingParams = GREEDY,
     **kwargs,
 ) -> LLM:
     """An engine with `running` requests of prompts of `prompt_len` to `prompt_len` + 15
-    tokens, all decoding, with KV blocks for `steps` more steps, on a device that takes
-    `device_seconds` per forward. The lengths are staggered as a server's are: each step a
-    sixteenth of the requests fills a block (a new one, the full one hashed into the prefix
-    cache), not all of them one step in sixteen. With async scheduling the device runs
+    tokens, all decoding with `sampling` (its max_tokens and ignore_eos aside: they run on),
+    with KV blocks for `steps` more steps, on a device that takes `device_seconds` per forward
+    and returns the same logits every step (each row a fixed draw of N(0, 4²), peaked as a
+    language model's are, so that top-p finds its cut where it does on real text). The
+    lengths are staggered as a server's are: each step a sixteenth of the requests fills a
+    block (a new one, the full one hashed into the prefix cache), not all of them one step in
+    sixteen. With async scheduling the device runs
     asynchronously (StandInDevice); without, the forward blocks for it, as reading the
     sampled ids right after the launch does on a GPU."""
     # Each request's tokens by the end: its prompt, what it decodes while the later prompts
@@ -113,7 +122,8 @@ def stand_in_engine(
     model = core.runner.model
     # The device's output buffers: what it computes costs the host nothing.
     hidden = torch.zeros(BATCHED_TOKENS, model.config.hidden_size)
-    logits = torch.zeros(BATCHED_TOKENS, model.config.vocab_size)
+    logits = 4 * torch.randn(running, model.config.vocab_size,
+                             generator=torch.Generator().manual_seed(0))  # fmt: skip
     device = StandInDevice(device_seconds)
 
     def device_forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -127,7 +137,7 @@ def stand_in_engine(
     model.compute_logits = lambda rows: logits[: len(rows)]
     if core.async_scheduling:
         core.runner.completion_event = device.completion_event
-    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    params = dataclasses.replace(sampling, max_tokens=10_000, ignore_eos=True)
     vocab_size = model.config.vocab_size
     for index in range(running):
         # Prompts differ in their first two tokens: no request shares another's blocks.
@@ -154,13 +164,14 @@ def step_loop_costs(
     folder: Path,
     running: int,
     steps: int,
-    variants: dict[str, tuple[bool, int]],
+    variants: dict[str, tuple[bool, int, SamplingParams]],
     tuned_gc: bool = True,
 ) -> dict[str, LoopCost]:
     """The engine core's cost (and the front end's) per running request per step, as the
     fastest round of 10 steps (this machine is shared, and what is wanted is the cost, not the
     neighbours' load) and as the mean over all steps (what a long run pays, the collector's
-    runs included), for each variant: name -> (sample_on_device, prompt_len). Each variant is
+    runs included), for each variant: name -> (sample_on_device, prompt_len, sampling). Each
+    variant is
     an engine of its own, their rounds taken in turn, so that a slow spell of the machine
     falls on all of them. `sample_on_device`: the sampler's arithmetic (an argmax over the
     vocabulary of every row) is the stand-in device's, as it is a GPU's; the host still builds
@@ -169,14 +180,16 @@ def step_loop_costs(
     CPython's default thresholds (then run one variant alone: the collector's full passes
     traverse every live engine)."""
     timers = {
-        name: RoundTimer(stand_in_engine(folder, running, 0.0, steps, prompt_len).llm_engine)
-        for name, (_, prompt_len) in variants.items()
+        name: RoundTimer(
+            stand_in_engine(folder, running, 0.0, steps, prompt_len, sampling).llm_engine
+        )
+        for name, (_, prompt_len, sampling) in variants.items()
     }
     host_sample = engine_core.sample
     try:
         with step_loop_gc() if tuned_gc else contextlib.nullcontext():
             for _ in range(max(1, steps // 10)):
-                for name, (sample_on_device, _) in variants.items():
+                for name, (sample_on_device, _, _) in variants.items():
                     engine_core.sample = device_sample if sample_on_device else host_sample
                     timers[name].run_round()
     finally:
@@ -278,26 +291,35 @@ def main() -> None:
           "the sampler's argmax over the tiny model's 1,024-token vocabulary on the host. "
           "Column 7: CPython's default collector thresholds. Column 8: every request's "
           f"prompts of {LONG_CONTEXT}-{LONG_CONTEXT + BLOCK_SIZE - 1} tokens (the others: "
-          f"8-{7 + BLOCK_SIZE}), plus the steps run.")  # fmt: skip
+          f"8-{7 + BLOCK_SIZE}), plus the steps run. Column 9: every request sampled at "
+          f"temperature {SAMPLED.temperature}, top-p {SAMPLED.top_p}, by the sampler on the "
+          "host.")  # fmt: skip
     print("| running requests | core step ms | core µs per request | core µs per request, mean "
           "of all steps | front end µs per request | core µs, sampling on the host | core µs, "
-          f"mean, default GC | core µs, {LONG_CONTEXT}+-token contexts |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+          f"mean, default GC | core µs, {LONG_CONTEXT}+-token contexts | core µs, sampled on "
+          "the host |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as folder:
         model = tiny_model(Path(folder))
         for running in RUNNING:
             default_gc = step_loop_costs(
-                model, running, args.steps, {"default GC": (True, 8)}, tuned_gc=False
+                model, running, args.steps, {"default GC": (True, 8, GREEDY)}, tuned_gc=False
             )["default GC"]
             costs = step_loop_costs(
                 model, running, args.steps,
-                {"device": (True, 8), "host": (False, 8), "long": (True, LONG_CONTEXT)},
+                {"device": (True, 8, GREEDY), "host": (False, 8, GREEDY),
+                 "long": (True, LONG_CONTEXT, GREEDY)},
             )  # fmt: skip
+            # Alone, as the default-GC engine: a fourth engine taking its rounds between the
+            # others' would push their code and data out of the caches too (+10-15% at 1,024).
+            sampled = step_loop_costs(model, running, args.steps, {"sampled": (False, 8, SAMPLED)})[
+                "sampled"
+            ]
             cost, host, long = costs["device"], costs["host"], costs["long"]
             print(f"| {running} | {cost.core_fastest * running / 1000:.2f} | "
                   f"{cost.core_fastest:.1f} | {cost.core_mean:.1f} | {cost.front_end:.1f} | "
                   f"{host.core_fastest:.1f} | {default_gc.core_mean:.1f} | "
-                  f"{long.core_fastest:.1f} |")  # fmt: skip
+                  f"{long.core_fastest:.1f} | {sampled.core_fastest:.1f} |")  # fmt: skip
         if args.step_loop_only:
             return
         ideal = 1000 / args.device_ms
