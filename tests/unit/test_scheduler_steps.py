@@ -144,6 +144,26 @@ def test_no_burst_where_its_blocks_are_not_there(monkeypatch):
     assert output.num_steps == 1 and output.scheduled[0].num_new_tokens == 1
 
 
+def test_a_burst_given_up_leaves_each_entry_its_requests_blocks(monkeypatch):
+    """The burst's blocks fit a's table but not b's: a gives its extra blocks back (a new,
+    shorter list), and the step's entries carry the tables the requests hold now, not the
+    lists their decodes were planned with."""
+    scheduler, _ = two_decoding(4)
+    kv = scheduler.kv_cache_manager
+    allocate = kv.allocate_slots
+
+    def no_burst_for_b(request, num_new_tokens, *args):
+        if request.request_id == "b" and num_new_tokens > 1:
+            return None
+        return allocate(request, num_new_tokens, *args)
+
+    monkeypatch.setattr(kv, "allocate_slots", no_burst_for_b)
+    output = scheduler.schedule()
+    assert output.num_steps == 1
+    assert [s.block_ids for s in output.scheduled] == [kv.get_block_ids(r) for r in "ab"]
+    assert all(s.block_ids is kv.get_block_ids(s.request_id) for s in output.scheduled)
+
+
 def test_steps_in_flight_refuse_a_burst():
     scheduler, _ = lone_decode()
     output = scheduler.schedule()

@@ -882,6 +882,8 @@ class Scheduler:
             if kv.allocate_slots(request, max_steps) is None:
                 for allocated in requests[:index]:  # back to this step's one token each
                     kv.free_tail(allocated, allocated.num_tokens)
+                    # A new, shorter table: the entry built with the old one is built again.
+                    entries[allocated.request_id] = (allocated, 1, None)
                 return
         plan.num_steps = max_steps
 
