@@ -180,7 +180,6 @@ class KVCacheManager:
         `new_computed_blocks` (prefix-cache hits, only when the request holds no blocks yet)
         + `num_new_tokens`. Returns the ids of the newly allocated blocks, or None, having
         allocated nothing, when the pool cannot supply them."""
-        # In line (no helper calls): every request that fills a block comes here in its step.
         request_id = request.request_id
         blocks = self._req_to_blocks.get(request_id)  # None: its first blocks (admission)
         num_hits = len(new_computed_blocks)
@@ -188,8 +187,7 @@ class KVCacheManager:
             raise ValueError(f"request {request_id} already holds blocks; cache hits come first")
         num_hit_tokens = num_hits * self.block_size
         num_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens
-        num_held = num_hits if blocks is None else num_hits + len(blocks)
-        num_missing = max(0, -(-num_tokens // self.block_size) - num_held)
+        num_missing = self._num_missing_blocks(request_id, num_tokens, new_computed_blocks)
         if not self._has_room(num_missing, new_computed_blocks):
             return None
         if blocks is None:

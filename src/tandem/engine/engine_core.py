@@ -364,12 +364,8 @@ class EngineCore:
                 self.kv_connector.release(remote)
             if self.kv_connector is not None:
                 self.kv_connector.drop_stream(request_id)
-            self.generators.pop(request_id, None)
+            self._forget_sampling(request_id)
             self.prompt_logprobs_sent.pop(request_id, None)
-            self._sync_request_ids.discard(request_id)
-            self._min_tokens_ids.discard(request_id)
-            self._not_argmax_ids.discard(request_id)
-            self._not_plain_ids.discard(request_id)
             if self.proposer is not None:
                 self.proposer.forget(request_id)
         self.scheduler.finish_requests(request_ids, status)
@@ -619,14 +615,13 @@ class EngineCore:
         update = self.scheduler.update_from_output(scheduled, sampled, logprobs_by_id)
         outputs = self._finish_outputs(update, logprobs_by_id)
         num_accepted = 0 if drafts is None else sum(map(len, sampled)) - len(sampled)
-        updated = update.requests
         if self.kv_connector is not None and self.kv_connector.streaming:
             self._stage_streams(entries)
         if self.proposer is not None:
             for request_id in scheduled.preempted_request_ids:
                 self.proposer.forget(request_id)  # its KV is gone, the draft's too
             propose_start = time.perf_counter()
-            catch_up_time = self._propose(updated, scheduled.num_draft_tokens)
+            catch_up_time = self._propose(update.requests, scheduled.num_draft_tokens)
             propose_time = time.perf_counter() - propose_start
         else:
             propose_time = catch_up_time = 0.0
@@ -909,14 +904,19 @@ class EngineCore:
         """A finished request's per-request state goes; on a prefill instance its prompt KV
         is held for the decode side (the output's kv_transfer_params)."""
         request_id = request.request_id
-        generator = self.generators.pop(request_id, None)
+        generator = self._forget_sampling(request_id)
+        if request.hold_kv and request_id in self.scheduler.detached:
+            return self._hold_kv(request, rows, generator)
+        return None
+
+    def _forget_sampling(self, request_id: str) -> torch.Generator | None:
+        """Drop what the engine core keeps to sample a request (finished or aborted); its
+        seeded generator, if it had one."""
         self._sync_request_ids.discard(request_id)
         self._min_tokens_ids.discard(request_id)
         self._not_argmax_ids.discard(request_id)
         self._not_plain_ids.discard(request_id)
-        if request.hold_kv and request_id in self.scheduler.detached:
-            return self._hold_kv(request, rows, generator)
-        return None
+        return self.generators.pop(request_id, None)
 
     def _hold_kv(
         self,
