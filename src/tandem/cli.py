@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from tandem.core.request_queue import SCHEDULING_POLICIES
 from tandem.core.scheduler_config import BATCHING_POLICIES
 from tandem.sampling_params import LOGPROBS_MODES, SamplingParams
+from tandem.server.tool_parsers import TOOL_PARSERS
 
 _SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -205,6 +206,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from tandem.engine.core_client import EngineCoreClient
 
     model = args.model_tag or args.model
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     config = EngineConfig.create(
         model,
         **engine_kwargs(args),
@@ -228,6 +231,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
         trust_request_chat_template=args.trust_request_chat_template,
         response_role=args.response_role,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        # as vLLM: a parser without --enable-auto-tool-choice reads nothing
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         shutdown_timeout=args.shutdown_timeout,
         log_requests=not args.disable_log_requests,
     )
@@ -402,6 +408,13 @@ def main(argv: list[str] | None = None) -> None:
                        help="role of chat replies that start a new message")  # fmt: skip
     serve.add_argument("--return-tokens-as-token-ids", action="store_true",
                        help='logprobs name tokens "token_id:{id}" by default')  # fmt: skip
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='tool_choice "auto": read calls out of replies (needs '
+                       "--tool-call-parser)")  # fmt: skip
+    serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="how the model writes tool calls")  # fmt: skip
+    serve.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                       help='no tools in the chat template for tool_choice "none"')  # fmt: skip
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM")  # fmt: skip
     serve.add_argument("--disable-log-requests", action="store_true",

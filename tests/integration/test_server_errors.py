@@ -95,7 +95,10 @@ BAD_CHATS = [
     ("temperature=-1", {"temperature": -1}, "temperature"),
     ("top_logprobs without logprobs", {"top_logprobs": 2}, "top_logprobs"),
     ("top_logprobs=21", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("tools, no --enable-auto-tool-choice", {"tools": [{"type": "function", "function": {
+        "name": "f"}}]}, "tool_choice"),
+    ("tool_choice required", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": "required"}, "tool_choice"),
     ("unknown field", {"frobnicate": True}, "frobnicate"),
 ]  # fmt: skip
 

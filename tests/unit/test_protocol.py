@@ -332,8 +332,6 @@ UNSUPPORTED_COMMON = [
     ("thinking_token_budget", 100),
 ]
 UNSUPPORTED_CHAT = [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("tool_choice", "auto"),
     ("functions", [{"name": "f"}]),
     ("function_call", "auto"),
     ("audio", {"voice": "alloy", "format": "wav"}),
@@ -470,12 +468,12 @@ def test_best_of_equal_to_n_is_accepted() -> None:
 
 
 def test_unsupported_message_fields_are_rejected() -> None:
-    tool_call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    call = {"name": "f", "arguments": "{}"}  # OpenAI's older function calling
     error = rejection(
         ChatCompletionRequest,
-        {"messages": [{"role": "assistant", "content": None, "tool_calls": [tool_call]}]},
+        {"messages": [{"role": "assistant", "content": None, "function_call": call}]},
     )
-    assert error["loc"] == ("messages", 0, "tool_calls")
+    assert error["loc"] == ("messages", 0, "function_call")
     assert "not supported by tandem yet" in error["msg"]
 
 
@@ -946,3 +944,92 @@ def test_error_body_has_openais_shape() -> None:
     }
     assert ErrorResponse.model_validate(body).error.param == "top_p"
     assert error_body("boom", "internal_error")["error"]["param"] is None
+
+
+# -------------------------------------------------------------------------------------- tools
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_tool_choice_defaults_as_vllms() -> None:
+    assert chat().effective_tool_choice == "none"
+    assert chat(tools=[WEATHER_TOOL]).effective_tool_choice == "auto"
+    assert chat(tools=[WEATHER_TOOL], tool_choice="none").effective_tool_choice == "none"
+    assert chat(tools=[], tool_choice="required").effective_tool_choice == "none"
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert chat(tools=[WEATHER_TOOL], tool_choice=named).effective_tool_choice.function.name == (
+        "get_weather"
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"tools": [WEATHER_TOOL], "tool_choice": "sometimes"}, '"none", "auto", "required"'),
+        ({"tool_choice": "auto"}, "needs `tools`"),
+        ({"tool_choice": "required"}, "needs `tools`"),
+        (
+            {"tools": [WEATHER_TOOL], "tool_choice": {"function": {"name": "x"}}},
+            "not among `tools`",
+        ),
+    ],
+)
+def test_bad_tool_choices_say_what_is_allowed(fields: dict, words: str) -> None:
+    error = rejection(ChatCompletionRequest, {"messages": USER, **fields})
+    assert error["loc"] == ("tool_choice",)
+    assert words in error["msg"]
+
+
+@pytest.mark.parametrize(
+    ("tool", "loc"),
+    [
+        ({"type": "function", "function": {"name": ""}}, ("tools", 0, "function", "name")),
+        ({"type": "function"}, ("tools", 0, "function")),
+        ({"type": "code_interpreter", "function": {"name": "f"}}, ("tools", 0, "type")),
+        ({"type": "function", "function": {"name": "f", "extra": 1}},
+         ("tools", 0, "function", "extra")),
+    ],
+)  # fmt: skip
+def test_malformed_tools_name_the_field(tool: dict, loc: tuple) -> None:
+    assert rejection(ChatCompletionRequest, {"messages": USER, "tools": [tool]})["loc"] == loc
+
+
+def history(arguments: str) -> list[dict]:
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": arguments}}  # fmt: skip
+    return [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "Sunny", "tool_call_id": "call_1"},
+    ]
+
+
+def test_tool_calls_in_the_history_reach_the_template_with_object_arguments() -> None:
+    """As vLLM passes them: each call's arguments parsed into an object, so that templates can
+    write them with tojson; the tools in OpenAI's shape."""
+    request = chat(messages=history('{"city": "Paris"}'), tools=[WEATHER_TOOL])
+    turns = request.conversation()
+    assert turns[1] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "call_1", "type": "function",
+                        "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+    }  # fmt: skip
+    assert turns[2] == {"role": "tool", "content": "Sunny", "tool_call_id": "call_1"}
+    assert request.template_tools() == [WEATHER_TOOL]
+    empty = chat(messages=history("")).conversation()[1]["tool_calls"][0]["function"]
+    assert empty["arguments"] == {}
+
+
+@pytest.mark.parametrize("arguments", ["{not json", "[1, 2]", '"text"'])
+def test_history_arguments_must_be_a_json_object(arguments: str) -> None:
+    error = rejection(ChatCompletionRequest, {"messages": history(arguments)})
+    assert error["loc"] == ("messages", 1, "tool_calls", 0, "function", "arguments")
+    assert "JSON object" in error["msg"]

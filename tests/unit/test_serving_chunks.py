@@ -26,6 +26,7 @@ from tandem.server.serving import (
     chat_logprobs,
     completion_logprobs,
 )
+from tandem.server.tool_parsers import tool_parser
 
 TEXTS = [
     "",
@@ -81,6 +82,122 @@ def _chat(
         model="m", messages=messages or [{"role": "user", "content": "p"}], stream=True, **fields
     )
     return ChatShaper(request, _job(fields.get("n", 1)), "m", TokenText(), response_role)
+
+
+# -- tool calls read out of chat replies ------------------------------------------------------
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather"}}]
+TWO_CALLS = (
+    'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+)
+
+
+def _tool_chat(**fields: object) -> ChatShaper:
+    request = ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "p"}], stream=True, tools=TOOLS, **fields
+    )
+    job = _job(fields.get("n", 1))
+    return ChatShaper(request, job, "m", TokenText(), tool_parser=tool_parser("hermes"))
+
+
+def _pieces(text: str, size: int, index: int = 0) -> list[CompletionOutput]:
+    pieces = [text[i : i + size] for i in range(0, len(text), size)]
+    return [
+        CompletionOutput(index, piece, [5], finish_reason="stop" if last else None)
+        for last, piece in zip([False] * (len(pieces) - 1) + [True], pieces, strict=True)
+    ]
+
+
+def _streamed_message(shaper: ChatShaper, outputs: list[CompletionOutput]) -> dict:
+    """What a client that joins the deltas has: content, calls by index, finish reason."""
+    content, calls, finish = "", {}, None
+    for output in outputs:
+        chunk = shaper.chunk(0, _output(output, finished=output.finish_reason is not None))
+        if chunk is None:
+            continue
+        assert isinstance(chunk, ChatCompletionStreamResponse)  # never the text template
+        (choice,) = chunk.choices
+        content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or ():
+            call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+            call["id"] += delta.id or ""
+            call["name"] += delta.function.name or ""
+            call["arguments"] += delta.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return {"content": content or None, "calls": [calls[i] for i in sorted(calls)],
+            "finish": finish}  # fmt: skip
+
+
+def _whole_message(shaper: ChatShaper, text: str) -> dict:
+    done = _output(CompletionOutput(0, text, [5], finish_reason="stop"), finished=True)
+    choice = shaper.response(done).choices[0]
+    calls = [
+        {"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+        for c in choice.message.tool_calls
+    ]
+    return {"content": choice.message.content, "calls": calls, "finish": choice.finish_reason}
+
+
+def _without_ids(message: dict) -> dict:
+    return {**message, "calls": [{**c, "id": None} for c in message["calls"]]}
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+@pytest.mark.parametrize("text", [TWO_CALLS, "No calls here.", "<tool_call>{broken</tool_call>"])
+def test_streamed_tool_calls_equal_the_whole_replys(text: str, size: int) -> None:
+    streamed = _streamed_message(_tool_chat(), _pieces(text, size))
+    whole = _whole_message(_tool_chat(), text)
+    assert _without_ids(streamed) == _without_ids(whole)
+    if text == TWO_CALLS:
+        assert whole["content"] == "Checking."
+        assert [json.loads(c["arguments"]) for c in whole["calls"]] == [
+            {"city": "Paris"}, {"city": "Rome"}
+        ]  # fmt: skip
+        assert whole["finish"] == "tool_calls"
+        assert all(c["id"].startswith("chatcmpl-tool-") for c in streamed["calls"] + whole["calls"])
+    else:
+        assert (whole["content"], whole["calls"], whole["finish"]) == (text, [], "stop")
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
+    whole = _whole_message(_tool_chat(parallel_tool_calls=False), TWO_CALLS)
+    streamed = _streamed_message(_tool_chat(parallel_tool_calls=False), _pieces(TWO_CALLS, 5))
+    for message in whole, streamed:
+        assert [json.loads(c["arguments"]) for c in message["calls"]] == [{"city": "Paris"}]
+
+
+def test_each_choice_is_read_on_its_own() -> None:
+    shaper = _tool_chat(n=2)
+    first = shaper.chunk(
+        0, _output(CompletionOutput(0, "<tool_", [5]), CompletionOutput(1, "Hi", [6]))
+    )
+    assert [(c.index, c.delta.content) for c in first.choices] == [(1, "Hi")]  # 0 held back
+    last = shaper.chunk(
+        0,
+        _output(
+            CompletionOutput(
+                0, 'call>{"name": "get_weather", "arguments": {}}', [7], finish_reason="stop"
+            ),
+            CompletionOutput(1, " there", [8], finish_reason="stop"),
+            finished=True,
+        ),
+    )
+    by_index = {c.index: c for c in last.choices}
+    assert by_index[0].finish_reason == "tool_calls"
+    assert by_index[0].delta.tool_calls[0].function.name == "get_weather"
+    assert (by_index[1].delta.content, by_index[1].finish_reason) == (" there", "stop")
+
+
+def test_held_back_text_still_sends_its_logprobs_and_token_ids() -> None:
+    shaper = _tool_chat(logprobs=True)
+    row = {5: Logprob(-0.5, 1, "<tool_")}
+    chunk = shaper.chunk(0, _output(CompletionOutput(0, "<tool_", [5], logprobs=[row])))
+    (choice,) = chunk.choices
+    assert choice.delta.content is None and choice.logprobs.content[0].token == "<tool_"
+    chunk = _tool_chat(return_token_ids=True).chunk(0, _output(CompletionOutput(0, "<tool_", [5])))
+    assert chunk.choices[0].token_ids == [5] and chunk.choices[0].delta.content is None
+    assert _tool_chat().chunk(0, _output(CompletionOutput(0, "<tool_", [5]))) is None
 
 
 def test_plain_deltas_take_the_template_and_the_rest_the_model() -> None:

@@ -61,6 +61,7 @@ from tandem.server.serving import (
     start_jobs,
     token_text_for,
 )
+from tandem.server.tool_parsers import ToolParser, tool_parser
 
 logger = logging.getLogger("tandem.server")
 T = TypeVar("T")
@@ -76,6 +77,9 @@ class ServerSettings:
     trust_request_chat_template: bool = False  # a request's own template runs in this process
     response_role: str = "assistant"  # of chat replies that start a new message (vLLM's flag)
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:{id}" by default
+    # --enable-auto-tool-choice's --tool-call-parser (None: tool_choice "auto" is refused)
+    tool_call_parser: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False  # vLLM's flag of that name
     draining: bool = False  # set on SIGTERM: no new requests, in-flight ones finish
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -334,6 +338,35 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
             param="chat_template",
         )
 
+    def tool_calling(
+        body: ChatCompletionRequest,
+    ) -> tuple[ChatCompletionRequest, ToolParser | None]:
+        """The request as it runs (its special tokens kept where the parser reads them) and
+        the parser of its replies' calls: its tool_choice, as this server can honour it."""
+        choice = body.effective_tool_choice
+        if choice == "none":
+            return body, None
+        if choice != "auto":
+            raise OpenAIError(
+                400,
+                'tool_choice "required" and named functions need structured outputs (decoding '
+                'held to a JSON schema), which tandem does not have yet; send "auto" (with a '
+                'server started with --enable-auto-tool-choice) or "none"',
+                param="tool_choice",
+            )
+        if settings.tool_call_parser is None:
+            raise OpenAIError(
+                400,
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                'to be set (tools without a tool_choice mean "auto"); start the server so, or '
+                'send tool_choice "none"',
+                param="tool_choice",
+            )
+        parser = tool_parser(settings.tool_call_parser)
+        if parser.keeps_special_tokens:  # its markers may be special tokens
+            body = body.model_copy(update={"skip_special_tokens": False})
+        return body, parser
+
     def check_priority(body: CompletionRequest | ChatCompletionRequest) -> None:
         if body.priority != 0 and engine.config.scheduler.scheduling_policy != "priority":
             raise OpenAIError(
@@ -450,10 +483,14 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         check_chat_template(body)
         check_priority(body)
         check_capacity()
-        job = await off_loop_if_large(request, chat_job, engine, body)
+        body, parser = tool_calling(body)
+        exclude_tools = (
+            settings.exclude_tools_when_tool_choice_none and body.effective_tool_choice == "none"
+        )
+        job = await off_loop_if_large(request, chat_job, engine, body, exclude_tools)
         check_capacity()
         token_text = token_text_for(engine, body, settings.return_tokens_as_token_ids)
-        shaper = ChatShaper(body, job, model_name, token_text, settings.response_role)
+        shaper = ChatShaper(body, job, model_name, token_text, settings.response_role, parser)
         streams, outputs = start(body, [job])
         if body.stream:
             return StreamingResponse(

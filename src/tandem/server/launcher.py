@@ -77,6 +77,8 @@ async def serve(
     trust_request_chat_template: bool = False,
     response_role: str = "assistant",
     return_tokens_as_token_ids: bool = False,
+    tool_call_parser: str | None = None,
+    exclude_tools_when_tool_choice_none: bool = False,
     log_requests: bool = True,
     client: EngineCoreClient | None = None,
 ) -> int:
@@ -96,6 +98,8 @@ async def serve(
         trust_request_chat_template=trust_request_chat_template,
         response_role=response_role,
         return_tokens_as_token_ids=return_tokens_as_token_ids,
+        tool_call_parser=tool_call_parser,
+        exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
     )
     app = build_app(engine, settings)
     server = _Server(

@@ -9,7 +9,8 @@ silently dropped, except fields that cannot change the output (`user`, `metadata
 
 Fields the route itself must honour (they are not sampling settings): `stream`, `stream_options`,
 `echo`, `add_special_tokens`, the chat template fields (`chat_template`, `chat_template_kwargs`,
-`add_generation_prompt`, `continue_final_message`, `documents`), `cache_salt`, `request_id`,
+`add_generation_prompt`, `continue_final_message`, `documents`, `tools`), tool calling
+(`tool_choice`, `parallel_tool_calls`: server/tool_parsers.py), `cache_salt`, `request_id`,
 `return_token_ids`, `return_tokens_as_token_ids`, and `truncate_prompt_tokens` with
 `truncation_side` (the prompt is cut before max_tokens is fitted to the room it leaves).
 """
@@ -77,17 +78,17 @@ _UNSUPPORTED = (
     "ec_transfer_params", "vllm_xargs",
     # completions
     "suffix", "prompt_embeds",
-    # chat: tools, media, reasoning, OpenAI-hosted features
-    "tools", "tool_choice", "functions", "function_call", "tool_calls", "audio", "refusal",
+    # chat: OpenAI's older function calling, media, reasoning, OpenAI-hosted features
+    "functions", "function_call", "audio", "refusal",
     "modalities", "moderation", "web_search_options", "verbosity", "reasoning_effort",
     "include_reasoning", "mm_processor_kwargs", "media_io_kwargs",
     "return_prompt_text",
 )
 # fmt: on
+TOOL_CHOICES = ("none", "auto", "required")
 # Non-default values that still ask for nothing tandem lacks.
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "response_format": ({"type": "text"},),
-    "tool_choice": ("none",),
     "function_call": ("none",),
     "modalities": (["text"],),
     "thinking_token_budget": (-1,),
@@ -132,6 +133,59 @@ class TextContentPart(_Request):
     prompt_cache_breakpoint: dict[str, Any] | None = None  # OpenAI caching hint; no effect
 
 
+class FunctionDefinition(_Request):
+    """A tool the model may call: its name, what it does, and its arguments' JSON schema."""
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # OpenAI's schema-adherence flag; tandem does not constrain
+
+
+class ChatCompletionToolParam(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionCallParam(_Request):
+    """A call the assistant made, as a conversation's history carries it back."""
+
+    name: str
+    arguments: str  # a JSON object; "" for none
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value: str) -> str:
+        try:
+            parsed = json.loads(value) if value.strip() else {}
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise PydanticCustomError(
+                "arguments", "a tool call's `arguments` must be a JSON object, as a string"
+            )
+        return value
+
+    def template_arguments(self) -> dict[str, Any]:
+        """The arguments as chat templates take them: an object, not its JSON (vLLM's way)."""
+        return json.loads(self.arguments) if self.arguments.strip() else {}
+
+
+class ToolCallParam(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionMessageParam(_Request):
     """One message; content is a string or text parts (joined with newlines, as vLLM does)."""
 
@@ -139,7 +193,7 @@ class ChatCompletionMessageParam(_Request):
     content: str | list[TextContentPart] | None = Field(None, validate_default=True)
     name: str | None = None
     tool_call_id: str | None = None  # tool messages: which call this answers
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallParam] | None = None  # assistant messages: the calls it made
     function_call: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
     refusal: str | None = None
@@ -178,7 +232,7 @@ class _ChatPrompt(_Request):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None  # for templates that render them (RAG)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatCompletionToolParam] | None = None  # rendered by the chat template
     mm_processor_kwargs: dict[str, Any] | None = None
     media_io_kwargs: dict[str, Any] | None = None
 
@@ -211,8 +265,26 @@ class _ChatPrompt(_Request):
                 turn["name"] = message.name
             if message.tool_call_id is not None:
                 turn["tool_call_id"] = message.tool_call_id
+            if message.tool_calls:
+                turn["tool_calls"] = [
+                    {
+                        "id": call.id,
+                        "type": call.type,
+                        "function": {
+                            "name": call.function.name,
+                            "arguments": call.function.template_arguments(),
+                        },
+                    }
+                    for call in message.tool_calls
+                ]
             turns.append(turn)
         return turns
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (OpenAI's shape), None without any."""
+        if not self.tools:
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
 
 # ----------------------------------------------------------------------------- generation input
@@ -603,14 +675,17 @@ class ChatCompletionRequest(_ChatPrompt, _Generation):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = None  # false: the first call a reply makes only
     prompt_cache_key: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
     prediction: dict[str, Any] | None = None  # a latency hint: the output is the same
+    # "none" (the default without tools), "auto" (the default with them: the reply's calls are
+    # read out of its text by the server's --tool-call-parser), "required" or a named function
+    # (both need structured outputs: refused)
+    tool_choice: str | NamedToolChoice | None = None
     # accepted so that asking for them is a clear error (see _UNSUPPORTED)
-    tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
@@ -628,6 +703,37 @@ class ChatCompletionRequest(_ChatPrompt, _Generation):
         if value and not info.data.get("logprobs"):
             raise PydanticCustomError("needs_logprobs", "`top_logprobs` needs `logprobs: true`")
         return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _known_tool_choice(
+        cls, value: str | NamedToolChoice | None, info: ValidationInfo
+    ) -> str | NamedToolChoice | None:
+        if isinstance(value, str) and value not in TOOL_CHOICES:
+            choices = ", ".join(map(json.dumps, TOOL_CHOICES))
+            raise PydanticCustomError(
+                "tool_choice",
+                f"`tool_choice` is one of {choices} or a named function, "
+                '{"type": "function", "function": {"name": ...}}',
+            )
+        tools = info.data.get("tools")
+        if value not in (None, "none") and tools is None:
+            raise PydanticCustomError("tool_choice", "`tool_choice` needs `tools`")
+        if isinstance(value, NamedToolChoice) and value.function.name not in {
+            tool.function.name for tool in tools or ()
+        }:
+            raise PydanticCustomError(
+                "tool_choice", "the function `tool_choice` names is not among `tools`"
+            )
+        return value
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """As vLLM reads it: "auto" where tools are given and tool_choice is not, "none" where
+        the tools are an empty list."""
+        if not self.tools:
+            return "none"
+        return "auto" if self.tool_choice is None else self.tool_choice
 
     def to_sampling_params(
         self,

@@ -155,12 +155,24 @@ class ChatCompletionLogProbs(BaseModel):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     # The server's --response-role; with add_generation_prompt false, the last message's role
     # (vLLM's rule).
     role: str = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)  # as vLLM: [] for none
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -185,11 +197,27 @@ class ChatCompletionResponse(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's (disaggregation)
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a call: its first carries the id, type and name (tandem sends each call
+    whole, in one piece)."""
+
+    index: int  # of the call within the reply
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(BaseModel):
-    """What a stream chunk adds: the role on the first chunk, then text."""
+    """What a stream chunk adds: the role on the first chunk, then text, or calls."""
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(BaseModel):

@@ -34,10 +34,15 @@ from tandem.server.protocol_responses import (
     CompletionResponseChoice,
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     PromptTokenUsageInfo,
+    ToolCall,
     UsageInfo,
 )
+from tandem.server.protocol_responses import FunctionCall as ResponseFunctionCall
+from tandem.server.tool_parsers import FunctionCall, ToolCallStream, ToolParser
 
 
 @dataclass
@@ -112,9 +117,13 @@ def completion_jobs(engine: AsyncLLM, request: CompletionRequest) -> list[Prompt
     return jobs
 
 
-def render_chat(engine: AsyncLLM, request: ChatCompletionRequest | TokenizeChatRequest) -> str:
-    """The conversation through the chat template, as the request asks; a template that
-    cannot render it is the request's fault (400)."""
+def render_chat(
+    engine: AsyncLLM,
+    request: ChatCompletionRequest | TokenizeChatRequest,
+    exclude_tools: bool = False,
+) -> str:
+    """The conversation through the chat template, as the request asks, with its tools unless
+    `exclude_tools`; a template that cannot render it is the request's fault (400)."""
     if engine.tokenizer is None:
         raise RequestValidationError("this server has no tokenizer, so no chat template")
     try:
@@ -125,7 +134,11 @@ def render_chat(engine: AsyncLLM, request: ChatCompletionRequest | TokenizeChatR
             continue_final_message=request.continue_final_message,
             chat_template=request.chat_template,
             # the request's template kwargs win, as in vLLM
-            **{"documents": request.documents, **(request.chat_template_kwargs or {})},
+            **{
+                "documents": request.documents,
+                "tools": None if exclude_tools else request.template_tools(),
+                **(request.chat_template_kwargs or {}),
+            },
         )
     except Exception as error:
         raise RequestValidationError(
@@ -133,8 +146,10 @@ def render_chat(engine: AsyncLLM, request: ChatCompletionRequest | TokenizeChatR
         ) from error
 
 
-def chat_job(engine: AsyncLLM, request: ChatCompletionRequest) -> PromptJob:
-    text = render_chat(engine, request)
+def chat_job(
+    engine: AsyncLLM, request: ChatCompletionRequest, exclude_tools: bool = False
+) -> PromptJob:
+    text = render_chat(engine, request, exclude_tools)
     token_ids = encode(engine, text, request.add_special_tokens, "messages")
     return _job(engine, request, text, token_ids, "messages")
 
@@ -624,11 +639,17 @@ class ChatShaper:
         model: str,
         token_text: TokenText,
         response_role: str = "assistant",
+        tool_parser: ToolParser | None = None,
     ) -> None:
+        """`tool_parser`: reads each reply's calls out of its text (tool_choice "auto")."""
         self.request = request
         self.job = job
         self.model = model
         self.token_text = token_text
+        self.tool_parser = tool_parser
+        self.tool_streams: dict[int, ToolCallStream] = {}  # by choice, while they stream
+        # false: a reply's first call only (as vLLM)
+        self.num_calls_kept = 1 if request.parallel_tool_calls is False else None
         # vLLM's rule: a new message has the server's role; a continued one keeps its own.
         last = request.messages[-1]
         self.role = response_role if request.add_generation_prompt else last.role
@@ -641,7 +662,32 @@ class ChatShaper:
         self.text_chunk = TextChunk(
             self.response_id, "chat.completion.chunk", model, '"delta":{"content":'
         )
-        self.plain = _plain_request(request, bool(request.logprobs))
+        self.plain = _plain_request(request, bool(request.logprobs)) and tool_parser is None
+
+    def _tool_calls(self, calls: list[FunctionCall]) -> list[ToolCall]:
+        assert self.tool_parser is not None
+        return [
+            ToolCall(
+                id=self.tool_parser.call_id(),
+                function=ResponseFunctionCall(name=call.name, arguments=call.arguments),
+            )
+            for call in calls[: self.num_calls_kept]
+        ]
+
+    def _message(self, completion: CompletionOutput) -> tuple[ChatMessage, str | None]:
+        """A whole reply's message, its calls read out where a parser is set, and its finish
+        reason ("tool_calls" where it made calls)."""
+        if self.tool_parser is None:
+            message = ChatMessage(role=self.role, content=self.echo + completion.text)
+            return message, completion.finish_reason
+        extracted = self.tool_parser.extract(completion.text)
+        content = extracted.content
+        message = ChatMessage(
+            role=self.role,
+            content=self.echo + content if content is not None else self.echo or None,
+            tool_calls=self._tool_calls(extracted.calls),
+        )
+        return message, "tool_calls" if extracted.calls else completion.finish_reason
 
     def _logprobs(self, completion: CompletionOutput) -> ChatCompletionLogProbs | None:
         if not self.request.logprobs or completion.logprobs is None:
@@ -653,17 +699,19 @@ class ChatShaper:
 
     def response(self, output: RequestOutput) -> ChatCompletionResponse:
         self.usage.add(0, output)
-        choices = [
-            ChatCompletionResponseChoice(
-                index=completion.index,
-                message=ChatMessage(role=self.role, content=self.echo + completion.text),
-                logprobs=self._logprobs(completion),
-                finish_reason=completion.finish_reason,
-                stop_reason=completion.stop_reason,
-                token_ids=completion.token_ids if self.request.return_token_ids else None,
+        choices = []
+        for completion in output.outputs:
+            message, finish_reason = self._message(completion)
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=completion.index,
+                    message=message,
+                    logprobs=self._logprobs(completion),
+                    finish_reason=finish_reason,
+                    stop_reason=completion.stop_reason,
+                    token_ids=completion.token_ids if self.request.return_token_ids else None,
+                )
             )
-            for completion in output.outputs
-        ]
         return ChatCompletionResponse(
             id=self.response_id,
             model=self.model,
@@ -721,25 +769,58 @@ class ChatShaper:
             return None
         self.finish_sent.update(c.index for c in news if c.finish_reason is not None)
         with_logprobs = [(completion, self._logprobs(completion)) for completion in news]
-        if _text_only(self.request, with_logprobs):
+        if self.tool_parser is None and _text_only(self.request, with_logprobs):
             return self.text_chunk(news[0].index, news[0].text)
-        choices = [
-            ChatCompletionResponseStreamChoice(
-                index=completion.index,
-                delta=DeltaMessage(content=completion.text),
-                logprobs=logprobs,
-                finish_reason=completion.finish_reason,
-                stop_reason=completion.stop_reason,
-                token_ids=completion.token_ids if self.request.return_token_ids else None,
+        choices = []
+        for completion, logprobs in with_logprobs:
+            delta, finish_reason = self._delta(completion)
+            nothing_else = logprobs is None and not self.request.return_token_ids
+            if delta is None and finish_reason is None and nothing_else:
+                continue  # text held back (it may be a call), and nothing else to send
+            choices.append(
+                ChatCompletionResponseStreamChoice(
+                    index=completion.index,
+                    delta=delta or DeltaMessage(),
+                    logprobs=logprobs,
+                    finish_reason=finish_reason,
+                    stop_reason=completion.stop_reason,
+                    token_ids=completion.token_ids if self.request.return_token_ids else None,
+                )
             )
-            for completion, logprobs in with_logprobs
-        ]
+        if not choices:
+            return None
         return ChatCompletionStreamResponse(
             id=self.response_id,
             model=self.model,
             choices=choices,
             usage=self.usage.usage() if _continuous_usage(self.request) else None,
         )
+
+    def _delta(self, completion: CompletionOutput) -> tuple[DeltaMessage | None, str | None]:
+        """A streamed choice's new piece (None: nothing to send yet) and finish reason. With a
+        tool parser, text that may be a call waits for the reply's end (ToolCallStream)."""
+        if self.tool_parser is None:
+            return DeltaMessage(content=completion.text), completion.finish_reason
+        stream = self.tool_streams.setdefault(completion.index, ToolCallStream(self.tool_parser))
+        content = stream.feed(completion.text)
+        if completion.finish_reason is None:
+            return (DeltaMessage(content=content) if content else None), None
+        del self.tool_streams[completion.index]
+        rest, calls = stream.finish()
+        content += rest
+        deltas = [
+            DeltaToolCall(
+                index=index,
+                id=call.id,
+                type=call.type,
+                function=DeltaFunctionCall(
+                    name=call.function.name, arguments=call.function.arguments
+                ),
+            )
+            for index, call in enumerate(self._tool_calls(calls))
+        ]
+        delta = DeltaMessage(content=content or None, tool_calls=deltas or None)
+        return delta, "tool_calls" if calls else completion.finish_reason
 
     def usage_chunk(self) -> ChatCompletionStreamResponse | None:
         options = self.request.stream_options
