@@ -973,6 +973,8 @@ def test_tool_choice_defaults_as_vllms() -> None:
     ("fields", "words"),
     [
         ({"tools": [WEATHER_TOOL], "tool_choice": "sometimes"}, '"none", "auto", "required"'),
+        ({"tools": [WEATHER_TOOL], "tool_choice": {"function": {"nam": "x"}}}, "a named function"),
+        ({"tools": [WEATHER_TOOL], "tool_choice": 5}, '"none", "auto", "required"'),
         ({"tool_choice": "auto"}, "needs `tools`"),
         ({"tool_choice": "required"}, "needs `tools`"),
         (

@@ -704,18 +704,23 @@ class ChatCompletionRequest(_ChatPrompt, _Generation):
             raise PydanticCustomError("needs_logprobs", "`top_logprobs` needs `logprobs: true`")
         return value
 
-    @field_validator("tool_choice")
+    @field_validator("tool_choice", mode="before")
     @classmethod
-    def _known_tool_choice(
-        cls, value: str | NamedToolChoice | None, info: ValidationInfo
-    ) -> str | NamedToolChoice | None:
-        if isinstance(value, str) and value not in TOOL_CHOICES:
-            choices = ", ".join(map(json.dumps, TOOL_CHOICES))
-            raise PydanticCustomError(
-                "tool_choice",
-                f"`tool_choice` is one of {choices} or a named function, "
-                '{"type": "function", "function": {"name": ...}}',
-            )
+    def _known_tool_choice(cls, value: Any, info: ValidationInfo) -> Any:
+        """One error that says what is allowed (the union's would name each branch)."""
+        choices = ", ".join(map(json.dumps, TOOL_CHOICES))
+        allowed = PydanticCustomError(
+            "tool_choice",
+            f"`tool_choice` is one of {choices} or a named function, "
+            '{"type": "function", "function": {"name": ...}}',
+        )
+        if isinstance(value, dict):
+            try:
+                value = NamedToolChoice.model_validate(value)
+            except ValueError:  # pydantic's ValidationError is one
+                raise allowed from None
+        elif not isinstance(value, NamedToolChoice | None) and value not in TOOL_CHOICES:
+            raise allowed
         tools = info.data.get("tools")
         if value not in (None, "none") and tools is None:
             raise PydanticCustomError("tool_choice", "`tool_choice` needs `tools`")
