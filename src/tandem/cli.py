@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from tandem.core.request_queue import SCHEDULING_POLICIES
 from tandem.core.scheduler_config import BATCHING_POLICIES
 from tandem.sampling_params import LOGPROBS_MODES, SamplingParams
+from tandem.server.reasoning_parsers import REASONING_PARSERS
 from tandem.server.tool_parsers import TOOL_PARSERS
 
 _SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
@@ -234,6 +235,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         # as vLLM: a parser without --enable-auto-tool-choice reads nothing
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        reasoning_parser=args.reasoning_parser,
         shutdown_timeout=args.shutdown_timeout,
         log_requests=not args.disable_log_requests,
     )
@@ -413,6 +415,8 @@ def main(argv: list[str] | None = None) -> None:
                        "--tool-call-parser)")  # fmt: skip
     serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                        help="how the model writes tool calls")  # fmt: skip
+    serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="split reasoning models' thinking from their answers")  # fmt: skip
     serve.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                        help='no tools in the chat template for tool_choice "none"')  # fmt: skip
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,

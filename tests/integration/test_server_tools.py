@@ -1,6 +1,7 @@
-"""Tool calling as agents use it: the `openai` client against `tandem serve
---enable-auto-tool-choice --tool-call-parser hermes`, the embedded model shown three calls in
-its history (so that it writes a fourth), a Hermes-style chat template sent with the request."""
+"""Tool calling and reasoning as agents use them: the `openai` client against `tandem serve
+--enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3`, the embedded
+model shown three calls (or three thought-out answers) in its history, so that it writes a
+fourth, a Hermes-style chat template sent with the request."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+
+from tandem.server.reasoning_parsers import reasoning_parser
 
 from server_process import ServerProcess
 
@@ -78,7 +81,8 @@ REQUEST = {"model": "default", "temperature": 0, "max_tokens": 40,
 def tools_server(tmp_path_factory) -> Iterator[ServerProcess]:
     with ServerProcess(
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-        "--exclude-tools-when-tool-choice-none", "--trust-request-chat-template",
+        "--exclude-tools-when-tool-choice-none", "--reasoning-parser", "qwen3",
+        "--trust-request-chat-template",
         log_dir=tmp_path_factory.mktemp("tools-server"), name="tools-server",
     ) as server:  # fmt: skip
         yield server
@@ -156,6 +160,47 @@ def test_the_default_server_renders_tools_and_refuses_auto(default_server: Serve
     named = {"type": "function", "function": {"name": "get_weather"}}
     with pytest.raises(openai.BadRequestError, match="structured outputs"):
         client.chat.completions.create(messages=OSLO, tools=TOOLS, tool_choice=named, **REQUEST)
+
+
+# Three answers, each thought out first: the model thinks before the fourth too.
+THOUGHT_OUT = [
+    message
+    for question, thought, answer in [
+        ("What is 2 + 2?", "Two plus two makes four.", "4"),
+        ("What is 3 + 5?", "Three plus five makes eight.", "8"),
+        ("What is 6 + 1?", "Six plus one makes seven.", "7"),
+    ]
+    for message in (
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": f"<think>{thought}</think>{answer}"},
+    )
+] + [{"role": "user", "content": "What is 4 + 4?"}]
+
+
+def test_the_thinking_is_split_from_the_answer(
+    client: openai.OpenAI, default_server: ServerProcess
+) -> None:
+    """The same greedy reply as the default server's (no parser), split at its think block;
+    streamed, the same split; with include_reasoning false, the answer alone."""
+    raw = openai.OpenAI(base_url=default_server.base_url, api_key="x", max_retries=0)
+    text = raw.chat.completions.create(messages=THOUGHT_OUT, **REQUEST).choices[0].message.content
+    assert "</think>" in text
+    reasoning, content = reasoning_parser("qwen3").split(text)
+    message = client.chat.completions.create(messages=THOUGHT_OUT, **REQUEST).choices[0].message
+    assert (message.reasoning, message.reasoning_content, message.content) == (
+        reasoning, reasoning, content
+    )  # fmt: skip
+    streamed = {"reasoning": "", "content": ""}
+    for chunk in client.chat.completions.create(messages=THOUGHT_OUT, stream=True, **REQUEST):
+        delta = chunk.choices[0].delta
+        streamed["reasoning"] += getattr(delta, "reasoning", None) or ""
+        streamed["content"] += delta.content or ""
+    assert streamed == {"reasoning": reasoning, "content": content}
+    extra = {**REQUEST["extra_body"], "include_reasoning": False}
+    reply = client.chat.completions.create(messages=THOUGHT_OUT, **{**REQUEST, "extra_body": extra})
+    assert (reply.choices[0].message.reasoning, reply.choices[0].message.content) == (
+        None, content
+    )  # fmt: skip
 
 
 def test_auto_tool_choice_needs_a_parser_before_the_model_loads() -> None:

@@ -336,7 +336,6 @@ UNSUPPORTED_CHAT = [
     ("function_call", "auto"),
     ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]),
-    ("include_reasoning", False),
     ("reasoning_effort", "low"),
     ("verbosity", "low"),
     ("web_search_options", {"search_context_size": "low"}),

@@ -17,6 +17,7 @@ from tandem.server.protocol_responses import (
     CompletionStreamResponse,
     DeltaMessage,
 )
+from tandem.server.reasoning_parsers import reasoning_parser
 from tandem.server.serving import (
     ChatShaper,
     CompletionShaper,
@@ -93,12 +94,18 @@ TWO_CALLS = (
 )
 
 
-def _tool_chat(**fields: object) -> ChatShaper:
+def _tool_chat(thinking: str | None = None, tools: bool = True, **fields: object) -> ChatShaper:
+    """A streamed chat whose replies' calls the hermes parser reads (with `thinking`, split off
+    by that reasoning parser first; without `tools`, only that)."""
     request = ChatCompletionRequest(
-        model="m", messages=[{"role": "user", "content": "p"}], stream=True, tools=TOOLS, **fields
-    )
-    job = _job(fields.get("n", 1))
-    return ChatShaper(request, job, "m", TokenText(), tool_parser=tool_parser("hermes"))
+        model="m", messages=[{"role": "user", "content": "p"}], stream=True,
+        tools=TOOLS if tools else None, **fields,
+    )  # fmt: skip
+    return ChatShaper(
+        request, _job(fields.get("n", 1)), "m", TokenText(),
+        tool_parser=tool_parser("hermes") if tools else None,
+        reasoning_parser=None if thinking is None else reasoning_parser(thinking),
+    )  # fmt: skip
 
 
 def _pieces(text: str, size: int, index: int = 0) -> list[CompletionOutput]:
@@ -110,8 +117,9 @@ def _pieces(text: str, size: int, index: int = 0) -> list[CompletionOutput]:
 
 
 def _streamed_message(shaper: ChatShaper, outputs: list[CompletionOutput]) -> dict:
-    """What a client that joins the deltas has: content, calls by index, finish reason."""
-    content, calls, finish = "", {}, None
+    """What a client that joins the deltas has: content, reasoning, calls by index, finish
+    reason."""
+    content, reasoning, calls, finish = "", "", {}, None
     for output in outputs:
         chunk = shaper.chunk(0, _output(output, finished=output.finish_reason is not None))
         if chunk is None:
@@ -119,14 +127,16 @@ def _streamed_message(shaper: ChatShaper, outputs: list[CompletionOutput]) -> di
         assert isinstance(chunk, ChatCompletionStreamResponse)  # never the text template
         (choice,) = chunk.choices
         content += choice.delta.content or ""
+        reasoning += choice.delta.reasoning or ""
+        assert choice.delta.reasoning_content == choice.delta.reasoning
         for delta in choice.delta.tool_calls or ():
             call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
             call["id"] += delta.id or ""
             call["name"] += delta.function.name or ""
             call["arguments"] += delta.function.arguments or ""
         finish = choice.finish_reason or finish
-    return {"content": content or None, "calls": [calls[i] for i in sorted(calls)],
-            "finish": finish}  # fmt: skip
+    return {"content": content or None, "reasoning": reasoning or None,
+            "calls": [calls[i] for i in sorted(calls)], "finish": finish}  # fmt: skip
 
 
 def _whole_message(shaper: ChatShaper, text: str) -> dict:
@@ -136,7 +146,10 @@ def _whole_message(shaper: ChatShaper, text: str) -> dict:
         {"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
         for c in choice.message.tool_calls
     ]
-    return {"content": choice.message.content, "calls": calls, "finish": choice.finish_reason}
+    message = choice.message
+    assert message.reasoning_content == message.reasoning
+    return {"content": message.content, "reasoning": message.reasoning, "calls": calls,
+            "finish": choice.finish_reason}  # fmt: skip
 
 
 def _without_ids(message: dict) -> dict:
@@ -318,3 +331,36 @@ def test_logprob_tokens_as_token_ids_and_the_first_prompt_tokens_text() -> None:
     chat = chat_logprobs([7], rows[1:], 1, TokenText(as_token_ids=True)).content[0]
     assert (chat.token, chat.bytes) == ("token_id:7", list(b"token_id:7"))
     assert [top.token for top in chat.top_logprobs] == ["token_id:7"]
+
+
+THOUGHT = "<think>The user wants Paris's weather.</think>"
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+@pytest.mark.parametrize(
+    "text", [THOUGHT + TWO_CALLS, THOUGHT + "It is sunny.", "<think>cut off", "No thinking."]
+)
+@pytest.mark.parametrize("tools", [True, False])
+def test_streamed_reasoning_equals_the_whole_replys(text: str, size: int, tools: bool) -> None:
+    """The thinking split off first, the calls read from the answer; a stream gives what the
+    whole reply gives."""
+    streamed = _streamed_message(_tool_chat("qwen3", tools), _pieces(text, size))
+    whole = _whole_message(_tool_chat("qwen3", tools), text)
+    assert _without_ids(streamed) == _without_ids(whole)
+    expected_reasoning = {THOUGHT + TWO_CALLS: "The user wants Paris's weather.",
+                          THOUGHT + "It is sunny.": "The user wants Paris's weather.",
+                          "<think>cut off": "cut off", "No thinking.": None}  # fmt: skip
+    assert whole["reasoning"] == expected_reasoning[text]
+    if text == THOUGHT + TWO_CALLS:
+        assert len(whole["calls"]) == (2 if tools else 0)
+        assert whole["content"] == ("Checking." if tools else TWO_CALLS)
+
+
+def test_include_reasoning_false_leaves_the_thinking_out() -> None:
+    text = THOUGHT + "It is sunny."
+    whole = _whole_message(_tool_chat("deepseek_r1", include_reasoning=False), text)
+    streamed = _streamed_message(
+        _tool_chat("deepseek_r1", include_reasoning=False), _pieces(text, 3)
+    )
+    for message in whole, streamed:
+        assert (message["reasoning"], message["content"]) == (None, "It is sunny.")

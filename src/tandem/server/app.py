@@ -47,6 +47,7 @@ from tandem.server.protocol_responses import (
     TokenizeResponse,
     error_body,
 )
+from tandem.server.reasoning_parsers import reasoning_parser
 from tandem.server.serving import (
     BeamSearches,
     ChatShaper,
@@ -80,6 +81,7 @@ class ServerSettings:
     # --enable-auto-tool-choice's --tool-call-parser (None: tool_choice "auto" is refused)
     tool_call_parser: str | None = None
     exclude_tools_when_tool_choice_none: bool = False  # vLLM's flag of that name
+    reasoning_parser: str | None = None  # --reasoning-parser: chat replies' thinking split off
     draining: bool = False  # set on SIGTERM: no new requests, in-flight ones finish
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -490,7 +492,11 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         job = await off_loop_if_large(request, chat_job, engine, body, exclude_tools)
         check_capacity()
         token_text = token_text_for(engine, body, settings.return_tokens_as_token_ids)
-        shaper = ChatShaper(body, job, model_name, token_text, settings.response_role, parser)
+        thinking = settings.reasoning_parser
+        shaper = ChatShaper(
+            body, job, model_name, token_text, settings.response_role, parser,
+            None if thinking is None else reasoning_parser(thinking),
+        )  # fmt: skip
         streams, outputs = start(body, [job])
         if body.stream:
             return StreamingResponse(

@@ -79,6 +79,7 @@ async def serve(
     return_tokens_as_token_ids: bool = False,
     tool_call_parser: str | None = None,
     exclude_tools_when_tool_choice_none: bool = False,
+    reasoning_parser: str | None = None,
     log_requests: bool = True,
     client: EngineCoreClient | None = None,
 ) -> int:
@@ -100,6 +101,7 @@ async def serve(
         return_tokens_as_token_ids=return_tokens_as_token_ids,
         tool_call_parser=tool_call_parser,
         exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
+        reasoning_parser=reasoning_parser,
     )
     app = build_app(engine, settings)
     server = _Server(

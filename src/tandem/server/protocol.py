@@ -81,7 +81,7 @@ _UNSUPPORTED = (
     # chat: OpenAI's older function calling, media, reasoning, OpenAI-hosted features
     "functions", "function_call", "audio", "refusal",
     "modalities", "moderation", "web_search_options", "verbosity", "reasoning_effort",
-    "include_reasoning", "mm_processor_kwargs", "media_io_kwargs",
+    "mm_processor_kwargs", "media_io_kwargs",
     "return_prompt_text",
 )
 # fmt: on
@@ -694,7 +694,7 @@ class ChatCompletionRequest(_ChatPrompt, _Generation):
     web_search_options: dict[str, Any] | None = None
     verbosity: str | None = None
     reasoning_effort: str | None = None
-    include_reasoning: bool = True
+    include_reasoning: bool = True  # false: no `reasoning` in the reply (--reasoning-parser)
     return_prompt_text: bool | None = None
 
     @field_validator("top_logprobs")

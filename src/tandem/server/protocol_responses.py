@@ -173,6 +173,9 @@ class ChatMessage(BaseModel):
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)  # as vLLM: [] for none
+    # --reasoning-parser: the thinking, under vLLM's name and its older one
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -213,10 +216,13 @@ class DeltaToolCall(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    """What a stream chunk adds: the role on the first chunk, then text, or calls."""
+    """What a stream chunk adds: the role on the first chunk, then text (thinking, answer), or
+    calls."""
 
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None  # the same, vLLM's older name
     tool_calls: list[DeltaToolCall] | None = None
 
 

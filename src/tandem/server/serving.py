@@ -42,6 +42,7 @@ from tandem.server.protocol_responses import (
     UsageInfo,
 )
 from tandem.server.protocol_responses import FunctionCall as ResponseFunctionCall
+from tandem.server.reasoning_parsers import ReasoningParser, ReasoningStream
 from tandem.server.tool_parsers import FunctionCall, ToolCallStream, ToolParser
 
 
@@ -486,6 +487,28 @@ def _running_choice(output: RequestOutput) -> CompletionOutput | None:
 
 
 @dataclass
+class _ChoiceStreams:
+    """A streamed chat choice's parsers: its thinking split off, then its calls read."""
+
+    reasoning: ReasoningStream | None
+    tools: ToolCallStream | None
+
+    def feed(self, piece: str, finished: bool) -> tuple[str, str, list[FunctionCall]]:
+        """The piece's (reasoning, content) to send, and at the reply's end its calls."""
+        reasoning, content = ("", piece) if self.reasoning is None else self.reasoning.feed(piece)
+        if finished and self.reasoning is not None:
+            more_reasoning, more_content = self.reasoning.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        calls: list[FunctionCall] = []
+        if self.tools is not None:
+            content = self.tools.feed(content)
+            if finished:
+                rest, calls = self.tools.finish()
+                content += rest
+        return reasoning, content, calls
+
+
+@dataclass
 class _ChoiceState:
     """What a completions choice has sent so far (for echo and text offsets)."""
 
@@ -640,14 +663,17 @@ class ChatShaper:
         token_text: TokenText,
         response_role: str = "assistant",
         tool_parser: ToolParser | None = None,
+        reasoning_parser: ReasoningParser | None = None,
     ) -> None:
-        """`tool_parser`: reads each reply's calls out of its text (tool_choice "auto")."""
+        """`tool_parser`: reads each reply's calls out of its text (tool_choice "auto");
+        `reasoning_parser`: splits its thinking from its answer, whose calls are read."""
         self.request = request
         self.job = job
         self.model = model
         self.token_text = token_text
         self.tool_parser = tool_parser
-        self.tool_streams: dict[int, ToolCallStream] = {}  # by choice, while they stream
+        self.reasoning_parser = reasoning_parser
+        self.streams: dict[int, _ChoiceStreams] = {}  # by choice, while they stream
         # false: a reply's first call only (as vLLM)
         self.num_calls_kept = 1 if request.parallel_tool_calls is False else None
         # vLLM's rule: a new message has the server's role; a continued one keeps its own.
@@ -662,10 +688,12 @@ class ChatShaper:
         self.text_chunk = TextChunk(
             self.response_id, "chat.completion.chunk", model, '"delta":{"content":'
         )
-        self.plain = _plain_request(request, bool(request.logprobs)) and tool_parser is None
+        self.parses = tool_parser is not None or reasoning_parser is not None
+        self.plain = _plain_request(request, bool(request.logprobs)) and not self.parses
 
     def _tool_calls(self, calls: list[FunctionCall]) -> list[ToolCall]:
-        assert self.tool_parser is not None
+        if self.tool_parser is None:
+            return []
         return [
             ToolCall(
                 id=self.tool_parser.call_id(),
@@ -675,19 +703,28 @@ class ChatShaper:
         ]
 
     def _message(self, completion: CompletionOutput) -> tuple[ChatMessage, str | None]:
-        """A whole reply's message, its calls read out where a parser is set, and its finish
-        reason ("tool_calls" where it made calls)."""
-        if self.tool_parser is None:
+        """A whole reply's message, its thinking split off and its calls read out where the
+        parsers are set, and its finish reason ("tool_calls" where it made calls)."""
+        if not self.parses:
             message = ChatMessage(role=self.role, content=self.echo + completion.text)
             return message, completion.finish_reason
-        extracted = self.tool_parser.extract(completion.text)
-        content = extracted.content
+        reasoning, content = None, completion.text
+        if self.reasoning_parser is not None:
+            reasoning, content = self.reasoning_parser.split(completion.text)
+        calls: list[FunctionCall] = []
+        if self.tool_parser is not None:
+            extracted = self.tool_parser.extract(content or "")
+            content, calls = extracted.content, extracted.calls
+        if not self.request.include_reasoning:
+            reasoning = None
         message = ChatMessage(
             role=self.role,
-            content=self.echo + content if content is not None else self.echo or None,
-            tool_calls=self._tool_calls(extracted.calls),
+            content=self.echo + content if content else self.echo or None,
+            reasoning=reasoning,
+            reasoning_content=reasoning,
+            tool_calls=self._tool_calls(calls),
         )
-        return message, "tool_calls" if extracted.calls else completion.finish_reason
+        return message, "tool_calls" if calls else completion.finish_reason
 
     def _logprobs(self, completion: CompletionOutput) -> ChatCompletionLogProbs | None:
         if not self.request.logprobs or completion.logprobs is None:
@@ -769,7 +806,7 @@ class ChatShaper:
             return None
         self.finish_sent.update(c.index for c in news if c.finish_reason is not None)
         with_logprobs = [(completion, self._logprobs(completion)) for completion in news]
-        if self.tool_parser is None and _text_only(self.request, with_logprobs):
+        if not self.parses and _text_only(self.request, with_logprobs):
             return self.text_chunk(news[0].index, news[0].text)
         choices = []
         for completion, logprobs in with_logprobs:
@@ -797,17 +834,24 @@ class ChatShaper:
         )
 
     def _delta(self, completion: CompletionOutput) -> tuple[DeltaMessage | None, str | None]:
-        """A streamed choice's new piece (None: nothing to send yet) and finish reason. With a
-        tool parser, text that may be a call waits for the reply's end (ToolCallStream)."""
-        if self.tool_parser is None:
+        """A streamed choice's new piece (None: nothing to send yet) and finish reason. With
+        the parsers, thinking and answer are split as they come, and text that may be a call
+        waits for the reply's end (ToolCallStream)."""
+        if not self.parses:
             return DeltaMessage(content=completion.text), completion.finish_reason
-        stream = self.tool_streams.setdefault(completion.index, ToolCallStream(self.tool_parser))
-        content = stream.feed(completion.text)
-        if completion.finish_reason is None:
-            return (DeltaMessage(content=content) if content else None), None
-        del self.tool_streams[completion.index]
-        rest, calls = stream.finish()
-        content += rest
+        streams = self.streams.get(completion.index)
+        if streams is None:
+            thinking, tools = self.reasoning_parser, self.tool_parser
+            streams = self.streams[completion.index] = _ChoiceStreams(
+                None if thinking is None else ReasoningStream(thinking),
+                None if tools is None else ToolCallStream(tools),
+            )
+        finished = completion.finish_reason is not None
+        reasoning, content, calls = streams.feed(completion.text, finished)
+        if finished:
+            del self.streams[completion.index]
+        if not self.request.include_reasoning:
+            reasoning = ""
         deltas = [
             DeltaToolCall(
                 index=index,
@@ -819,7 +863,14 @@ class ChatShaper:
             )
             for index, call in enumerate(self._tool_calls(calls))
         ]
-        delta = DeltaMessage(content=content or None, tool_calls=deltas or None)
+        if not (finished or reasoning or content):
+            return None, None
+        delta = DeltaMessage(
+            content=content or None,
+            reasoning=reasoning or None,
+            reasoning_content=reasoning or None,
+            tool_calls=deltas or None,
+        )
         return delta, "tool_calls" if calls else completion.finish_reason
 
     def usage_chunk(self) -> ChatCompletionStreamResponse | None:

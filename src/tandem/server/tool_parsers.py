@@ -65,7 +65,7 @@ def _as_call(value: Any) -> FunctionCall:
     return FunctionCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def _held_back(text: str, marker: str) -> int:
+def held_back(text: str, marker: str) -> int:
     """Where `text` stops being surely free of `marker`: its start, or the start of a tail
     that could be the marker's beginning."""
     found = text.find(marker)
@@ -87,7 +87,7 @@ class HermesToolParser(ToolParser):
     START, END = "<tool_call>", "</tool_call>"
 
     def content_end(self, text: str) -> int:
-        return _held_back(text, self.START)
+        return held_back(text, self.START)
 
     def extract(self, text: str) -> ExtractedToolCalls:
         start = text.find(self.START)
@@ -190,7 +190,7 @@ class MistralToolParser(ToolParser):
     _ID_CHARACTERS = string.ascii_letters + string.digits
 
     def content_end(self, text: str) -> int:
-        return _held_back(text, self.MARKER)
+        return held_back(text, self.MARKER)
 
     def extract(self, text: str) -> ExtractedToolCalls:
         start = text.find(self.MARKER)
