@@ -5,7 +5,8 @@ with a ValueError, never ignored."""
 
 from __future__ import annotations
 
-from typing import TypedDict, Union
+import json
+from typing import Any, TypedDict, Union
 
 
 class _TextPromptRequired(TypedDict):
@@ -50,3 +51,17 @@ def check_prompt_keys(prompt: dict) -> None:
                 f"unknown prompt key {key!r}: a prompt dict has 'prompt' (text) or "
                 "'prompt_token_ids', and optionally 'cache_salt'"
             )
+
+
+def tool_call_arguments(arguments: str) -> dict[str, Any]:
+    """A chat history's tool call arguments (OpenAI sends them as JSON text) as the object chat
+    templates take, as vLLM passes them ("" is no arguments); ValueError if not an object."""
+    try:
+        parsed = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise ValueError(
+            f"a tool call's `arguments` must be a JSON object, as a string; got {arguments!r}"
+        )
+    return parsed

@@ -289,6 +289,33 @@ def test_chat_continue_final_message_and_template_kwargs(smol):
 
 
 @pytest.mark.slow
+def test_chat_passes_tools_and_history_calls_to_the_template(smol):
+    """As vLLM's chat: `tools` reach the template, and each history call's JSON arguments
+    arrive as an object (a template writes them with tojson, not as an escaped string)."""
+    template = (
+        "{% for t in tools %}{{ t.function.name }};{% endfor %}"
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}"
+        "{{ c.function.arguments | tojson }}{% endfor %}|{% endfor %}"
+    )
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    conversation = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "Sunny", "tool_call_id": "c1"},
+    ]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    (out,) = smol.chat(conversation, params, chat_template=template, tools=tools,
+                       use_tqdm=False)  # fmt: skip
+    assert out.prompt == 'get_weather;|{"city": "Paris"}||'
+    call["function"]["arguments"] = "{not json"
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        smol.chat(conversation, params, chat_template=template, tools=tools)
+    assert_engine_empty(smol)
+
+
+@pytest.mark.slow
 def test_smollm2_input_validation(smol):
     good = "The capital of France is"
     with pytest.raises(ValueError, match="prompt 1 is empty"):

@@ -358,8 +358,8 @@ def test_known_but_unsupported_fields_are_rejected_when_set(
 
 
 def test_unsupported_errors_say_what_to_send_instead() -> None:
-    msg = rejection(ChatCompletionRequest, {"messages": USER, "include_reasoning": False})["msg"]
-    assert "omit it or send true" in msg
+    msg = rejection(ChatCompletionRequest, {"messages": USER, "early_stopping": True})["msg"]
+    assert "omit it or send false" in msg
     msg = rejection(CompletionRequest, {"prompt": "x", "thinking_token_budget": 100})["msg"]
     assert "omit it or send null or -1" in msg
     msg = rejection(ChatCompletionRequest, {"messages": USER, "response_format": {"type": "x"}})[

@@ -23,7 +23,7 @@ from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.log_stats import LoggingStatLogger
 from tandem.engine.tokenizer import load_tokenizer
 from tandem.engine.vllm_args import check_vllm_only_args
-from tandem.inputs import PromptType, check_prompt_keys
+from tandem.inputs import PromptType, check_prompt_keys, tool_call_arguments
 from tandem.metrics_reader import Metric, snapshot
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
@@ -439,7 +439,11 @@ class LLM:
 
 def _render_content(message: dict[str, Any], content_format: str) -> dict[str, Any]:
     """A message as the template gets it: a list of text parts is joined into one string for
-    templates that expect strings ("auto", "string"); "openai" keeps the parts."""
+    templates that expect strings ("auto", "string"); "openai" keeps the parts. Its tool
+    calls' JSON arguments become objects, as vLLM passes them."""
+    calls = message.get("tool_calls")
+    if calls:
+        message = {**message, "tool_calls": [_with_object_arguments(call) for call in calls]}
     content = message.get("content")
     if not isinstance(content, list):
         return message
@@ -449,6 +453,14 @@ def _render_content(message: dict[str, Any], content_format: str) -> dict[str, A
     if content_format == "openai":
         return message
     return {**message, "content": "\n".join(part["text"] for part in content)}
+
+
+def _with_object_arguments(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call  # arguments already an object, or a shape the template alone knows
+    arguments = tool_call_arguments(function["arguments"])
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _describe(part: Any) -> str:

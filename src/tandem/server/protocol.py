@@ -33,6 +33,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from tandem.beam_search import BeamSearchParams
+from tandem.inputs import tool_call_arguments
 from tandem.sampling_params import SamplingParams
 
 # OpenAI's documented limits; vLLM's default max_logprobs is the same 20. vLLM takes -1 (the
@@ -157,18 +158,12 @@ class FunctionCallParam(_Request):
     @classmethod
     def _json_object(cls, value: str) -> str:
         try:
-            parsed = json.loads(value) if value.strip() else {}
+            tool_call_arguments(value)
         except ValueError:
-            parsed = None
-        if not isinstance(parsed, dict):
             raise PydanticCustomError(
                 "arguments", "a tool call's `arguments` must be a JSON object, as a string"
-            )
+            ) from None
         return value
-
-    def template_arguments(self) -> dict[str, Any]:
-        """The arguments as chat templates take them: an object, not its JSON (vLLM's way)."""
-        return json.loads(self.arguments) if self.arguments.strip() else {}
 
 
 class ToolCallParam(_Request):
@@ -272,7 +267,7 @@ class _ChatPrompt(_Request):
                         "type": call.type,
                         "function": {
                             "name": call.function.name,
-                            "arguments": call.function.template_arguments(),
+                            "arguments": tool_call_arguments(call.function.arguments),
                         },
                     }
                     for call in message.tool_calls
