@@ -55,12 +55,22 @@ MESSAGE_SHAPES = [
     [{"role": "user", "content": [{"type": "text"}]}],
     [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]}],
     [{"role": "user", "content": "\ud800"}], [{"role": "user"}], [{"content": "x"}],
+    [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}],
+    [{"role": "assistant", "tool_calls": [{"id": "1", "function": {"arguments": "[1"}}]}],
+]  # fmt: skip
+# tools and tool_choice
+TOOL_SHAPES = [
+    [{"type": "function", "function": {"name": "f"}}],
+    [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    [{"function": {"name": ""}}], {"type": "function", "function": {"name": "f"}},
+    {"function": {"name": "g"}}, "auto", "required",
 ]  # fmt: skip
 NEAR_VALID = [
     0, 1, 2, -1, 4, 20, 21, 0.0, 0.5, 1.0, 1.5, -0.5, 2**63, -(2**63), 2**64, 1e308, -1e308,
     math.inf, -math.inf, math.nan, True, False, None, "", "default", "text", "user", "none",
     "Hello", "\x00", "\ud800", "a\udfffb", "{{ messages }}", "{%",
-    [], [1, 2], [0], [-1], [2**40], [""], ["x"], [[1], [2]], [[]], *MESSAGE_SHAPES,
+    [], [1, 2], [0], [-1], [2**40], [""], ["x"], [[1], [2]], [[]], *MESSAGE_SHAPES, *TOOL_SHAPES,
     {}, {"include_usage": True}, {"include_usage": True, "continuous_usage_stats": True},
     {"type": "text"}, {"tokenize": True}, {"add_generation_prompt": False}, {"x": [1, {}]},
 ]  # fmt: skip
@@ -115,6 +125,10 @@ def template_bodies(draw) -> tuple[str, bytes, str | None]:
     if draw(st.booleans()):
         key = draw(st.sampled_from(["add_generation_prompt", "continue_final_message"]))
         body[key] = draw(st.booleans() | values)
+    if draw(st.booleans()):  # tools the template renders ("none": nothing parses the reply)
+        body["tools"] = draw(st.sampled_from(TOOL_SHAPES) | values)
+        if path != "/tokenize":
+            body["tool_choice"] = "none"
     return path, json.dumps(body).encode(), "application/json"
 
 
