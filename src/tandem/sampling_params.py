@@ -157,6 +157,59 @@ def tokenize_bad_words(bad_words: Sequence[str], tokenizer: Any) -> list[list[in
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Output held to a grammar (vLLM's class of this name): exactly one of a JSON schema
+    (`json`, an object or its JSON text), any JSON object (`json_object`), a `regex`, one of
+    the strings in `choice`, or an EBNF `grammar` (xgrammar's dialect, GBNF-like). The engine
+    core compiles it (engine/structured_outputs.py) and masks every token that would leave it;
+    the reply ends when the grammar allows nothing but its end (EOS)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool = False  # no other backend to fall back to: nothing to disable
+    disable_any_whitespace: bool = False  # JSON with json.dumps's separators, no other space
+    disable_additional_properties: bool = False  # tandem's schemas allow none unless listed
+    whitespace_pattern: str | None = None  # outlines' knob; refused
+    structural_tag: str | None = None  # refused
+
+    KINDS: ClassVar[tuple[str, ...]] = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise _type_error("structured_outputs.json", self.json, "a JSON schema (dict or str)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise _type_error(f"structured_outputs.{name}", value, "a string")
+        if self.choice is not None:
+            self.choice = _string_list("structured_outputs.choice", self.choice,
+                                       "a list of non-empty strings")  # fmt: skip
+        for name in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties"):
+            _check_bool(f"structured_outputs.{name}", getattr(self, name))
+        if self.json_object is not None:
+            _check_bool("structured_outputs.json_object", self.json_object)
+        given = [name for name in self.KINDS if getattr(self, name) not in (None, False, [])]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar or "
+                f"json_object, got {given or 'none'}"
+            )
+        for name in ("whitespace_pattern", "structural_tag"):
+            if getattr(self, name) is not None:
+                raise ValueError(
+                    f"structured_outputs.{name} is not supported by tandem yet (its grammar "
+                    "engine, xgrammar, has no such option here); leave it out"
+                )
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in self.KINDS if getattr(self, name) not in (None, False, []))
+
+
+@dataclass
 class SamplingParams:
     """Per-request sampling settings; invalid values are rejected when the object is built, so a
     bad request fails at the API boundary instead of inside a running batch.
@@ -200,6 +253,7 @@ class SamplingParams:
     # vLLM's: with logprobs, each output token's logprobs give these tokens (and the sampled
     # one), each with its rank, in place of the top-N (scoring a fixed set of labels).
     logprob_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # output held to a grammar
     # vLLM v1 refuses these two; they exist so the refusal says why instead of a TypeError.
     best_of: int | None = None  # must be None or equal n
     logits_processors: list[Any] | None = None  # must be None or empty
@@ -233,6 +287,12 @@ class SamplingParams:
             self.logprobs = 1
         if self.prompt_logprobs is True:
             self.prompt_logprobs = 1
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise _type_error(
+                "structured_outputs", self.structured_outputs, "a StructuredOutputsParams"
+            )
         self._validate_numbers()
         self._validate_flags()
         self._validate_refused()

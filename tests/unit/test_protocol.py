@@ -13,7 +13,7 @@ import pytest
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from tandem.outputs import Logprob
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, StructuredOutputsParams
 from tandem.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -320,13 +320,7 @@ UNSUPPORTED_COMMON = [
     ("logits_processors", ["my.module.Processor"]),
     ("early_stopping", True),
     ("best_of", 3),
-    ("response_format", {"type": "json_object"}),
-    ("structured_outputs", {"regex": "[0-9]+"}),
-    ("guided_json", {"type": "object"}),
-    ("guided_regex", "[0-9]+"),
-    ("guided_choice", ["yes", "no"]),
-    ("guided_grammar", "root ::= 'a'"),
-    ("guided_decoding_backend", "xgrammar"),
+    ("guided_whitespace_pattern", "[ ]?"),
     ("structural_tag", "{}"),
     ("vllm_xargs", {"k": 1}),
     ("thinking_token_budget", 100),
@@ -362,10 +356,6 @@ def test_unsupported_errors_say_what_to_send_instead() -> None:
     assert "omit it or send false" in msg
     msg = rejection(CompletionRequest, {"prompt": "x", "thinking_token_budget": 100})["msg"]
     assert "omit it or send null or -1" in msg
-    msg = rejection(ChatCompletionRequest, {"messages": USER, "response_format": {"type": "x"}})[
-        "msg"
-    ]
-    assert 'omit it or send null or {"type": "text"}' in msg
     assert "equal to `n`" in rejection(CompletionRequest, {"prompt": "x", "best_of": 2})["msg"]
 
 
@@ -381,7 +371,6 @@ def test_unsupported_errors_say_what_to_send_instead() -> None:
         ("length_penalty", 1),
         ("spaces_between_special_tokens", True),
         ("return_tokens_as_token_ids", False),
-        ("response_format", {"type": "text"}),
         ("response_format", None),
         ("guided_json", None),
         ("truncate_prompt_tokens", None),
@@ -1034,3 +1023,61 @@ def test_history_arguments_must_be_a_json_object(arguments: str) -> None:
     error = rejection(ChatCompletionRequest, {"messages": history(arguments)})
     assert error["loc"] == ("messages", 1, "tool_calls", 0, "function", "arguments")
     assert "JSON object" in error["msg"]
+
+
+# -------------------------------------------------------------------------- structured outputs
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+NAMED_SCHEMA = {"name": "x", "schema": SCHEMA}
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": NAMED_SCHEMA}},
+         StructuredOutputsParams(json=SCHEMA)),
+        ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+         StructuredOutputsParams(json_object=True)),
+        ({"structured_outputs": {"regex": "[0-9]+"}}, StructuredOutputsParams(regex="[0-9]+")),
+        ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+         StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)),
+        ({"guided_choice": ["yes", "no"]}, StructuredOutputsParams(choice=["yes", "no"])),
+        ({"guided_json": SCHEMA, "guided_decoding_backend": "xgrammar"},
+         StructuredOutputsParams(json=SCHEMA)),
+        ({"guided_grammar": 'root ::= "a"'}, StructuredOutputsParams(grammar='root ::= "a"')),
+        ({"response_format": {"type": "text"}}, None),
+    ],
+)  # fmt: skip
+def test_every_structured_outputs_field_reaches_the_sampling_params(fields, expected) -> None:
+    for request in (completion(**fields), chat(**fields)):
+        assert request.to_sampling_params(100).structured_outputs == expected
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format",
+         "each ask for structured outputs"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_regex", "exactly one"),
+        ({"structured_outputs": {"json_object": False}}, "structured_outputs", "exactly one"),
+        ({"structured_outputs": {"pattern": "a"}}, "structured_outputs", "no field 'pattern'"),
+        ({"structured_outputs": {"regex": 5}}, "structured_outputs", "must be a string"),
+        ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs",
+         "not supported"),
+    ],
+)  # fmt: skip
+def test_structured_outputs_errors_name_the_field(fields: dict, param: str, words: str) -> None:
+    with pytest.raises(RequestValidationError, match=words) as error:
+        chat(**fields).to_sampling_params(100)
+    assert error.value.param == param
+
+
+@pytest.mark.parametrize(
+    "response_format",
+    [{"type": "xml"}, {"type": "json_schema"}, {"type": "text", "json_schema": {"schema": {}}},
+     {"type": "json_schema", "json_schema": {"schema": SCHEMA, "extra": 1}}],
+)  # fmt: skip
+def test_malformed_response_formats_are_400s(response_format: dict) -> None:
+    error = rejection(ChatCompletionRequest, {"messages": USER, "response_format": response_format})
+    assert error["loc"][0] == "response_format"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tandem.attention import cpu_kernel
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, StructuredOutputsParams
 from tandem.worker import sampler
 from tandem.worker.logits_processors import apply_penalties, modifies_logits, process_logits
 from tandem.worker.sampler import (
@@ -943,3 +943,41 @@ def test_a_nan_after_the_max_does_not_hide_it():
         logits, [1e-3] * 3, [5] * 3, [1.0] * 3, [0.0] * 3, torch.full((3,), 0.5)
     )
     assert drawn.tolist() == [40, 40, 40]
+
+
+# -- structured outputs: a grammar's bitmask -----------------------------------------------------
+
+
+def test_a_grammar_bitmask_keeps_its_tokens_and_nothing_else() -> None:
+    """xgrammar's layout (bit i % 32 of int32 word i // 32), the sign bit included; rows
+    without a bitmask, and the input, untouched; every row samples within its mask."""
+    vocab = 70  # three words, the last one partly past the vocab
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, vocab, generator=generator)
+    allowed = [{0, 31, 32, 63, 69}, None, {5}]
+    bitmasks = []
+    for tokens in allowed:
+        if tokens is None:
+            bitmasks.append(None)
+            continue
+        words = [0, 0, 0]
+        for token in tokens:
+            words[token // 32] |= 1 << (token % 32)
+        # as int32, the way xgrammar stores them (bit 31 makes a word negative)
+        bitmasks.append(torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words],
+                                     dtype=torch.int32))  # fmt: skip
+    grammar = StructuredOutputsParams(regex="a")  # what marks a row as held, as the engine's
+    params = [SamplingParams(temperature=0, structured_outputs=grammar),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=1.0, seed=1, structured_outputs=grammar)]  # fmt: skip
+    inputs = dataclasses.replace(make_inputs(params), grammar_bitmasks=bitmasks)
+    processed = process_logits(logits.clone(), inputs)
+    for row, tokens in enumerate(allowed):
+        finite = set(torch.isfinite(processed[row]).nonzero().flatten().tolist())
+        assert finite == (set(range(vocab)) if tokens is None else tokens)
+    assert torch.equal(processed[1], logits[1])
+    for _ in range(20):
+        tokens = sampler.sample(logits, inputs).token_ids.tolist()
+        assert tokens[0] in allowed[0] and tokens[2] == 5
+        assert tokens[1] == int(logits[1].argmax())
+    assert inputs.select([2, 0]).grammar_bitmasks == [bitmasks[2], bitmasks[0]]

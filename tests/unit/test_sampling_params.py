@@ -6,6 +6,7 @@ server's process boundary needs."""
 import dataclasses
 import json
 import math
+import re
 
 import msgspec
 import pytest
@@ -16,6 +17,7 @@ from tandem.generation_config import generation_config_defaults
 from tandem.sampling_params import (
     RequestOutputKind,
     SamplingParams,
+    StructuredOutputsParams,
     num_top_logprobs,
     tokenize_bad_words,
     truncate_prompt,
@@ -347,6 +349,10 @@ def test_every_field_survives_msgpack() -> None:
         allowed_token_ids=[5, 9, 11], truncate_prompt_tokens=-1,
         logprobs_mode="processed_logits", logprob_token_ids=[4, 8], best_of=2,
         logits_processors=[], _bad_words_token_ids=[[1, 2], [3]],
+        structured_outputs=StructuredOutputsParams(
+            json={"type": "object", "properties": {"a": {"type": ["integer", "null"]}}},
+            disable_any_whitespace=True,
+        ),
     )  # fmt: skip
     names = {f.name for f in dataclasses.fields(SamplingParams)}
     changed = {name for name in names if getattr(params, name) != getattr(SamplingParams(), name)}
@@ -362,6 +368,31 @@ def test_every_field_survives_msgpack() -> None:
     assert decoded.output_kind is RequestOutputKind.DELTA
     assert decoded.bad_words_token_ids == [[1, 2], [3]]
     assert type(next(iter(decoded.logit_bias))) is int
+    assert decoded.structured_outputs.json == params.structured_outputs.json
+    for spec in (StructuredOutputsParams(choice=["a", "b"]), StructuredOutputsParams(regex="x+"),
+                 StructuredOutputsParams(json='{"type": "string"}')):  # fmt: skip
+        data = msgspec.msgpack.encode(SamplingParams(structured_outputs=spec))
+        assert msgspec.msgpack.decode(data, type=SamplingParams).structured_outputs == spec
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "words"),
+    [
+        ({}, ValueError, "exactly one of json, regex, choice, grammar or json_object"),
+        ({"regex": "a", "choice": ["a"]}, ValueError, "got ['regex', 'choice']"),
+        ({"json_object": False}, ValueError, "exactly one"),
+        ({"regex": 5}, TypeError, "structured_outputs.regex must be a string"),
+        ({"json": 5}, TypeError, "structured_outputs.json must be a JSON schema"),
+        ({"choice": ["a", ""]}, ValueError, "structured_outputs.choice"),
+        ({"regex": "a", "whitespace_pattern": "[ ]?"}, ValueError, "not supported"),
+        ({"regex": "a", "disable_any_whitespace": 1}, TypeError, "disable_any_whitespace"),
+    ],
+)
+def test_structured_outputs_params_say_what_is_wrong(fields: dict, error: type, words: str):
+    with pytest.raises(error, match=re.escape(words)):
+        StructuredOutputsParams(**fields)
+    with pytest.raises(TypeError, match="structured_outputs must be a StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"regex": "a"})
 
 
 # -- the model's generation config --------------------------------------------------------------

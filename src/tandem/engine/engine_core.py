@@ -30,6 +30,7 @@ from tandem.core.spec_stats import SpecDecodeStats
 from tandem.core.step_cost import StepCostModel
 from tandem.engine.machine_peaks import machine_peaks
 from tandem.engine.stats import SchedulerStats, StepStats
+from tandem.engine.structured_outputs import StructuredOutputs
 from tandem.kv_transfer.params import (
     KVLoad,
     RemotePrefill,
@@ -241,6 +242,11 @@ class EngineCore:
         # with none, every step's rows are plain greedy (plain) without a look at each request.
         self._not_argmax_ids: set[str] = set()
         self._not_plain_ids: set[str] = set()
+        # Requests held to a grammar (structured outputs), and their matchers.
+        self.structured = StructuredOutputs(
+            None if config.skip_tokenizer_init else config.tokenizer_source,
+            self.runner.model_config.vocab_size,
+        )
 
     @property
     def spec_decode_stats(self) -> SpecDecodeStats:
@@ -298,6 +304,13 @@ class EngineCore:
         self.config.check_logprobs(request.sampling_params)
         request.argmax_only = argmax_only(request.sampling_params)
         request.plain_sampling = plain_sampling(request.sampling_params)
+        structured = request.sampling_params.structured_outputs
+        if structured is not None and self.proposer is not None:
+            raise ValueError(
+                "structured_outputs with speculative decoding is not supported yet: the drafts "
+                "would be verified without the grammar; start the engine without a "
+                "speculative_config to use them"
+            )
         remote = None
         connector = self.kv_connector
         # A request id already streaming is another request's (this one is refused below).
@@ -321,8 +334,11 @@ class EngineCore:
                 return
         request.remote_prefill = remote
         try:
+            if structured is not None:  # compiled first: a bad grammar queues nothing
+                self.structured.add(request.request_id, structured, request.eos_token_id)
             self.scheduler.add_request(request)
         except ValueError:
+            self.structured.forget(request.request_id)
             if remote is not None:  # its KV will never be pulled
                 connector.release(remote)
             if connector is not None and not streamed_before:
@@ -874,7 +890,20 @@ class EngineCore:
             stop_token_ids_to_block=blocked,
             all_argmax_only=all_argmax_only,
             all_plain=True if not self._not_plain_ids else None,
+            grammar_bitmasks=self._grammar_bitmasks(requests),
         )
+
+    def _grammar_bitmasks(self, requests: list[Request]) -> list[torch.Tensor | None] | None:
+        """The rows held to a grammar: the tokens each may take next; None with no such row."""
+        structured = self.structured
+        if not structured:
+            return None
+        return [
+            structured.bitmask(r.request_id, r.output_token_ids)
+            if r.request_id in structured
+            else None
+            for r in requests
+        ]
 
     def _finish_outputs(
         self, update: StepUpdate, logprobs_by_id: dict[str, list[dict[int, Logprob]]]
@@ -916,6 +945,7 @@ class EngineCore:
         self._min_tokens_ids.discard(request_id)
         self._not_argmax_ids.discard(request_id)
         self._not_plain_ids.discard(request_id)
+        self.structured.forget(request_id)
         return self.generators.pop(request_id, None)
 
     def _hold_kv(

@@ -17,6 +17,7 @@ Fields the route itself must honour (they are not sampling settings): `stream`, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
@@ -34,7 +35,7 @@ from pydantic_core import PydanticCustomError
 
 from tandem.beam_search import BeamSearchParams
 from tandem.inputs import tool_call_arguments
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, StructuredOutputsParams
 
 # OpenAI's documented limits; vLLM's default max_logprobs is the same 20. vLLM takes -1 (the
 # whole vocabulary) for top_logprobs and prompt_logprobs, and holds it to that limit too.
@@ -72,9 +73,8 @@ _UNSUPPORTED = (
     # sampling and decoding
     "logits_processors", "early_stopping", "watermarking", "repetition_detection",
     "thinking_token_budget",
-    # structured outputs
-    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-    "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
+    # structured outputs: outlines' whitespace pattern and structural tags
+    "guided_whitespace_pattern", "structural_tag",
     # disaggregation and extensions
     "ec_transfer_params", "vllm_xargs",
     # completions
@@ -89,7 +89,6 @@ _UNSUPPORTED = (
 TOOL_CHOICES = ("none", "auto", "required")
 # Non-default values that still ask for nothing tandem lacks.
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},),
     "function_call": ("none",),
     "modalities": (["text"],),
     "thinking_token_budget": (-1,),
@@ -324,6 +323,35 @@ def _fit_max_tokens(
     return requested
 
 
+class JsonSchemaFormat(_Request):
+    name: str = "schema"
+    description: str | None = None
+    # OpenAI's key is `schema` (a pydantic name of its own): both spellings are taken
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # tandem always holds the output to the schema
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format: "text" (the default), "json_object" (any JSON object) or
+    "json_schema" (output held to its schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, validate_default=True)
+
+    @field_validator("json_schema")
+    @classmethod
+    def _with_its_type(
+        cls, value: JsonSchemaFormat | None, info: ValidationInfo
+    ) -> JsonSchemaFormat | None:
+        if (value is None) == (info.data.get("type") == "json_schema"):
+            raise PydanticCustomError(
+                "response_format", '`json_schema` goes with type "json_schema", and only there'
+            )
+        return value
+
+
 class _Generation(_Request):
     """Fields /v1/completions and /v1/chat/completions share, and their mapping to
     SamplingParams. null means the default wherever OpenAI allows null."""
@@ -381,15 +409,17 @@ class _Generation(_Request):
     watermarking: bool | None = None
     repetition_detection: dict[str, Any] | None = None
     thinking_token_budget: int | None = None
-    response_format: dict[str, Any] | None = None
+    guided_whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs (its fields as
+    # StructuredOutputsParams has them) or its older guided_* fields, one of them at a time
+    response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    guided_decoding_backend: str | None = None
-    guided_whitespace_pattern: str | None = None
-    structural_tag: str | None = None
+    guided_decoding_backend: str | None = None  # accepted, no effect: xgrammar is the one
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
@@ -514,6 +544,7 @@ class _Generation(_Request):
             bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             logprob_token_ids=self.logprob_token_ids,
+            structured_outputs=self.structured_outputs_params(),
         )
         try:
             return SamplingParams.from_optional(**kwargs)
@@ -521,6 +552,46 @@ class _Generation(_Request):
             name = str(exc).split(" ", 1)[0]
             param = renames.get(name, name) if name in kwargs else None
             raise RequestValidationError(str(exc), param=param) from exc
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The grammar the request holds its output to, from whichever field gave it (two
+        fields asking for one are an error: which would win is not obvious)."""
+        given: dict[str, dict[str, Any]] = {}
+        if self.structured_outputs:
+            given["structured_outputs"] = self.structured_outputs
+        guided = {
+            kind: getattr(self, f"guided_{kind}")
+            for kind in ("json", "regex", "choice", "grammar")
+            if getattr(self, f"guided_{kind}") is not None
+        }
+        if guided:
+            given["guided_" + next(iter(guided))] = guided
+        format_ = self.response_format
+        if format_ is not None and format_.type != "text":
+            schema = None if format_.json_schema is None else format_.json_schema.json_schema
+            given["response_format"] = (
+                {"json": schema} if schema is not None else {"json_object": True}
+            )
+        if not given:
+            return None
+        if len(given) > 1:
+            raise RequestValidationError(
+                f"{' and '.join(sorted(given))} each ask for structured outputs: send one",
+                param=sorted(given)[1],
+            )
+        ((param, fields),) = given.items()
+        known = {field.name for field in dataclasses.fields(StructuredOutputsParams)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise RequestValidationError(
+                f"structured_outputs has no field {unknown[0]!r}; its fields are json, regex, "
+                "choice, grammar, json_object and disable_any_whitespace",
+                param=param,
+            )
+        try:
+            return StructuredOutputsParams(**fields)
+        except (ValueError, TypeError) as error:
+            raise RequestValidationError(str(error), param=param) from error
 
     def beam_search_params(
         self, sampling_params: SamplingParams, max_logprobs: int = MAX_LOGPROBS

@@ -1,7 +1,7 @@
-"""What changes a row's logits before a token is picked, in vLLM's order: allowed_token_ids,
-bad_words, min_tokens (EOS and stop ids held off), logit_bias, then the repetition, frequency and
-presence penalties. Greedy rows pick from the result; random rows go on to temperature and the
-top-k/top-p/min-p cuts (sampler.py).
+"""What changes a row's logits before a token is picked, in vLLM's order: a grammar's mask
+(structured outputs), allowed_token_ids, bad_words, min_tokens (EOS and stop ids held off),
+logit_bias, then the repetition, frequency and presence penalties. Greedy rows pick from the
+result; random rows go on to temperature and the top-k/top-p/min-p cuts (sampler.py).
 
 Each step is one batched tensor op over the rows that use it, with the per-row token lists
 flattened by numpy; a step no row uses costs one pass over the params and nothing else.
@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 def process_logits(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
     """All of the above on float32 `logits` [rows, vocab], which may be changed in place."""
+    if inputs.grammar_bitmasks is not None:
+        _keep_grammar(logits, inputs.grammar_bitmasks)
     _keep_allowed(logits, inputs.params)
     _ban_bad_words(logits, inputs.params, inputs.output_token_ids)
     _block_tokens(logits, inputs.stop_token_ids_to_block)
@@ -65,6 +67,20 @@ def _keep_allowed(logits: torch.Tensor, params: Sequence[SamplingParams]) -> Non
     banned[_index(local, ids, device)] = False
     index = torch.tensor(rows, device=device)
     logits[index] = logits[index].masked_fill_(banned, -math.inf)
+
+
+def _keep_grammar(logits: torch.Tensor, bitmasks: Sequence[torch.Tensor | None]) -> None:
+    """Structured outputs: each held row's tokens outside its grammar's bitmask get -inf (the
+    bits unpacked on the logits' device: a 32nd of the bytes of a boolean mask travel)."""
+    rows = [row for row, bitmask in enumerate(bitmasks) if bitmask is not None]
+    if not rows:
+        return
+    device, vocab = logits.device, logits.shape[1]
+    words = torch.stack([bitmasks[row] for row in rows]).to(device)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
+    index = torch.tensor(rows, device=device)
+    logits[index] = logits[index].masked_fill_(~allowed, -math.inf)
 
 
 def _ban_bad_words(
@@ -127,6 +143,7 @@ def changes_logits(params: SamplingParams) -> bool:
     min_tokens hold aside, which depends on it)."""
     return (
         params.allowed_token_ids is not None
+        or params.structured_outputs is not None
         or bool(params.logit_bias)
         or bool(params.bad_words_token_ids)
         or _uses_penalties(params)
@@ -143,8 +160,13 @@ def modifies_logits(inputs: SamplingInputs) -> bool:
 
 
 def reads_output_tokens(params: SamplingParams) -> bool:
-    """Whether sampling the request looks at its output so far (penalties, bad words)."""
-    return _uses_penalties(params) or bool(params.bad_words_token_ids)
+    """Whether sampling the request looks at its output so far (penalties, bad words, a
+    grammar)."""
+    return (
+        _uses_penalties(params)
+        or bool(params.bad_words_token_ids)
+        or params.structured_outputs is not None
+    )
 
 
 def _uses_penalties(params: SamplingParams) -> bool:

@@ -45,6 +45,9 @@ class SamplingInputs:
     # the sampler looks.
     all_argmax_only: bool | None = None
     all_plain: bool | None = None
+    # Rows held to a grammar (structured outputs): their int32 bitmask of allowed tokens
+    # (xgrammar's layout: bit i % 32 of word i // 32), None for the others; None: no such row.
+    grammar_bitmasks: list[torch.Tensor | None] | None = None
 
     def __post_init__(self) -> None:
         lengths = {
@@ -67,6 +70,7 @@ class SamplingInputs:
             [self.stop_token_ids_to_block[i] for i in rows],
             True if self.all_argmax_only else None,
             True if self.all_plain else None,
+            None if self.grammar_bitmasks is None else [self.grammar_bitmasks[i] for i in rows],
         )
 
 
