@@ -75,7 +75,7 @@ BAD_COMPLETIONS = [
     ("empty stop string", {"stop": [""]}, "stop"),
     ("stream_options without stream", {"stream_options": {"include_usage": True}},
      "stream_options"),
-    ("unsupported field", {"guided_regex": "[0-9]+"}, "guided_regex"),
+    ("unsupported field", {"structural_tag": "{}"}, "structural_tag"),
     ("logit_bias key not a token id", {"logit_bias": {"x": 5}}, "logit_bias"),
     ("logit_bias past the vocabulary", {"logit_bias": {"99999999": 5}}, "logit_bias"),
     ("truncate_prompt_tokens past max_model_len", {"truncate_prompt_tokens": 10**9},
@@ -97,8 +97,9 @@ BAD_CHATS = [
     ("top_logprobs=21", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("tools, no --enable-auto-tool-choice", {"tools": [{"type": "function", "function": {
         "name": "f"}}]}, "tool_choice"),
-    ("tool_choice required", {"tools": [{"type": "function", "function": {"name": "f"}}],
-                              "tool_choice": "required"}, "tool_choice"),
+    ("tool_choice required and a response_format", {
+        "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+        "response_format": {"type": "json_object"}}, "tool_choice"),
     ("unknown field", {"frobnicate": True}, "frobnicate"),
 ]  # fmt: skip
 

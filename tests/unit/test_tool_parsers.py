@@ -13,7 +13,10 @@ from tandem.server.tool_parsers import (
     TOOL_PARSERS,
     ExtractedToolCalls,
     FunctionCall,
+    NamedToolParser,
+    RequiredToolParser,
     ToolCallStream,
+    required_calls_schema,
     tool_parser,
 )
 
@@ -134,3 +137,40 @@ def test_parsers_that_read_special_tokens_keep_them() -> None:
 def test_an_unknown_parser_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match="hermes, llama3_json, llama4_json, mistral, pythonic"):
         tool_parser("nope")
+
+
+def test_forced_calls_are_read_from_the_held_reply() -> None:
+    """tool_choice "required": a JSON list of {name, parameters}; named: the reply is the
+    arguments. What is not such a list (cut by max_tokens) stays content."""
+    required = RequiredToolParser()
+    reply = (
+        '[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+        '{"name": "now", "parameters": {}}]'
+    )
+    assert required.extract(reply) == ExtractedToolCalls(None, [PARIS, NOW])
+    for cut in ('[{"name": "get_weather", "parameters": {"ci', "[]", "{}"):
+        assert required.extract(cut) == ExtractedToolCalls(cut, [])
+    named = NamedToolParser("get_weather")
+    assert named.extract('{"city": "Paris"}') == ExtractedToolCalls(None, [PARIS])
+    assert named.extract('{"ci') == ExtractedToolCalls(None, [FunctionCall("get_weather", '{"ci')])
+    assert required.forced and named.forced and not tool_parser("hermes").forced
+
+
+def test_the_required_schema_lists_calls_of_any_tool_with_their_defs_on_top() -> None:
+    point = {"type": "object", "properties": {"x": {"type": "number"}}}
+    functions = [
+        {"name": "move", "parameters": {"type": "object", "$defs": {"Point": point},
+                                        "properties": {"to": {"$ref": "#/$defs/Point"}}}},
+        {"name": "stop"},
+    ]  # fmt: skip
+    schema = required_calls_schema(functions, one_call=False)
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    assert schema["$defs"] == {"Point": point}
+    first, second = schema["items"]["anyOf"]
+    assert first["properties"]["name"] == {"type": "string", "enum": ["move"]}
+    assert "$defs" not in first["properties"]["parameters"]
+    assert second["properties"]["parameters"] == {"type": "object", "properties": {}}
+    assert required_calls_schema(functions, one_call=True)["maxItems"] == 1
+    clash = {"name": "jump", "parameters": {"$defs": {"Point": {"type": "string"}}}}
+    with pytest.raises(ValueError, match="define \\$defs/Point differently"):
+        required_calls_schema([*functions, clash], one_call=False)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,7 +95,9 @@ class StructuredOutputs:
                 return compiler.compile_grammar(f"root ::= {literals}")
             return compiler.compile_grammar(params.grammar)
         except (RuntimeError, ValueError) as error:  # xgrammar's errors for a bad spec
-            raise ValueError(f"structured_outputs.{kind} cannot be compiled: {error}") from None
+            # less its "[time] file.cc:line: " prefix
+            reason = re.sub(r"^\[[^\]]*\] \S+:\d+: ", "", str(error)).strip()
+            raise ValueError(f"structured_outputs.{kind} cannot be compiled: {reason}") from None
 
     def _make_compiler(self, xgr: Any) -> Any:
         if self.tokenizer_source is None:

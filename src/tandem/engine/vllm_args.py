@@ -43,7 +43,7 @@ NOOP_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
     "cpu_offload_gb": ((0,), "the weights stay on the device"),
     "enable_return_routed_experts": ((False,), "tandem runs no mixture-of-experts models yet"),
     "pooler_config": ((None,), "tandem has no pooling models"),
-    "structured_outputs_config": ((None,), "guided decoding is not built yet"),
+    "structured_outputs_config": ((None,), "the one backend is xgrammar: nothing to configure"),
     "profiler_config": ((None,), "use torch.profiler around generate()"),
     "attention_config": ((None,), "tandem picks its attention backend per device"),
     "logits_processors": ((None, []), "like vLLM v1, no per-request Python logits processors"),

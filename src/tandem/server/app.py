@@ -36,6 +36,7 @@ from tandem.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    NamedToolChoice,
     RequestValidationError,
     TokenizeChatRequest,
     TokenizeRequest,
@@ -62,7 +63,13 @@ from tandem.server.serving import (
     start_jobs,
     token_text_for,
 )
-from tandem.server.tool_parsers import ToolParser, tool_parser
+from tandem.server.tool_parsers import (
+    NamedToolParser,
+    RequiredToolParser,
+    ToolParser,
+    required_calls_schema,
+    tool_parser,
+)
 
 logger = logging.getLogger("tandem.server")
 T = TypeVar("T")
@@ -349,13 +356,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         if choice == "none":
             return body, None
         if choice != "auto":
-            raise OpenAIError(
-                400,
-                'tool_choice "required" and named functions need structured outputs (decoding '
-                'held to a JSON schema), which tandem does not have yet; send "auto" (with a '
-                'server started with --enable-auto-tool-choice) or "none"',
-                param="tool_choice",
-            )
+            return forced_tool_calls(body, choice)
         if settings.tool_call_parser is None:
             raise OpenAIError(
                 400,
@@ -368,6 +369,33 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         if parser.keeps_special_tokens:  # its markers may be special tokens
             body = body.model_copy(update={"skip_special_tokens": False})
         return body, parser
+
+    def forced_tool_calls(
+        body: ChatCompletionRequest, choice: str | NamedToolChoice
+    ) -> tuple[ChatCompletionRequest, ToolParser]:
+        """tool_choice "required" or a named function, as vLLM does them: the reply held to
+        the calls' JSON schema (structured outputs), then read as calls."""
+        if body.structured_outputs_params() is not None:
+            raise OpenAIError(
+                400,
+                'tool_choice "required" or naming a function holds the reply to the calls\' '
+                "schema, so it cannot also be held to response_format, structured_outputs or "
+                "guided_*: send one of them",
+                param="tool_choice",
+            )
+        functions = [tool.function.model_dump(exclude_none=True) for tool in body.tools or ()]
+        parser: ToolParser
+        if isinstance(choice, NamedToolChoice):
+            (function,) = [f for f in functions if f["name"] == choice.function.name]
+            schema = function.get("parameters") or {"type": "object", "properties": {}}
+            parser = NamedToolParser(choice.function.name)
+        else:
+            try:
+                schema = required_calls_schema(functions, body.parallel_tool_calls is False)
+            except ValueError as error:
+                raise OpenAIError(400, str(error), param="tools") from error
+            parser = RequiredToolParser()
+        return body.model_copy(update={"structured_outputs": {"json": schema}}), parser
 
     def check_priority(body: CompletionRequest | ChatCompletionRequest) -> None:
         if body.priority != 0 and engine.config.scheduler.scheduling_policy != "priority":

@@ -724,7 +724,12 @@ class ChatShaper:
             reasoning_content=reasoning,
             tool_calls=self._tool_calls(calls),
         )
-        return message, "tool_calls" if calls else completion.finish_reason
+        return message, self._finish_reason(completion, calls)
+
+    def _finish_reason(self, completion: CompletionOutput, calls: list[FunctionCall]) -> str | None:
+        """ "tool_calls" where the model chose to call (tool_choice "auto"), else the engine's."""
+        forced = self.tool_parser is not None and self.tool_parser.forced
+        return "tool_calls" if calls and not forced else completion.finish_reason
 
     def _logprobs(self, completion: CompletionOutput) -> ChatCompletionLogProbs | None:
         if not self.request.logprobs or completion.logprobs is None:
@@ -871,7 +876,7 @@ class ChatShaper:
             reasoning_content=reasoning or None,
             tool_calls=deltas or None,
         )
-        return delta, "tool_calls" if calls else completion.finish_reason
+        return delta, self._finish_reason(completion, calls)
 
     def usage_chunk(self) -> ChatCompletionStreamResponse | None:
         options = self.request.stream_options

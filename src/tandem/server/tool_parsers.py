@@ -42,6 +42,9 @@ class ToolParser:
     name: str
     # Markers the tokenizer may hold as special tokens, which detokenizing would drop.
     keeps_special_tokens: bool = False
+    # The reply was held to calls (tool_choice "required" or named): its finish reason stays
+    # the engine's, as OpenAI's and vLLM's does.
+    forced: bool = False
 
     def content_end(self, text: str) -> int:
         raise NotImplementedError
@@ -220,6 +223,75 @@ class MistralToolParser(ToolParser):
     def call_id(self) -> str:
         """Mistral's templates take 9 letters and digits."""
         return "".join(secrets.choice(self._ID_CHARACTERS) for _ in range(9))
+
+
+class NamedToolParser(ToolParser):
+    """tool_choice naming a function: the reply is its arguments, held to the function's
+    parameters (structured outputs); one call, whatever the text (a reply cut by max_tokens
+    keeps its partial arguments, as vLLM's)."""
+
+    name = "named"
+    forced = True
+
+    def __init__(self, function_name: str) -> None:
+        self.function_name = function_name
+
+    def content_end(self, text: str) -> int:
+        return 0
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        return ExtractedToolCalls(None, [FunctionCall(self.function_name, text)])
+
+
+class RequiredToolParser(ToolParser):
+    """tool_choice "required": the reply is a JSON list of `{"name": ..., "parameters":
+    {...}}`, held to that shape over the tools (structured outputs; required_calls_schema);
+    one that is not (cut by max_tokens) is content."""
+
+    name = "required"
+    forced = True
+
+    def content_end(self, text: str) -> int:
+        return 0
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        try:
+            values = json.loads(text)
+            if not isinstance(values, list) or not values:
+                raise ValueError("a non-empty list of calls")
+            calls = [_as_call(value) for value in values]
+        except ValueError:
+            return ExtractedToolCalls(text, [])
+        return ExtractedToolCalls(None, calls)
+
+
+def required_calls_schema(functions: list[dict[str, Any]], one_call: bool) -> dict[str, Any]:
+    """The JSON schema of tool_choice "required"'s reply (vLLM's): a list of at least one call
+    (at most one with parallel_tool_calls false) of any of the `functions` (OpenAI's function
+    objects), each `{"name": <its name>, "parameters": <its arguments>}`. The functions'
+    `$defs` move to the top, where their `#/$defs/...` references then point."""
+    definitions: dict[str, Any] = {}
+    choices = []
+    for function in functions:
+        parameters = dict(function.get("parameters") or {"type": "object", "properties": {}})
+        for name, definition in parameters.pop("$defs", {}).items():
+            if definitions.setdefault(name, definition) != definition:
+                raise ValueError(
+                    f'two tools define $defs/{name} differently: tool_choice "required" needs '
+                    "one schema for all of them; rename one"
+                )
+        choices.append({
+            "type": "object",
+            "properties": {"name": {"type": "string", "enum": [function["name"]]},
+                           "parameters": parameters},
+            "required": ["name", "parameters"],
+        })  # fmt: skip
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": choices}}
+    if one_call:
+        schema["maxItems"] = 1
+    if definitions:
+        schema["$defs"] = definitions
+    return schema
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
