@@ -109,6 +109,22 @@ def test_preemption_and_async_scheduling_keep_the_reply(llm: LLM) -> None:
     assert output.outputs[0].text == expected.outputs[0].text
 
 
+def test_a_reply_that_runs_past_its_grammar_takes_eos_again(llm: LLM) -> None:
+    """ignore_eos, or min_tokens not reached when the grammar is complete: EOS is all a
+    complete grammar allows (min_tokens does not hold it off there), and it is taken again
+    until the reply may end."""
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    eos = llm.tokenizer.eos_token_id
+    for fields, finish in (({"ignore_eos": True, "max_tokens": 6}, "length"),
+                           ({"min_tokens": 4, "max_tokens": 8}, "stop")):  # fmt: skip
+        (output,) = llm.chat(ASK_YES_NO, held(choice, **fields), use_tqdm=False)
+        completion = output.outputs[0]
+        assert completion.text in ("yes", "no") and completion.finish_reason == finish
+        first_eos = completion.token_ids.index(eos)
+        assert set(completion.token_ids[first_eos:]) == {eos}
+        assert len(completion.token_ids) == (6 if finish == "length" else 4)
+
+
 @pytest.mark.parametrize(
     ("spec", "words"),
     [

@@ -875,7 +875,9 @@ class EngineCore:
                 continue
             request_params = request.sampling_params
             if request_params.min_tokens > len(request.output_token_ids):
-                eos = [] if request.eos_token_id is None else [request.eos_token_id]
+                # A grammar allows EOS only where it is complete, and then nothing else.
+                held_off = request.eos_token_id is None or request_id in self.structured
+                eos = [] if held_off else [request.eos_token_id]
                 blocked[row] = eos + request_params.stop_token_ids
             else:
                 below_min.discard(request_id)  # output tokens only grow

@@ -68,13 +68,23 @@ class StructuredOutputs:
         xgr = _xgrammar()
         follower = self._followers[request_id]
         for token_id in output_token_ids[follower.num_accepted :]:
+            if follower.matcher.is_terminated():
+                break  # past its EOS (below): nothing more to follow
             if not follower.matcher.accept_token(token_id):
                 # Only a token the mask allowed can be sampled; one that is not (a stop token
                 # the grammar has no place for) leaves the matcher where it was.
                 logger.warning("request %s: token %d is outside its grammar", request_id, token_id)
         follower.num_accepted = len(output_token_ids)
         bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
-        follower.matcher.fill_next_token_bitmask(bitmask)
+        if follower.matcher.is_terminated():
+            # It took its EOS and runs on (ignore_eos, or min_tokens not reached): only EOS
+            # again, as after the grammar's end.
+            bitmask.zero_()
+            for token_id in follower.matcher.stop_token_ids:
+                word, bit = divmod(token_id, 32)
+                bitmask[0, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)  # as int32
+        else:
+            follower.matcher.fill_next_token_bitmask(bitmask)
         return bitmask[0]
 
     def _compile(self, xgr: Any, params: StructuredOutputsParams) -> Any:
