@@ -70,17 +70,18 @@ def _keep_allowed(logits: torch.Tensor, params: Sequence[SamplingParams]) -> Non
 
 
 def _keep_grammar(logits: torch.Tensor, bitmasks: Sequence[torch.Tensor | None]) -> None:
-    """Structured outputs: each held row's tokens outside its grammar's bitmask get -inf (the
-    bits unpacked on the logits' device: a 32nd of the bytes of a boolean mask travel)."""
+    """Structured outputs: each held row's tokens outside its grammar's bitmask get -inf, in
+    place, by xgrammar's kernel for the logits' device (the bitmasks are xgrammar's, so it is
+    there; a 32nd of the bytes of a boolean mask travel to the device)."""
+    import xgrammar
+
     rows = [row for row, bitmask in enumerate(bitmasks) if bitmask is not None]
     if not rows:
         return
-    device, vocab = logits.device, logits.shape[1]
-    words = torch.stack([bitmasks[row] for row in rows]).to(device)
-    shifts = torch.arange(32, dtype=torch.int32, device=device)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
-    index = torch.tensor(rows, device=device)
-    logits[index] = logits[index].masked_fill_(~allowed, -math.inf)
+    words = torch.zeros(logits.shape[0], bitmasks[rows[0]].shape[0], dtype=torch.int32)
+    for row in rows:
+        words[row] = bitmasks[row]
+    xgrammar.apply_token_bitmask_inplace(logits, words.to(logits.device), indices=rows)
 
 
 def _ban_bad_words(
