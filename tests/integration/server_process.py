@@ -320,3 +320,29 @@ def assert_error_shape(body: Any) -> dict:
     assert isinstance(error["type"], str) and error["type"], body
     assert error["param"] is None or isinstance(error["param"], str), body
     return error
+
+
+def joined_reply(stream) -> dict:
+    """A streamed chat reply (the `openai` client's chunks) as a client that joins its deltas
+    has it: content (None if none), calls by index, finish reason; whole_reply's shape."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for piece in delta.tool_calls or ():
+            call = calls.setdefault(piece.index, {"name": "", "arguments": ""})
+            call["name"] += piece.function.name or ""
+            call["arguments"] += piece.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return {"content": content or None, "calls": [calls[i] for i in sorted(calls)],
+            "finish": finish}  # fmt: skip
+
+
+def whole_reply(reply) -> dict:
+    """A chat reply's content, calls and finish reason, as joined_reply gives a stream's."""
+    message = reply.choices[0].message
+    calls = [{"name": c.function.name, "arguments": c.function.arguments}
+             for c in message.tool_calls or ()]  # fmt: skip
+    return {"content": message.content, "calls": calls, "finish": reply.choices[0].finish_reason}

@@ -10,7 +10,7 @@ import json
 import openai
 import pytest
 
-from server_process import ServerProcess
+from server_process import ServerProcess, joined_reply, whole_reply
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300, func_only=True)]
 
@@ -35,30 +35,6 @@ def client(default_server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=default_server.base_url, api_key="x", max_retries=0, timeout=120)
 
 
-def joined(stream) -> dict:
-    """A stream as a client that joins its deltas has it."""
-    content, calls, finish = "", {}, None
-    for chunk in stream:
-        if not chunk.choices:
-            continue
-        delta = chunk.choices[0].delta
-        content += delta.content or ""
-        for piece in delta.tool_calls or ():
-            call = calls.setdefault(piece.index, {"name": "", "arguments": ""})
-            call["name"] += piece.function.name or ""
-            call["arguments"] += piece.function.arguments or ""
-        finish = chunk.choices[0].finish_reason or finish
-    return {"content": content or None, "calls": [calls[i] for i in sorted(calls)],
-            "finish": finish}  # fmt: skip
-
-
-def whole(reply) -> dict:
-    message = reply.choices[0].message
-    calls = [{"name": c.function.name, "arguments": c.function.arguments}
-             for c in message.tool_calls or ()]  # fmt: skip
-    return {"content": message.content, "calls": calls, "finish": reply.choices[0].finish_reason}
-
-
 def test_response_format_json_schema_holds_the_reply(client: openai.OpenAI) -> None:
     response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
     reply = client.chat.completions.create(
@@ -70,7 +46,7 @@ def test_response_format_json_schema_holds_the_reply(client: openai.OpenAI) -> N
     stream = client.chat.completions.create(
         messages=ASK_PERSON, response_format=response_format, stream=True, **GREEDY
     )
-    assert joined(stream) == whole(reply)
+    assert joined_reply(stream) == whole_reply(reply)
     ask = [{"role": "user", "content": "Give a JSON object with one key, 'color', and a value."}]
     anything = client.chat.completions.create(
         messages=ask, response_format={"type": "json_object"}, **GREEDY
@@ -111,7 +87,7 @@ def test_tool_choice_required_holds_the_reply_to_calls(client: openai.OpenAI) ->
     reply = client.chat.completions.create(
         messages=ASK_WEATHER, tools=TOOLS, tool_choice="required", **GREEDY
     )
-    result = whole(reply)
+    result = whole_reply(reply)
     assert result["content"] is None and result["finish"] == "stop" and result["calls"]
     for call in result["calls"]:
         arguments = json.loads(call["arguments"])
@@ -120,7 +96,7 @@ def test_tool_choice_required_holds_the_reply_to_calls(client: openai.OpenAI) ->
     stream = client.chat.completions.create(
         messages=ASK_WEATHER, tools=TOOLS, tool_choice="required", stream=True, **GREEDY
     )
-    assert joined(stream) == result
+    assert joined_reply(stream) == result
     single = client.chat.completions.create(
         messages=ASK_WEATHER, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
         **GREEDY,

@@ -15,7 +15,7 @@ import pytest
 
 from tandem.server.reasoning_parsers import reasoning_parser
 
-from server_process import ServerProcess
+from server_process import ServerProcess, joined_reply, whole_reply
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300, func_only=True)]
 
@@ -105,20 +105,10 @@ def test_the_reply_is_a_call_with_its_arguments(client: openai.OpenAI) -> None:
 
 
 def test_a_streamed_reply_gives_the_same_call(client: openai.OpenAI) -> None:
-    whole = client.chat.completions.create(messages=OSLO, tools=TOOLS, **REQUEST)
+    whole = whole_reply(client.chat.completions.create(messages=OSLO, tools=TOOLS, **REQUEST))
     stream = client.chat.completions.create(messages=OSLO, tools=TOOLS, stream=True, **REQUEST)
-    content, calls, finish = "", {}, None
-    for chunk in stream:
-        delta = chunk.choices[0].delta
-        content += delta.content or ""
-        for piece in delta.tool_calls or ():
-            call = calls.setdefault(piece.index, {"name": "", "arguments": ""})
-            call["name"] += piece.function.name or ""
-            call["arguments"] += piece.function.arguments or ""
-        finish = chunk.choices[0].finish_reason or finish
-    expected = [{"name": c.function.name, "arguments": c.function.arguments}
-                for c in whole.choices[0].message.tool_calls]  # fmt: skip
-    assert (content, [calls[i] for i in sorted(calls)], finish) == ("", expected, "tool_calls")
+    assert joined_reply(stream) == whole
+    assert whole["content"] is None and whole["finish"] == "tool_calls" and whole["calls"]
 
 
 def test_the_tools_answer_goes_back_through_the_template(client: openai.OpenAI) -> None:

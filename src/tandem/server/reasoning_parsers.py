@@ -71,12 +71,10 @@ class ReasoningStream:
             if self.phase == "after":
                 content, self.pending = content + self.pending, ""
             elif self.phase == "before":
-                cut = held_back(self.pending, self.parser.start)
-                content += self.pending[:cut]
-                if not self.pending.startswith(self.parser.start, cut):
-                    self.pending = self.pending[cut:]
+                text, found = self._until(self.parser.start)
+                content += text
+                if not found:
                     break
-                self.pending = self.pending[cut + len(self.parser.start) :]
                 self.phase, self.opened = "thinking", True
             else:
                 if not self.opened:  # DeepSeek-R1: a <think> the reply repeats is dropped
@@ -86,14 +84,20 @@ class ReasoningStream:
                     self.opened = True
                     self.pending = self.pending.removeprefix(start)
                     continue
-                cut = held_back(self.pending, self.parser.end)
-                reasoning += self.pending[:cut]
-                if not self.pending.startswith(self.parser.end, cut):
-                    self.pending = self.pending[cut:]
+                text, found = self._until(self.parser.end)
+                reasoning += text
+                if not found:
                     break
-                self.pending = self.pending[cut + len(self.parser.end) :]
                 self.phase = "after"
         return reasoning, content
+
+    def _until(self, tag: str) -> tuple[str, bool]:
+        """The pending text before `tag`, and whether the tag followed (taken off with it);
+        without the tag, a tail that could begin it stays pending."""
+        cut = held_back(self.pending, tag)
+        found = self.pending.startswith(tag, cut)
+        text, self.pending = self.pending[:cut], self.pending[cut + len(tag) if found else cut :]
+        return text, found
 
     def finish(self) -> tuple[str, str]:
         """What was held back, which no tag followed: in the think block it is reasoning."""
