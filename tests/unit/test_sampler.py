@@ -981,3 +981,27 @@ def test_a_grammar_bitmask_keeps_its_tokens_and_nothing_else() -> None:
         assert tokens[0] in allowed[0] and tokens[2] == 5
         assert tokens[1] == int(logits[1].argmax())
     assert inputs.select([2, 0]).grammar_bitmasks == [bitmasks[2], bitmasks[0]]
+
+
+@needs_cpu_kernels
+def test_the_cpu_grammar_mask_is_xgrammars() -> None:
+    """csrc/sample_rows.c's mask_rows against xgrammar's own kernel: bitmasks of whole words
+    set or clear (a grammar's usual) and of mixed bits, a vocabulary that ends inside a word,
+    rows of the batch left out."""
+    xgrammar = pytest.importorskip("xgrammar")
+    vocab, words = 1000, 32  # the last word holds 8 tokens
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, vocab, generator=generator)
+    held = [1, 2, 4]
+    kind = torch.randint(0, 3, (len(held), words), generator=generator)
+    mixed = torch.randint(-(2**31), 2**31 - 1, (len(held), words), generator=generator,
+                          dtype=torch.int32)  # fmt: skip
+    bitmask = torch.where(kind == 0, -1, torch.where(kind == 1, 0, mixed)).to(torch.int32)
+    ours = logits.clone()
+    assert cpu_kernel.mask_rows(ours, held, bitmask)
+    theirs = logits.clone()
+    every_row = torch.full((6, words), -1, dtype=torch.int32)
+    every_row[held] = bitmask
+    xgrammar.apply_token_bitmask_inplace(theirs, every_row, indices=held)
+    assert torch.equal(ours, theirs)
+    assert torch.equal(ours[[0, 3, 5]], logits[[0, 3, 5]])

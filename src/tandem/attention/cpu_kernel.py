@@ -204,6 +204,8 @@ def load_library() -> ctypes.CDLL | None:
     library.sample_rows.restype = None
     library.argmax_rows.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int]
     library.argmax_rows.restype = None
+    library.mask_rows.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64]
+    library.mask_rows.restype = None
     for name in ("packed_matmul_argmax", "packed_matmul_int8_argmax"):
         function = getattr(library, name)
         function.argtypes = [_ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int]
@@ -239,6 +241,21 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
         torch.get_num_threads(),
     )  # fmt: skip
     return tokens
+
+
+def mask_rows(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> bool:
+    """Structured outputs: -inf, in place, in each of `rows` of fp32 `logits` [*, vocab] for
+    the tokens whose bit is clear in its row of `bitmask` [len(rows), words] (xgrammar's int32
+    layout); False, nothing done, where the kernel does not take the logits."""
+    if not takes_logits(logits) or not logits.is_contiguous():
+        return False
+    index = torch.tensor(rows, dtype=torch.int64)
+    bitmask = bitmask.contiguous()
+    load_library().mask_rows(
+        logits.data_ptr(), logits.shape[1], index.data_ptr(), len(rows), bitmask.data_ptr(),
+        bitmask.shape[1],
+    )  # fmt: skip
+    return True
 
 
 def sampling_scratch_bytes(num_threads: int, vocab: int) -> int:

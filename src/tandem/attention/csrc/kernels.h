@@ -89,6 +89,11 @@ void sample_rows(const float *logits, int64_t rows, int64_t vocab, const float *
                  const int64_t *top_k, const float *top_p, const float *min_p, const float *u,
                  int64_t *tokens, void *scratch, int num_threads);
 
+/* Structured outputs: -inf in each listed row of logits [*, vocab] for the tokens whose bit is
+   clear in its row of bitmask [num_rows, words] (xgrammar's int32 layout). */
+void mask_rows(float *logits, int64_t vocab, const int64_t *rows, int64_t num_rows,
+               const int32_t *bitmask, int64_t words);
+
 /* tokens[r] = the first argmax of each row of logits [rows, vocab], as torch's. */
 void argmax_rows(const float *logits, int64_t rows, int64_t vocab, int64_t *tokens,
                  int num_threads);

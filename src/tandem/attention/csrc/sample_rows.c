@@ -343,6 +343,25 @@ void sample_rows(const float *logits, int64_t rows, int64_t vocab, const float *
     }
 }
 
+/* Structured outputs: in each listed row of logits [*, vocab] (contiguous), -inf for every
+   token whose bit is clear in the row's int32 bitmask [words] (bit i % 32 of word i / 32:
+   xgrammar's layout). A grammar's words are mostly all set or all clear, so each is looked at
+   whole first. */
+void mask_rows(float *logits, int64_t vocab, const int64_t *rows, int64_t num_rows,
+               const int32_t *bitmask, int64_t words) {
+    for (int64_t i = 0; i < num_rows; i++) {
+        float *x = logits + rows[i] * vocab;
+        const int32_t *row_bits = bitmask + i * words;
+        for (int64_t w = 0; w < words && w * 32 < vocab; w++) {
+            const uint32_t bits = (uint32_t)row_bits[w];
+            if (bits == 0xFFFFFFFFu) continue;
+            const int64_t end = w * 32 + 32 < vocab ? w * 32 + 32 : vocab;
+            for (int64_t t = w * 32; t < end; t++)
+                if (!((bits >> (t - w * 32)) & 1u)) x[t] = -INFINITY;
+        }
+    }
+}
+
 /* tokens[r] = the first argmax of each row of logits [rows, vocab] (contiguous), as torch's. */
 void argmax_rows(const float *logits, int64_t rows, int64_t vocab, int64_t *tokens,
                  int num_threads) {
