@@ -727,7 +727,8 @@ class ChatShaper:
         return message, self._finish_reason(completion, calls)
 
     def _finish_reason(self, completion: CompletionOutput, calls: list[FunctionCall]) -> str | None:
-        """ "tool_calls" where the model chose to call (tool_choice "auto"), else the engine's."""
+        """The reply's finish reason: "tool_calls" where the model chose to call (tool_choice
+        "auto"), else the engine's."""
         forced = self.tool_parser is not None and self.tool_parser.forced
         return "tool_calls" if calls and not forced else completion.finish_reason
 
