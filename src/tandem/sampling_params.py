@@ -191,7 +191,7 @@ class StructuredOutputsParams:
             _check_bool(f"structured_outputs.{name}", getattr(self, name))
         if self.json_object is not None:
             _check_bool("structured_outputs.json_object", self.json_object)
-        given = [name for name in self.KINDS if getattr(self, name) not in (None, False, [])]
+        given = self._given()
         if len(given) != 1:
             raise ValueError(
                 "structured_outputs needs exactly one of json, regex, choice, grammar or "
@@ -206,7 +206,11 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(name for name in self.KINDS if getattr(self, name) not in (None, False, []))
+        """Which of KINDS the grammar is given as (exactly one is: __post_init__)."""
+        return self._given()[0]
+
+    def _given(self) -> list[str]:
+        return [name for name in self.KINDS if getattr(self, name) not in (None, False, [])]
 
 
 @dataclass

@@ -67,6 +67,7 @@ from tandem.server.tool_parsers import (
     NamedToolParser,
     RequiredToolParser,
     ToolParser,
+    function_parameters,
     required_calls_schema,
     tool_parser,
 )
@@ -387,7 +388,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         parser: ToolParser
         if isinstance(choice, NamedToolChoice):
             (function,) = [f for f in functions if f["name"] == choice.function.name]
-            schema = function.get("parameters") or {"type": "object", "properties": {}}
+            schema = function_parameters(function)
             parser = NamedToolParser(choice.function.name)
         else:
             try:

@@ -139,7 +139,9 @@ class FunctionDefinition(_Request):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # OpenAI's schema-adherence flag; tandem does not constrain
+    # OpenAI's schema-adherence flag: no effect (a reply is held to the schema for tool_choice
+    # "required" or naming the function, whatever it says, and otherwise not)
+    strict: bool | None = None
 
 
 class ChatCompletionToolParam(_Request):
@@ -580,12 +582,12 @@ class _Generation(_Request):
                 param=sorted(given)[1],
             )
         ((param, fields),) = given.items()
-        known = {field.name for field in dataclasses.fields(StructuredOutputsParams)}
-        unknown = sorted(set(fields) - known)
+        known = sorted(field.name for field in dataclasses.fields(StructuredOutputsParams))
+        unknown = sorted(set(fields) - set(known))
         if unknown:
             raise RequestValidationError(
-                f"structured_outputs has no field {unknown[0]!r}; its fields are json, regex, "
-                "choice, grammar, json_object and disable_any_whitespace",
+                f"structured_outputs has no field {unknown[0]!r}; its fields are "
+                f"{', '.join(known)}",
                 param=param,
             )
         try:
@@ -749,7 +751,7 @@ class ChatCompletionRequest(_ChatPrompt, _Generation):
     prediction: dict[str, Any] | None = None  # a latency hint: the output is the same
     # "none" (the default without tools), "auto" (the default with them: the reply's calls are
     # read out of its text by the server's --tool-call-parser), "required" or a named function
-    # (both need structured outputs: refused)
+    # (the reply held to the calls' schema by structured outputs)
     tool_choice: str | NamedToolChoice | None = None
     # accepted so that asking for them is a clear error (see _UNSUPPORTED)
     functions: list[dict[str, Any]] | None = None

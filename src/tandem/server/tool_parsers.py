@@ -265,6 +265,11 @@ class RequiredToolParser(ToolParser):
         return ExtractedToolCalls(None, calls)
 
 
+def function_parameters(function: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI function object's arguments schema; an empty object where it has none."""
+    return function.get("parameters") or {"type": "object", "properties": {}}
+
+
 def required_calls_schema(functions: list[dict[str, Any]], one_call: bool) -> dict[str, Any]:
     """The JSON schema of tool_choice "required"'s reply (vLLM's): a list of at least one call
     (at most one with parallel_tool_calls false) of any of the `functions` (OpenAI's function
@@ -273,7 +278,7 @@ def required_calls_schema(functions: list[dict[str, Any]], one_call: bool) -> di
     definitions: dict[str, Any] = {}
     choices = []
     for function in functions:
-        parameters = dict(function.get("parameters") or {"type": "object", "properties": {}})
+        parameters = dict(function_parameters(function))
         for name, definition in parameters.pop("$defs", {}).items():
             if definitions.setdefault(name, definition) != definition:
                 raise ValueError(
